@@ -8,7 +8,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 k8s_version=v1.37.2
 cache_root=${DRA_CLUSTER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver/cluster}
-key=$(cat "$here"/go.mod "$here"/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum "$here"/cmd/*/*.go "$here"/build.sh | sha256sum | cut -c1-12)
+key=$(cat "$here"/go.mod "$here"/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum "$here"/cmd/*/*.go | sha256sum | cut -c1-12)
 bin="$cache_root/$k8s_version-$key"
 
 if [ -f "$bin/.complete" ]; then
@@ -25,7 +25,7 @@ progress() {
   local what=$1 n=0 line
   while IFS= read -r line; do
     case "$line" in
-      *.go:*|*error*|*cannot*|*undefined*) printf '%s\n' "$line" >&2 ;;
+      *.go:[0-9]*|*": "*) printf '%s\n' "$line" >&2 ;;
       *) n=$((n + 1)); if [ $((n % 200)) -eq 0 ]; then log "$what: $n packages compiled"; fi ;;
     esac
   done

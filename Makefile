@@ -1,0 +1,51 @@
+# The two commands in the README are `make demo` and `make test`; everything they need
+# (the Python environment, the control-plane binaries) is installed or built on the way.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+
+.PHONY: setup cluster-build cluster-up cluster-down demo test test-unit test-integration test-hardware lint bench protos
+
+$(STAMP): pyproject.toml
+	@echo "[setup] creating $(VENV) and installing the driver with its test extras"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e '.[test]'
+	@rm -f $(VENV)/.installed-*; touch $@
+
+setup: $(STAMP)
+
+cluster-build:
+	@bash hack/cluster/build.sh >/dev/null
+
+cluster-up: setup cluster-build
+	@$(PY) -m dra_driver.testing.cluster up
+
+cluster-down: setup
+	@$(PY) -m dra_driver.testing.cluster down
+
+demo: setup cluster-build
+	@$(PY) -m dra_driver.demo $(DEMO_ARGS)
+
+lint: setup
+	@$(VENV)/bin/ruff check dra_driver controller tests hack benchmarks
+	@$(VENV)/bin/mypy
+
+test: setup cluster-build lint
+	@$(VENV)/bin/pytest -q -ra tests
+
+test-unit: setup
+	@$(VENV)/bin/pytest -q -ra tests/unit
+
+test-integration: setup cluster-build
+	@$(VENV)/bin/pytest -q -ra tests/integration
+
+test-hardware: setup
+	@$(VENV)/bin/pytest -q -ra tests/hardware
+
+bench: setup cluster-build
+	@$(PY) -m benchmarks.run
+
+protos: setup
+	@$(PY) hack/gen-protos.py
