@@ -65,8 +65,10 @@ def package_docstring(package: str, protos: list[Path]) -> str:
         lines.append("The kubelet wire contracts (plugin registration, DRA, DRA health) as Python stubs:")
         lines.append("")
         for proto in protos:
-            module = ".".join((PACKAGE, *proto.parent.parts, proto.stem))
-            lines.append(f"- ``{module}_pb2`` / ``{module}_pb2_grpc`` from proto/{proto.as_posix()}")
+            module = ".".join((PACKAGE, *proto.parent.parts))
+            lines.append(
+                f"- ``{module}``: {proto.stem}_pb2, {proto.stem}_pb2_grpc <- proto/{proto.as_posix()}"
+            )
         lines.append("")
         lines.append("Regenerate with ``.venv/bin/python hack/gen-protos.py``; verify with ``--check``.")
     else:
@@ -167,7 +169,9 @@ def write(want: GeneratedTree) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--check",
         action="store_true",

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class DRAPluginStub:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the DRA driver on its DRA socket; the kubelet is the client.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class DRAPluginStub:
 
 
 class DRAPluginServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the DRA driver on its DRA socket; the kubelet is the client.
+    """
 
     def NodePrepareResources(self, request, context):
         """Prepares the allocated devices of each claim for use on this node and returns their
@@ -86,7 +88,8 @@ def add_DRAPluginServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DRAPlugin:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the DRA driver on its DRA socket; the kubelet is the client.
+    """
 
     @staticmethod
     def NodePrepareResources(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class DRAResourceHealthStub:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the DRA driver on its DRA socket; the kubelet is the client.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,7 +43,8 @@ class DRAResourceHealthStub:
 
 
 class DRAResourceHealthServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the DRA driver on its DRA socket; the kubelet is the client.
+    """
 
     def NodeWatchResources(self, request, context):
         """Streams the health of all the driver's devices; each response is the full list.
@@ -68,7 +70,8 @@ def add_DRAResourceHealthServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DRAResourceHealth:
-    """Missing associated documentation comment in .proto file."""
+    """Served by the DRA driver on its DRA socket; the kubelet is the client.
+    """
 
     @staticmethod
     def NodeWatchResources(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class RegistrationStub:
-    """Missing associated documentation comment in .proto file."""
+    """Served by every kubelet plugin on its registration socket; the kubelet is the client.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,16 +48,19 @@ class RegistrationStub:
 
 
 class RegistrationServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Served by every kubelet plugin on its registration socket; the kubelet is the client.
+    """
 
     def GetInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Asks the plugin what it is and where its service socket is.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def NotifyRegistrationStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Tells the plugin whether the kubelet accepted it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -83,7 +87,8 @@ def add_RegistrationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Registration:
-    """Missing associated documentation comment in .proto file."""
+    """Served by every kubelet plugin on its registration socket; the kubelet is the client.
+    """
 
     @staticmethod
     def GetInfo(request,
