@@ -1,0 +1,325 @@
+"""Keeps the API server's ResourceSlices equal to the desired ones, for one or many pools.
+
+One list + watch of the driver's slices feeds a cache; a worker compares each pool's
+desired slices with the cache and writes only the differences (server-side apply with
+our field manager; a replace where someone else's fields must go; deletes with
+uid/resourceVersion preconditions). Anything that changes our slices behind our back
+(the kubelet wiping them at start, a `kubectl edit`, a delete) comes back through the
+watch and is repaired within a second. When the API server is unreachable the loop
+backs off (capped) and catches up when it returns; it never crashes on API errors.
+
+Generation rule (as the upstream Go helper): keep the pool generation when at most one
+existing slice changes and none is added; otherwise bump it and rewrite all slices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from kubernetes.aio import client
+
+from dra_driver import kube
+from dra_driver.kube import JSON, ApiException
+
+log = structlog.get_logger(__name__)
+
+SLICES = "/apis/resource.k8s.io/v1/resourceslices"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+POOL_LABEL = "gpu.dra-driver.dev/pool"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What one pool should look like: its node and the slice specs (without pool bookkeeping)."""
+
+    name: str
+    node_name: str | None
+    slice_specs: tuple[JSON, ...]
+
+
+@dataclass
+class ReconcileStats:
+    """Counters for tests and benchmarks (writes are what the 'no change, no write' rule is about)."""
+
+    creates: int = 0
+    updates: int = 0
+    deletes: int = 0
+    lists: int = 0
+    errors: int = 0
+    reconciles: int = 0
+
+    @property
+    def writes(self) -> int:
+        return self.creates + self.updates + self.deletes
+
+
+def slice_name(driver: str, pool: str, index: int) -> str:
+    """Deterministic names; sorting by name keeps slice order (the allocator's priority)."""
+    return f"{pool}-{driver}-{index:03d}"
+
+
+def desired_objects(
+    driver: str, pool: PoolSpec, generation: int, owner: JSON | None
+) -> dict[str, JSON]:
+    """The complete ResourceSlice objects of `pool` at `generation`, by name (pure)."""
+    count = max(len(pool.slice_specs), 1)
+    specs = pool.slice_specs or ({"driver": driver, "devices": []},)
+    objects: dict[str, JSON] = {}
+    for i, spec in enumerate(specs):
+        name = slice_name(driver, pool.name, i)
+        metadata: JSON = {"name": name, "labels": {MANAGED_BY_LABEL: driver, POOL_LABEL: pool.name}}
+        if owner:
+            metadata["ownerReferences"] = [owner]
+        full_spec = {**spec, "driver": driver,
+                     "pool": {"name": pool.name, "generation": generation, "resourceSliceCount": count}}
+        if pool.node_name:
+            full_spec["nodeName"] = pool.node_name
+        objects[name] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                         "metadata": metadata, "spec": full_spec}
+    return objects
+
+
+def up_to_date(desired: JSON, actual: JSON) -> bool:
+    """True when `actual` (from the server) has exactly our spec, labels and owner."""
+    meta, want_meta = actual.get("metadata", {}), desired["metadata"]
+    if any(meta.get("labels", {}).get(k) != v for k, v in want_meta["labels"].items()):
+        return False
+    if want_meta.get("ownerReferences") and [
+        (o.get("uid"), o.get("name")) for o in meta.get("ownerReferences", [])
+    ] != [(o["uid"], o["name"]) for o in want_meta["ownerReferences"]]:
+        return False
+    return bool(actual.get("spec") == desired["spec"])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The writes that bring one pool to its desired state."""
+
+    generation: int
+    apply: tuple[JSON, ...]
+    delete: tuple[JSON, ...]
+
+
+def plan_pool(driver: str, pool: PoolSpec, existing: Iterable[JSON], owner: JSON | None) -> Plan:
+    """Pure: compare the pool's existing slices with its desired ones; decide what to write."""
+    existing_by_name = {s["metadata"]["name"]: s for s in existing}
+    current_gen = max((s["spec"]["pool"].get("generation", 0) for s in existing_by_name.values()), default=0)
+    at_current = desired_objects(driver, pool, max(current_gen, 1), owner)
+    stale_gen = any(s["spec"]["pool"].get("generation", 0) != current_gen for s in existing_by_name.values())
+    extra = [s for n, s in existing_by_name.items() if n not in at_current]
+    missing = [n for n in at_current if n not in existing_by_name]
+    changed = [n for n, obj in at_current.items() if n in existing_by_name
+               and not up_to_date(obj, existing_by_name[n])]
+    if not (extra or missing or changed or stale_gen):
+        return Plan(current_gen, (), ())
+    # One changed slice and nothing else: a single update is atomic, keep the generation
+    # so that the scheduler never sees a pool with mixed generations.
+    if current_gen and not (extra or missing or stale_gen) and len(changed) == 1:
+        return Plan(current_gen, (at_current[changed[0]],), ())
+    generation = current_gen + 1
+    return Plan(generation, tuple(desired_objects(driver, pool, generation, owner).values()), tuple(extra))
+
+
+@dataclass
+class SliceController:
+    """Publishes and repairs the slices of `pools` for `driver`; run with `await run()`."""
+
+    api: client.ApiClient
+    driver: str
+    pools: dict[str, PoolSpec]
+    field_manager: str = ""
+    node_selector: str | None = None  # watch only this node's slices (single-node mode)
+    concurrency: int = 16
+    stats: ReconcileStats = field(default_factory=ReconcileStats)
+    synced: asyncio.Event = field(default_factory=asyncio.Event)
+    _cache: dict[str, JSON] = field(default_factory=dict)
+    _dirty: set[str] = field(default_factory=set)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _owners: dict[str, JSON] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.field_manager = self.field_manager or self.driver
+
+    def _selector(self) -> str:
+        sel = f"spec.driver={self.driver}"
+        return sel + (f",spec.nodeName={self.node_selector}" if self.node_selector else "")
+
+    def update_pool(self, pool: PoolSpec) -> None:
+        """Replace a pool's desired state (inventory changed); the worker publishes it."""
+        self.pools[pool.name] = pool
+        self._mark(pool.name)
+
+    def _mark(self, pool: str) -> None:
+        self._dirty.add(pool)
+        self._wake.set()
+
+    async def run(self) -> None:
+        backoff = 0.5
+        outage = False
+        while True:
+            try:
+                resource_version = await self._list()
+                if outage:
+                    log.info("API server reachable again; catching up")
+                    outage = False
+                backoff = 0.5
+                async with asyncio.TaskGroup() as tg:
+                    tg.create_task(self._watch(resource_version))
+                    tg.create_task(self._work())
+            except* (ApiException, OSError, asyncio.TimeoutError) as group:
+                self.stats.errors += 1
+                self.synced.clear()
+                error = group.exceptions[0]
+                if isinstance(error, ApiException) and error.status == 410:
+                    log.info("watch expired; listing again")
+                    continue
+                if not outage:
+                    log.warning("API server unreachable or failing; retrying with backoff", error=str(error)[:300])
+                    outage = True
+                await asyncio.sleep(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, 30.0)
+            except* _WatchEnded:
+                continue
+
+    async def _list(self) -> str:
+        self.stats.lists += 1
+        listing = await kube.request(self.api, "GET", SLICES, query={"fieldSelector": self._selector()})
+        self._cache = {s["metadata"]["name"]: s for s in listing.get("items", [])}
+        await self._refresh_owners()
+        for pool in self.pools:
+            self._mark(pool)
+        return str(listing["metadata"]["resourceVersion"])
+
+    async def _refresh_owners(self) -> None:
+        wanted = {p.node_name for p in self.pools.values() if p.node_name}
+        if not wanted or wanted.issubset(self._owners):
+            return
+        if len(wanted) == 1:
+            (name,) = wanted
+            nodes = [await kube.request(self.api, "GET", f"/api/v1/nodes/{name}")]
+        else:
+            nodes = (await kube.request(self.api, "GET", "/api/v1/nodes"))["items"]
+        for node in nodes:
+            meta = node["metadata"]
+            self._owners[meta["name"]] = {"apiVersion": "v1", "kind": "Node", "name": meta["name"],
+                                          "uid": meta["uid"], "controller": True}
+
+    async def _watch(self, resource_version: str) -> None:
+        async for kind, obj in kube.watch(self.api, SLICES, resource_version,
+                                           query={"fieldSelector": self._selector()}):
+            if kind == "BOOKMARK":
+                continue
+            name = obj["metadata"]["name"]
+            if kind == "DELETED":
+                self._cache.pop(name, None)
+            else:
+                self._cache[name] = obj
+            pool = obj.get("spec", {}).get("pool", {}).get("name")
+            if pool in self.pools:
+                self._mark(pool)
+        raise _WatchEnded
+
+    async def _work(self) -> None:
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(pool: str) -> None:
+            async with limit:
+                await self._reconcile(pool)
+
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # Let a burst of watch events (our own writes echoing back) settle first.
+            await asyncio.sleep(0.05)
+            dirty, self._dirty = self._dirty, set()
+            await asyncio.gather(*(one(p) for p in sorted(dirty)))
+            if not self._dirty:
+                self.synced.set()
+
+    def _existing(self, pool: str) -> list[JSON]:
+        return [s for s in self._cache.values() if s.get("spec", {}).get("pool", {}).get("name") == pool]
+
+    async def _reconcile(self, pool_name: str) -> None:
+        pool = self.pools[pool_name]
+        self.stats.reconciles += 1
+        if pool.node_name and pool.node_name not in self._owners:
+            await self._refresh_owners()
+        owner = self._owners.get(pool.node_name) if pool.node_name else None
+        plan = plan_pool(self.driver, pool, self._existing(pool_name), owner)
+        if not (plan.apply or plan.delete):
+            return
+        log.info("publishing pool", pool=pool_name, generation=plan.generation,
+                 apply=[o["metadata"]["name"] for o in plan.apply],
+                 delete=[o["metadata"]["name"] for o in plan.delete])
+        for old in plan.delete:
+            await self._delete(old)
+        for obj in plan.apply:
+            await self._apply(obj)
+
+    async def _delete(self, obj: JSON) -> None:
+        meta = obj["metadata"]
+        body = {"preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
+        self.stats.deletes += 1
+        try:
+            await kube.request(self.api, "DELETE", f"{SLICES}/{meta['name']}", body=body)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+        self._cache.pop(meta["name"], None)
+
+    async def _apply(self, obj: JSON) -> None:
+        name = obj["metadata"]["name"]
+        existed = name in self._cache
+        self.stats.updates += existed
+        self.stats.creates += not existed
+        result = await kube.request(
+            self.api, "PATCH", f"{SLICES}/{name}", body=obj,
+            query={"fieldManager": self.field_manager, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+        if not up_to_date(obj, result):
+            # Fields owned by another manager (a hand edit) survive an apply: replace
+            # the object so that the slice says exactly what the hardware says.
+            self.stats.updates += 1
+            replacement = {**obj, "metadata": {**obj["metadata"],
+                                               "resourceVersion": result["metadata"]["resourceVersion"]}}
+            result = await kube.request(self.api, "PUT", f"{SLICES}/{name}", body=replacement,
+                                        query={"fieldManager": self.field_manager})
+        self._cache[name] = result
+
+
+class _WatchEnded(Exception):
+    """The server closed the watch (timeout); list again and continue."""
+
+
+async def detect_list_attributes(api: client.ApiClient, driver: str) -> bool:
+    """Whether the server keeps list-type attributes (DRAListTypeAttributes), by a dry-run create.
+
+    A server without the feature either rejects the field or silently drops it; both
+    mean "publish the GA string forms only".
+    """
+    probe = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+             "metadata": {"name": f"probe-{driver}"},
+             "spec": {"driver": driver, "allNodes": True,
+                      "pool": {"name": "probe", "generation": 1, "resourceSliceCount": 1},
+                      "devices": [{"name": "probe", "attributes": {"probe": {"strings": ["a", "b"]}}}]}}
+    try:
+        created = await kube.request(api, "POST", SLICES, body=probe, query={"dryRun": "All"})
+    except ApiException as e:
+        if e.status in (400, 422):
+            return False
+        raise
+    attrs: Mapping[str, Any] = created["spec"]["devices"][0].get("attributes", {})
+    return bool(attrs.get("probe", {}).get("strings"))
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,149 @@
+"""The kubelet-facing gRPC services: DRA v1 and v1beta1, health v1 and v1alpha1.
+
+Translation only: protobuf in, domain calls, protobuf out. Each claim of a request is
+answered on its own (one bad claim never fails its neighbours), and every log line
+about a claim carries its namespace, name and UID. The work itself is done by a
+`ClaimPreparer`; this module holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from types import ModuleType
+from typing import Any, Protocol
+
+import grpc
+import structlog
+
+from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
+from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
+from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
+from dra_driver.kubeletapi.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as health_v1
+from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as health_v1_grpc
+from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
+from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.health import DeviceHealthBoard
+from dra_driver.plugin.prepared import PreparedDevice
+
+log = structlog.get_logger(__name__)
+
+
+class ClaimPreparer(Protocol):
+    async def prepare(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]: ...
+
+    async def unprepare(self, ref: ClaimRef) -> None: ...
+
+
+def _claim_context(ref: ClaimRef) -> dict[str, str]:
+    return {"claim_namespace": ref.namespace, "claim_name": ref.name, "claim_uid": ref.uid}
+
+
+class _DraService:
+    """NodePrepareResources/NodeUnprepareResources for one API version's messages."""
+
+    def __init__(self, preparer: ClaimPreparer, pb: ModuleType, with_share_id: bool) -> None:
+        self._preparer = preparer
+        self._pb = pb
+        self._with_share_id = with_share_id
+
+    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+        answers = await asyncio.gather(*(self._prepare_one(ref) for ref in refs))
+        return self._pb.NodePrepareResourcesResponse(claims=dict(zip((r.uid for r in refs), answers, strict=True)))
+
+    async def _prepare_one(self, ref: ClaimRef) -> Any:
+        with structlog.contextvars.bound_contextvars(**_claim_context(ref)):
+            try:
+                prepared = await self._preparer.prepare(ref)
+            except ClaimRejected as e:
+                log.warning("prepare refused", error=str(e))
+                return self._pb.NodePrepareResourceResponse(error=str(e))
+            except Exception as e:
+                log.exception("prepare failed")
+                return self._pb.NodePrepareResourceResponse(error=f"internal error preparing claim {ref}: {e}")
+            log.info("prepared", devices=[d.device for d in prepared])
+            return self._pb.NodePrepareResourceResponse(devices=[self._device(d) for d in prepared])
+
+    def _device(self, d: PreparedDevice) -> Any:
+        fields: dict[str, Any] = {
+            "request_names": list(d.request_names),
+            "pool_name": d.pool,
+            "device_name": d.device,
+            "cdi_device_ids": list(d.cdi_device_ids),
+        }
+        if self._with_share_id and d.share_id is not None:
+            fields["share_id"] = d.share_id
+        return self._pb.Device(**fields)
+
+    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+        answers = await asyncio.gather(*(self._unprepare_one(ref) for ref in refs))
+        return self._pb.NodeUnprepareResourcesResponse(claims=dict(zip((r.uid for r in refs), answers, strict=True)))
+
+    async def _unprepare_one(self, ref: ClaimRef) -> Any:
+        with structlog.contextvars.bound_contextvars(**_claim_context(ref)):
+            try:
+                await self._preparer.unprepare(ref)
+            except ClaimRejected as e:
+                log.warning("unprepare refused", error=str(e))
+                return self._pb.NodeUnprepareResourceResponse(error=str(e))
+            except Exception as e:
+                log.exception("unprepare failed")
+                return self._pb.NodeUnprepareResourceResponse(error=f"internal error unpreparing claim {ref}: {e}")
+            log.info("unprepared")
+            return self._pb.NodeUnprepareResourceResponse()
+
+
+class DraV1Service(_DraService, dra_v1_grpc.DRAPluginServicer):  # type: ignore[misc]
+    def __init__(self, preparer: ClaimPreparer) -> None:
+        super().__init__(preparer, dra_v1, with_share_id=True)
+
+
+class DraV1beta1Service(_DraService, dra_v1beta1_grpc.DRAPluginServicer):  # type: ignore[misc]
+    def __init__(self, preparer: ClaimPreparer) -> None:
+        super().__init__(preparer, dra_v1beta1, with_share_id=False)
+
+
+class _HealthService:
+    """NodeWatchResources: the complete device list, then again on every change."""
+
+    def __init__(self, board: DeviceHealthBoard, pb: ModuleType) -> None:
+        self._board = board
+        self._pb = pb
+
+    async def NodeWatchResources(  # noqa: N802
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async for snapshot in self._board.follow():
+            yield self._pb.NodeWatchResourcesResponse(
+                devices=[
+                    self._pb.DeviceHealth(
+                        device=self._pb.DeviceIdentifier(pool_name=h.pool, device_name=h.device),
+                        health=self._pb.HealthStatus.Value(h.status),
+                        last_updated_time=int(h.updated),
+                        health_check_timeout_seconds=h.timeout_seconds,
+                        message=h.message[:1024],
+                    )
+                    for h in snapshot
+                ]
+            )
+
+
+class HealthV1Service(_HealthService, health_v1_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
+    def __init__(self, board: DeviceHealthBoard) -> None:
+        super().__init__(board, health_v1)
+
+
+class HealthV1alpha1Service(_HealthService, health_v1alpha1_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
+    def __init__(self, board: DeviceHealthBoard) -> None:
+        super().__init__(board, health_v1alpha1)
+
+
+def add_services(server: grpc.aio.Server, preparer: ClaimPreparer, board: DeviceHealthBoard) -> None:
+    dra_v1_grpc.add_DRAPluginServicer_to_server(DraV1Service(preparer), server)
+    dra_v1beta1_grpc.add_DRAPluginServicer_to_server(DraV1beta1Service(preparer), server)
+    health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1Service(board), server)
+    health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1alpha1Service(board), server)

@@ -1,0 +1,49 @@
+"""Fixtures for tests against a real control plane (etcd, kube-apiserver, scheduler, controller-manager).
+
+One control plane serves the whole session; each test gets its own namespace and
+node names so that tests do not see each other's objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+
+from dra_driver.testing.objects import load_client, request
+from dra_driver.testing.cluster import ControlPlane
+
+pytestmark = pytest.mark.integration
+
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    cp = ControlPlane.start(work_dir=tmp_path_factory.mktemp("cluster"))
+    try:
+        yield cp
+    finally:
+        cp.stop(remove=False)
+
+
+@pytest.fixture(scope="session")
+def api(control_plane: ControlPlane) -> client.ApiClient:
+    return load_client(str(control_plane.kubeconfig))
+
+
+@pytest.fixture
+def namespace(api: client.ApiClient) -> Iterator[str]:
+    name = f"t{next(_counter)}-{uuid.uuid4().hex[:6]}"
+    request(api, "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    yield name
+    request(api, "DELETE", f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def unique() -> str:
+    """A short suffix for cluster-scoped names (nodes, classes, slices) owned by one test."""
+    return uuid.uuid4().hex[:6]
