@@ -53,6 +53,9 @@ def create_node(api: client.ApiClient, name: str, labels: dict[str, str] | None 
     except ApiException as e:
         if e.status != 409:
             raise
+    # The TaintNodesByCondition admission plugin marks new nodes not-ready; with no
+    # kubelet and no node-lifecycle controller nothing would ever lift that taint.
+    core.patch_node(name, {"spec": {"taints": []}})
     # Status is a subresource: set Ready explicitly, as a kubelet would.
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status = {

@@ -59,7 +59,7 @@ log "building etcd"
 [ -x "$tmp/etcd" ] || { log "etcd build failed"; exit 1; }
 
 "$tmp/kube-apiserver" --version >&2
-"$tmp/etcd" --version | head -1 >&2
+"$tmp/etcd" --version >&2
 touch "$tmp/.complete"
 rm -rf "$bin"; mv "$tmp" "$bin"
 trap - EXIT
