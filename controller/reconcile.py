@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,13 +169,12 @@ class SliceController:
                     log.info("API server reachable again; catching up")
                     outage = False
                 backoff = 0.5
-                async with asyncio.TaskGroup() as tg:
-                    tg.create_task(self._watch(resource_version))
-                    tg.create_task(self._work())
-            except* (ApiException, OSError, asyncio.TimeoutError) as group:
+                await _first_failure(self._watch(resource_version), self._work())
+            except _WatchEnded:
+                continue
+            except (ApiException, OSError, asyncio.TimeoutError) as error:
                 self.stats.errors += 1
                 self.synced.clear()
-                error = group.exceptions[0]
                 if isinstance(error, ApiException) and error.status == 410:
                     log.info("watch expired; listing again")
                     continue
@@ -184,8 +183,6 @@ class SliceController:
                     outage = True
                 await asyncio.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 30.0)
-            except* _WatchEnded:
-                continue
 
     async def _list(self) -> str:
         self.stats.lists += 1
@@ -292,6 +289,19 @@ class SliceController:
             result = await kube.request(self.api, "PUT", f"{SLICES}/{name}", body=replacement,
                                         query={"fieldManager": self.field_manager})
         self._cache[name] = result
+
+
+async def _first_failure(*coroutines: Coroutine[Any, Any, None]) -> None:
+    """Run the coroutines together until one fails; cancel the others and re-raise."""
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _WatchEnded(Exception):

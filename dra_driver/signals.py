@@ -21,8 +21,13 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+
+        def stop(sig: signal.Signals) -> None:
+            log.info("stopping", signal=sig.name)
+            task.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: (log.info("stopping", signal=s.name), task.cancel()))
+            loop.add_signal_handler(sig, stop, sig)
         try:
             await main
         except asyncio.CancelledError:

@@ -39,13 +39,14 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0, in
 def create_node(api: client.ApiClient, name: str, labels: dict[str, str] | None = None) -> Any:
     """A Node object that the scheduler will place pods on (there is no kubelet behind it)."""
     core = client.CoreV1Api(api)
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110"}
     body = {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
         "status": {
-            "capacity": {"cpu": "64", "memory": "512Gi", "pods": "110"},
-            "allocatable": {"cpu": "64", "memory": "512Gi", "pods": "110"},
+            "capacity": capacity,
+            "allocatable": capacity,
         },
     }
     try:
@@ -60,7 +61,8 @@ def create_node(api: client.ApiClient, name: str, labels: dict[str, str] | None 
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status = {
         "status": {
-            **body["status"],
+            "capacity": capacity,
+            "allocatable": capacity,
             "conditions": [
                 {
                     "type": "Ready",

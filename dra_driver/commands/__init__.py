@@ -1,0 +1,1 @@
+"""The `dra-driver` subcommands, one module each."""

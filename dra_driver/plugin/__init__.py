@@ -1,0 +1,1 @@
+"""The kubelet plugin: registration, the DRA gRPC service, prepare state, checkpoint and health."""

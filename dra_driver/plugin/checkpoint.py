@@ -1,0 +1,391 @@
+"""The kubelet plugin's record of what it has prepared: the source of truth across restarts.
+
+Unprepare gets only a claim's UID, namespace and name, and the claim may already be
+gone from the API server, so the plugin must remember what it prepared. Prepare writes a
+claim as `started` before it touches the node (CDI spec, sharing daemons) and as
+`completed` after, so a crash in between leaves a record of what may need cleaning up.
+
+The file is `<data dir>/checkpoint.json`, written atomically (temp, fsync, rename, fsync
+dir), with a format version, the boot id of the boot that wrote it, and a SHA-256 of its
+payload so that a torn or edited file is detected rather than trusted. A checkpoint from
+an earlier boot is discarded: the tmpfs CDI specs and any daemons it describes died with
+that boot.
+
+`Checkpoint` is immutable and the transitions (`with_started`, `with_completed`,
+`without`) are pure; only `load`, `save`, `read_boot_id` and `quarantine` do I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from dra_driver.cdi import write_file_atomic
+from dra_driver.plugin.prepared import PreparedDevice
+
+log = structlog.get_logger(__name__)
+
+FORMAT_VERSION: Final = 1
+CHECKPOINT_FILE: Final = "checkpoint.json"
+BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
+
+
+class CheckpointCorrupt(Exception):
+    """The checkpoint file exists but cannot be trusted (unparsable, bad checksum, bad shape)."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"checkpoint {path} is corrupt: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class ClaimPhase(enum.StrEnum):
+    STARTED = "started"  # Prepare began; node state may be partly set up
+    COMPLETED = "completed"  # Prepare finished; the CDI ids were returned to the kubelet
+
+
+STARTED: Final = ClaimPhase.STARTED
+COMPLETED: Final = ClaimPhase.COMPLETED
+
+
+@dataclass(frozen=True)
+class PreparedRecord:
+    """One device of a prepared claim: what was answered to the kubelet, plus whether it
+    was granted with adminAccess (such a device may be in several claims at once)."""
+
+    pool: str
+    device: str
+    request_names: tuple[str, ...]
+    cdi_device_ids: tuple[str, ...]
+    share_id: str | None = None
+    admin_access: bool = False
+
+    @classmethod
+    def of(cls, prepared: PreparedDevice, admin_access: bool = False) -> PreparedRecord:
+        return cls(
+            pool=prepared.pool,
+            device=prepared.device,
+            request_names=tuple(prepared.request_names),
+            cdi_device_ids=tuple(prepared.cdi_device_ids),
+            share_id=prepared.share_id,
+            admin_access=admin_access,
+        )
+
+    def to_prepared(self) -> PreparedDevice:
+        return PreparedDevice(
+            request_names=self.request_names,
+            pool=self.pool,
+            device=self.device,
+            cdi_device_ids=self.cdi_device_ids,
+            share_id=self.share_id,
+        )
+
+
+@dataclass(frozen=True)
+class ClaimEntry:
+    """One claim this node has prepared (or is preparing)."""
+
+    uid: str
+    namespace: str
+    name: str
+    phase: ClaimPhase
+    devices: tuple[PreparedRecord, ...]
+    updated_at: datetime  # when this entry was last written, UTC
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    boot_id: str
+    claims: Mapping[str, ClaimEntry] = field(default_factory=dict)  # by UID; never mutated
+
+    @classmethod
+    def empty(cls, boot_id: str) -> Checkpoint:
+        return cls(boot_id=boot_id, claims={})
+
+
+class LoadStatus(enum.StrEnum):
+    MISSING = "missing"  # no file: a fresh node or a first start
+    LOADED = "loaded"
+    STALE_BOOT = "stale-boot"  # written in an earlier boot, discarded
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    checkpoint: Checkpoint
+    status: LoadStatus
+    discarded: Checkpoint | None = None  # the earlier boot's checkpoint, for logging/cleanup
+
+
+# --------------------------------------------------------------------------- transitions
+
+
+def _with(cp: Checkpoint, claim: ClaimEntry) -> Checkpoint:
+    return replace(cp, claims={**cp.claims, claim.uid: claim})
+
+
+def _now(now: datetime | None) -> datetime:
+    return now if now is not None else datetime.now(UTC)
+
+
+def with_started(
+    cp: Checkpoint,
+    namespace: str,
+    name: str,
+    uid: str,
+    devices: Sequence[PreparedRecord],
+    *,
+    now: datetime | None = None,
+) -> Checkpoint:
+    """Claim `uid` is being prepared with `devices` (replacing any earlier entry of it).
+    `now` is the entry's timestamp (default: the current time)."""
+    entry = ClaimEntry(
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        phase=ClaimPhase.STARTED,
+        devices=tuple(devices),
+        updated_at=_now(now),
+    )
+    return _with(cp, entry)
+
+
+def with_completed(
+    cp: Checkpoint,
+    uid: str,
+    *,
+    now: datetime | None = None,
+    devices: Sequence[PreparedRecord] | None = None,
+) -> Checkpoint:
+    """The started claim `uid` is prepared; `devices` replaces the recorded ones if given."""
+    current = cp.claims.get(uid)
+    if current is None:
+        raise KeyError(f"claim {uid} is not in the checkpoint; record it as started first")
+    done = replace(
+        current,
+        phase=ClaimPhase.COMPLETED,
+        devices=tuple(devices) if devices is not None else current.devices,
+        updated_at=_now(now),
+    )
+    return _with(cp, done)
+
+
+def without(cp: Checkpoint, uid: str) -> Checkpoint:
+    """The checkpoint without claim `uid` (the same one if it was not there)."""
+    if uid not in cp.claims:
+        return cp
+    return replace(cp, claims={k: v for k, v in cp.claims.items() if k != uid})
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _timestamp(t: datetime) -> str:
+    if t.tzinfo is None:
+        raise ValueError(f"timestamp {t!r} has no time zone")
+    return t.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _device_to_dict(d: PreparedRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "pool": d.pool,
+        "device": d.device,
+        "requestNames": list(d.request_names),
+        "cdiDeviceIds": list(d.cdi_device_ids),
+    }
+    if d.share_id is not None:
+        out["shareId"] = d.share_id
+    if d.admin_access:
+        out["adminAccess"] = True
+    return out
+
+
+def _payload(cp: Checkpoint) -> dict[str, Any]:
+    return {
+        "bootId": cp.boot_id,
+        "claims": [
+            {
+                "uid": c.uid,
+                "namespace": c.namespace,
+                "name": c.name,
+                "phase": c.phase.value,
+                "devices": [_device_to_dict(d) for d in c.devices],
+                "updatedAt": _timestamp(c.updated_at),
+            }
+            for c in sorted(cp.claims.values(), key=lambda c: c.uid)
+        ],
+    }
+
+
+def _checksum(payload: Any) -> str:
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def encode(cp: Checkpoint) -> bytes:
+    """The file's bytes: {version, checksum, payload}."""
+    payload = _payload(cp)
+    doc = {"version": FORMAT_VERSION, "checksum": _checksum(payload), "payload": payload}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+class _Shape(Exception):
+    """A field of the payload is missing or has the wrong type; the message names it."""
+
+
+def _field(obj: Any, key: str, kind: type, where: str) -> Any:
+    if not isinstance(obj, dict):
+        raise _Shape(f"{where}: expected an object")
+    if key not in obj:
+        raise _Shape(f"{where}.{key}: missing")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _Shape(f"{where}.{key}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _optional(obj: Any, key: str, kind: type, where: str) -> Any:
+    if isinstance(obj, dict) and obj.get(key) is None:
+        return None
+    return _field(obj, key, kind, where)
+
+
+def _strings(obj: Any, key: str, where: str) -> tuple[str, ...]:
+    values = _field(obj, key, list, where)
+    for i, v in enumerate(values):
+        if not isinstance(v, str):
+            raise _Shape(f"{where}.{key}[{i}]: expected str")
+    return tuple(values)
+
+
+def _decode_payload(payload: Any) -> Checkpoint:
+    boot_id = _field(payload, "bootId", str, "payload")
+    claims: dict[str, ClaimEntry] = {}
+    for i, c in enumerate(_field(payload, "claims", list, "payload")):
+        where = f"payload.claims[{i}]"
+        uid = _field(c, "uid", str, where)
+        if uid in claims:
+            raise _Shape(f"{where}.uid: {uid} appears twice")
+        phase = _field(c, "phase", str, where)
+        try:
+            claim_phase = ClaimPhase(phase)
+        except ValueError:
+            raise _Shape(f"{where}.phase: unknown phase {phase!r}") from None
+        devices: list[PreparedRecord] = []
+        for j, d in enumerate(_field(c, "devices", list, where)):
+            dw = f"{where}.devices[{j}]"
+            share = _optional(d, "shareId", str, dw)
+            admin = _optional(d, "adminAccess", bool, dw)
+            devices.append(
+                PreparedRecord(
+                    pool=_field(d, "pool", str, dw),
+                    device=_field(d, "device", str, dw),
+                    request_names=_strings(d, "requestNames", dw),
+                    cdi_device_ids=_strings(d, "cdiDeviceIds", dw),
+                    share_id=share,
+                    admin_access=bool(admin),
+                )
+            )
+        stamp = _field(c, "updatedAt", str, where)
+        try:
+            updated = datetime.fromisoformat(stamp)
+        except ValueError:
+            raise _Shape(f"{where}.updatedAt: {stamp!r} is not a timestamp") from None
+        if updated.tzinfo is None:
+            raise _Shape(f"{where}.updatedAt: {stamp!r} has no time zone")
+        claims[uid] = ClaimEntry(
+            uid=uid,
+            namespace=_field(c, "namespace", str, where),
+            name=_field(c, "name", str, where),
+            phase=claim_phase,
+            devices=tuple(devices),
+            updated_at=updated,
+        )
+    return Checkpoint(boot_id=boot_id, claims=claims)
+
+
+def decode(data: bytes, path: Path) -> Checkpoint:
+    """Parse and verify a checkpoint file's bytes; CheckpointCorrupt names what is wrong."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointCorrupt(path, f"not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise CheckpointCorrupt(path, "top level is not a JSON object")
+    version = doc.get("version")
+    if version != FORMAT_VERSION:
+        raise CheckpointCorrupt(
+            path, f"format version {version!r} is not supported (this build reads {FORMAT_VERSION})"
+        )
+    if "payload" not in doc or not isinstance(doc.get("checksum"), str):
+        raise CheckpointCorrupt(path, "missing payload or checksum")
+    actual = _checksum(doc["payload"])
+    if actual != doc["checksum"]:
+        raise CheckpointCorrupt(path, f"checksum mismatch (file says {doc['checksum']}, content is {actual})")
+    try:
+        return _decode_payload(doc["payload"])
+    except _Shape as e:
+        raise CheckpointCorrupt(path, f"unexpected shape: {e}") from e
+
+
+# --------------------------------------------------------------------------- I/O
+
+
+def checkpoint_path(data_dir: Path) -> Path:
+    return Path(data_dir) / CHECKPOINT_FILE
+
+
+def read_boot_id(path: Path = BOOT_ID_PATH) -> str:
+    """This boot's id; it changes on every reboot."""
+    boot_id = path.read_text(encoding="ascii").strip()
+    if not boot_id:
+        raise ValueError(f"{path} is empty")
+    return boot_id
+
+
+def load(path: Path, boot_id: str) -> LoadResult:
+    """The checkpoint at `path` for this boot.
+
+    Missing file: empty. Written in another boot: empty, status STALE_BOOT, the old one
+    in `discarded`. Unreadable or unverifiable: CheckpointCorrupt (see `quarantine`)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.MISSING)
+    cp = decode(data, path)
+    if cp.boot_id != boot_id:
+        log.warning(
+            "checkpoint is from an earlier boot, discarding it",
+            path=str(path),
+            checkpoint_boot_id=cp.boot_id,
+            boot_id=boot_id,
+            claims=sorted(cp.claims),
+        )
+        return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.STALE_BOOT, discarded=cp)
+    return LoadResult(checkpoint=cp, status=LoadStatus.LOADED)
+
+
+def save(path: Path, cp: Checkpoint) -> None:
+    """Write `cp` atomically: after a crash the file holds the old checkpoint or the new one."""
+    write_file_atomic(path, encode(cp), mode=0o600)
+
+
+def quarantine(path: Path, now: datetime | None = None) -> Path:
+    """Move a corrupt checkpoint aside to `<name>.corrupt-<UTC timestamp>`; returns the new path."""
+    stamp = (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    os.replace(path, target)
+    log.error("corrupt checkpoint moved aside", path=str(path), moved_to=str(target))
+    return target

@@ -1,0 +1,322 @@
+"""The plugin's checkpoint: pure transitions, round trips, corruption, the boot-id rule,
+atomic replacement."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.prepared import PreparedDevice
+
+BOOT = "6f1e2d3c-4b5a-4968-8776-655443322110"
+OTHER_BOOT = "00000000-1111-2222-3333-444444444444"
+T0 = datetime(2026, 12, 2, 15, 0, 0, tzinfo=UTC)
+T1 = T0 + timedelta(seconds=3)
+UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
+UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
+
+
+def record(device: str = "gpu-0", share_id: str | None = None, admin: bool = False) -> ckpt.PreparedRecord:
+    return ckpt.PreparedRecord(
+        pool="node-1",
+        device=device,
+        request_names=("gpu",),
+        cdi_device_ids=(f"gpu.dra-driver.dev/gpu={UID_A}-{device}",),
+        share_id=share_id,
+        admin_access=admin,
+    )
+
+
+def sample() -> ckpt.Checkpoint:
+    cp = ckpt.Checkpoint.empty(BOOT)
+    cp = ckpt.with_started(
+        cp, "team-a", "train", UID_A, [record("gpu-0"), record("gpu-1", share_id="s-1")], now=T0
+    )
+    cp = ckpt.with_completed(cp, UID_A, now=T1)
+    return ckpt.with_started(cp, "team-b", "infer", UID_B, [record("gpu-2", admin=True)], now=T1)
+
+
+# --------------------------------------------------------------------------- transitions
+
+
+def test_started_then_completed() -> None:
+    cp = ckpt.with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [record()], now=T0)
+    entry = cp.claims[UID_A]
+    assert (entry.namespace, entry.name, entry.phase, entry.updated_at) == ("ns", "c", ckpt.STARTED, T0)
+    done = ckpt.with_completed(cp, UID_A, now=T1)
+    assert done.claims[UID_A].phase == ckpt.COMPLETED
+    assert done.claims[UID_A].devices == (record(),)
+    assert done.claims[UID_A].updated_at == T1
+    assert cp.claims[UID_A].phase == ckpt.STARTED  # the old value is untouched
+
+
+def test_completed_may_replace_the_devices() -> None:
+    cp = ckpt.with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [record("gpu-0")], now=T0)
+    done = ckpt.with_completed(cp, UID_A, now=T1, devices=[record("gpu-3")])
+    assert [d.device for d in done.claims[UID_A].devices] == ["gpu-3"]
+
+
+def test_completing_an_unknown_claim_is_an_error() -> None:
+    with pytest.raises(KeyError, match=UID_A):
+        ckpt.with_completed(ckpt.Checkpoint.empty(BOOT), UID_A, now=T0)
+
+
+def test_started_again_replaces_the_entry() -> None:
+    cp = sample()
+    again = ckpt.with_started(cp, "team-a", "train", UID_A, [record("gpu-5")], now=T1)
+    assert again.claims[UID_A].phase == ckpt.STARTED
+    assert [d.device for d in again.claims[UID_A].devices] == ["gpu-5"]
+    assert set(again.claims) == {UID_A, UID_B}
+
+
+def test_without_removes_one_claim_and_ignores_unknown_ones() -> None:
+    cp = sample()
+    assert set(ckpt.without(cp, UID_A).claims) == {UID_B}
+    assert set(cp.claims) == {UID_A, UID_B}
+    assert ckpt.without(cp, "unknown") is cp
+
+
+def test_default_timestamp_is_now_in_utc() -> None:
+    before = datetime.now(UTC)
+    cp = ckpt.with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [])
+    assert before <= cp.claims[UID_A].updated_at <= datetime.now(UTC)
+
+
+def test_record_converts_to_and_from_the_kubelet_answer() -> None:
+    p = PreparedDevice(
+        request_names=("gpu",), pool="n", device="gpu-0", cdi_device_ids=("v/c=x",), share_id="s"
+    )
+    r = ckpt.PreparedRecord.of(p, admin_access=True)
+    assert r.admin_access and r.share_id == "s"
+    assert r.to_prepared() == p
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+def test_save_then_load_round_trips(tmp_path: Path) -> None:
+    path = ckpt.checkpoint_path(tmp_path)
+    ckpt.save(path, sample())
+    result = ckpt.load(path, BOOT)
+    assert result.status == ckpt.LoadStatus.LOADED
+    assert result.checkpoint == sample()
+    assert result.discarded is None
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.listdir(tmp_path) == ["checkpoint.json"]
+
+
+def test_timestamps_in_other_zones_are_stored_as_utc(tmp_path: Path) -> None:
+    cest = datetime(2026, 12, 2, 17, 0, 0, tzinfo=timezone(timedelta(hours=2)))
+    cp = ckpt.with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [], now=cest)
+    ckpt.save(tmp_path / "cp.json", cp)
+    stored = json.loads((tmp_path / "cp.json").read_text())["payload"]["claims"][0]["updatedAt"]
+    assert stored == "2026-12-02T15:00:00Z"
+    assert ckpt.load(tmp_path / "cp.json", BOOT).checkpoint.claims[UID_A].updated_at == cest
+
+
+def test_naive_timestamps_are_refused() -> None:
+    cp = ckpt.with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [], now=datetime(2026, 1, 1))
+    with pytest.raises(ValueError, match="time zone"):
+        ckpt.encode(cp)
+
+
+def test_file_layout(tmp_path: Path) -> None:
+    ckpt.save(tmp_path / "cp.json", sample())
+    doc = json.loads((tmp_path / "cp.json").read_text())
+    assert doc["version"] == ckpt.FORMAT_VERSION
+    assert doc["checksum"].startswith("sha256:")
+    assert doc["payload"]["bootId"] == BOOT
+    a = next(c for c in doc["payload"]["claims"] if c["uid"] == UID_A)
+    assert a["phase"] == "completed"
+    assert a["devices"][1] == {
+        "pool": "node-1",
+        "device": "gpu-1",
+        "requestNames": ["gpu"],
+        "cdiDeviceIds": [f"gpu.dra-driver.dev/gpu={UID_A}-gpu-1"],
+        "shareId": "s-1",
+    }
+
+
+def test_missing_file_is_an_empty_checkpoint(tmp_path: Path) -> None:
+    result = ckpt.load(tmp_path / "checkpoint.json", BOOT)
+    assert result.status == ckpt.LoadStatus.MISSING
+    assert result.checkpoint == ckpt.Checkpoint.empty(BOOT)
+
+
+# --------------------------------------------------------------------------- boot id
+
+
+def test_checkpoint_of_an_earlier_boot_is_discarded_and_reported(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    ckpt.save(path, sample())
+    result = ckpt.load(path, OTHER_BOOT)
+    assert result.status == ckpt.LoadStatus.STALE_BOOT
+    assert result.checkpoint == ckpt.Checkpoint.empty(OTHER_BOOT)
+    assert result.discarded == sample()
+
+
+def test_read_boot_id(tmp_path: Path) -> None:
+    (tmp_path / "boot_id").write_text(BOOT + "\n")
+    assert ckpt.read_boot_id(tmp_path / "boot_id") == BOOT
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        ckpt.read_boot_id(tmp_path / "empty")
+
+
+def test_read_boot_id_of_this_host() -> None:
+    if not ckpt.BOOT_ID_PATH.exists():
+        pytest.skip("no /proc/sys/kernel/random/boot_id here")
+    assert ckpt.read_boot_id() == ckpt.read_boot_id()
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def corrupt(tmp_path: Path, data: bytes) -> ckpt.CheckpointCorrupt:
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(data)
+    with pytest.raises(ckpt.CheckpointCorrupt) as info:
+        ckpt.load(path, BOOT)
+    assert info.value.path == path
+    assert str(path) in str(info.value)
+    return info.value
+
+
+def valid_bytes() -> bytes:
+    return ckpt.encode(sample())
+
+
+def resealed(doc: dict[str, object]) -> bytes:
+    """`doc` with a checksum that matches its (edited) payload: a bad shape, not a bad sum."""
+    doc["checksum"] = ckpt._checksum(doc["payload"])
+    return json.dumps(doc).encode()
+
+
+def test_torn_file_is_corrupt(tmp_path: Path) -> None:
+    data = valid_bytes()
+    err = corrupt(tmp_path, data[: len(data) // 2])
+    assert "not valid JSON" in err.problem
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00\x00\x00\x00", b"\xff\xfe garbage", b"[1, 2]", b"null"])
+def test_garbage_is_corrupt(tmp_path: Path, garbage: bytes) -> None:
+    corrupt(tmp_path, garbage)
+
+
+def test_edited_payload_fails_the_checksum(tmp_path: Path) -> None:
+    doc = json.loads(valid_bytes())
+    doc["payload"]["claims"][0]["devices"][0]["device"] = "gpu-7"
+    err = corrupt(tmp_path, json.dumps(doc).encode())
+    assert "checksum mismatch" in err.problem
+
+
+def test_a_single_flipped_byte_is_detected(tmp_path: Path) -> None:
+    data = bytearray(valid_bytes())
+    i = data.index(b"gpu-1")
+    data[i + 4] = ord("2")
+    assert "checksum" in corrupt(tmp_path, bytes(data)).problem
+
+
+def test_unknown_format_version(tmp_path: Path) -> None:
+    doc = json.loads(valid_bytes())
+    doc["version"] = 2
+    assert "format version 2" in corrupt(tmp_path, json.dumps(doc).encode()).problem
+
+
+def test_missing_checksum(tmp_path: Path) -> None:
+    doc = json.loads(valid_bytes())
+    del doc["checksum"]
+    assert "checksum" in corrupt(tmp_path, json.dumps(doc).encode()).problem
+
+
+@pytest.mark.parametrize(
+    ("edit", "where"),
+    [
+        (lambda p: p.pop("bootId"), "payload.bootId: missing"),
+        (lambda p: p.__setitem__("claims", {}), "payload.claims: expected list"),
+        (lambda p: p["claims"][0].__setitem__("phase", "halfway"), "unknown phase 'halfway'"),
+        (lambda p: p["claims"][0]["devices"][0].__setitem__("pool", 7), "devices[0].pool: expected str"),
+        (lambda p: p["claims"][0]["devices"][0].__setitem__("requestNames", ["a", 1]), "requestNames[1]"),
+        (
+            lambda p: p["claims"][1]["devices"][0].__setitem__("adminAccess", "yes"),
+            "adminAccess: expected bool",
+        ),
+        (lambda p: p["claims"][0].__setitem__("updatedAt", "yesterday"), "not a timestamp"),
+        (lambda p: p["claims"][0].__setitem__("updatedAt", "2026-12-02T15:00:00"), "no time zone"),
+        (lambda p: p["claims"].append(dict(p["claims"][0])), "appears twice"),
+        (lambda p: p["claims"].__setitem__(0, "claim"), "claims[0]: expected an object"),
+    ],
+)
+def test_wrong_shape_names_the_field(tmp_path: Path, edit: object, where: str) -> None:
+    doc = json.loads(valid_bytes())
+    edit(doc["payload"])  # type: ignore[operator]
+    err = corrupt(tmp_path, resealed(doc))
+    assert "unexpected shape" in err.problem
+    assert where in err.problem
+
+
+def test_quarantine_moves_the_file_aside(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    path.write_bytes(b"{torn")
+    moved = ckpt.quarantine(path, now=T0)
+    assert moved.name == "checkpoint.json.corrupt-20261202T150000.000000Z"
+    assert moved.read_bytes() == b"{torn"
+    assert not path.exists()
+    assert ckpt.load(path, BOOT).status == ckpt.LoadStatus.MISSING
+    path.write_bytes(b"again")
+    second = ckpt.quarantine(path, now=T0)
+    assert second != moved and second.read_bytes() == b"again" and moved.read_bytes() == b"{torn"
+
+
+# --------------------------------------------------------------------------- atomic write
+
+
+def test_crash_before_rename_leaves_the_old_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "checkpoint.json"
+    old = sample()
+    ckpt.save(path, old)
+    new = ckpt.without(old, UID_A)
+
+    def crash(*_: object) -> None:
+        raise OSError("simulated crash: rename did not happen")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        ckpt.save(path, new)
+    monkeypatch.undo()
+    assert ckpt.load(path, BOOT).checkpoint == old
+    assert os.listdir(tmp_path) == ["checkpoint.json"]
+    ckpt.save(path, new)
+    assert ckpt.load(path, BOOT).checkpoint == new
+
+
+def test_crash_during_write_leaves_the_old_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "checkpoint.json"
+    ckpt.save(path, sample())
+    real_write = os.write
+
+    def torn_write(fd: int, data: object) -> int:
+        real_write(fd, bytes(data)[:10])  # type: ignore[call-overload]
+        raise OSError("simulated crash: disk full")
+
+    monkeypatch.setattr(os, "write", torn_write)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(path, ckpt.Checkpoint.empty(BOOT))
+    monkeypatch.undo()
+    assert ckpt.load(path, BOOT).checkpoint == sample()
+    assert os.listdir(tmp_path) == ["checkpoint.json"]
+
+
+def test_first_save_creates_the_data_dir(tmp_path: Path) -> None:
+    path = ckpt.checkpoint_path(tmp_path / "plugins" / "gpu.dra-driver.dev")
+    ckpt.save(path, sample())
+    assert ckpt.load(path, BOOT).status == ckpt.LoadStatus.LOADED
