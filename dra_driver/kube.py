@@ -34,11 +34,11 @@ async def load_client(kubeconfig: str | None = None) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
-def _serialize(
+async def _serialize(
     api: client.ApiClient, method: str, path: str, body: Any, query: dict[str, str] | None, content_type: str
 ) -> tuple[Any, ...]:
     return tuple(
-        api.param_serialize(
+        await api.param_serialize(
             method=method,
             resource_path=path,
             query_params=list((query or {}).items()),
@@ -59,7 +59,7 @@ async def request(
     timeout: float = 30.0,
 ) -> JSON:
     """Send one request; return the decoded JSON body. Raises ApiException on HTTP errors."""
-    params = _serialize(api, method, path, body, query, content_type)
+    params = await _serialize(api, method, path, body, query, content_type)
     response = await api.call_api(*params, _request_timeout=timeout)
     data = await response.read()
     if response.status >= 400:
@@ -79,7 +79,7 @@ async def watch(
     """
     q = {**(query or {}), "watch": "true", "resourceVersion": resource_version,
          "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
-    params = _serialize(api, "GET", path, None, q, "application/json")
+    params = await _serialize(api, "GET", path, None, q, "application/json")
     response = await api.call_api(*params, _request_timeout=timeout_seconds + 30, _preload_content=False)
     try:
         if response.status >= 400:

@@ -4,20 +4,52 @@ Everything downstream (ResourceSlices, CDI specs, the inventory report) is a pur
 function of an `Inventory`. Discovery backends (real NVML, simulated profiles) build
 it once at start; nothing here talks to hardware. `None` always means "the hardware
 did not say" (NVML answered NotSupported or the field does not apply).
+
+Names: `Inventory`, `GpuInfo`, `MigDevice`, `NvLink`, `LinkEndpointKind`,
+`FabricClique`, `PeerPath`, `PcieLevel`. NVLink peers, islands and groups are not
+stored here: they are derived by `dra_driver.gpu.topology.nvlink_topology(inventory)`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class LinkEndpointKind(str, Enum):
+class LinkEndpointKind(StrEnum):
     """What is at the far end of one NVLink link."""
 
     GPU = "gpu"
     NVSWITCH = "nvswitch"
     UNKNOWN = "unknown"
+
+
+class PcieLevel(StrEnum):
+    """The closest common PCIe ancestor of two GPUs (NVML topology level).
+
+    `smi_code` is how `nvidia-smi topo -m` prints it.
+    """
+
+    INTERNAL = "internal"  # same board (multi-GPU boards)
+    SINGLE = "single"  # one PCIe switch between them
+    MULTIPLE = "multiple"  # several PCIe switches, no host bridge
+    HOSTBRIDGE = "hostbridge"  # the same PCIe host bridge
+    NODE = "node"  # different host bridges of one NUMA node
+    SYSTEM = "system"  # across NUMA nodes (SMP interconnect)
+
+    @property
+    def smi_code(self) -> str:
+        return _SMI_CODES[self]
+
+
+_SMI_CODES = {
+    PcieLevel.INTERNAL: "INT",
+    PcieLevel.SINGLE: "PIX",
+    PcieLevel.MULTIPLE: "PXB",
+    PcieLevel.HOSTBRIDGE: "PHB",
+    PcieLevel.NODE: "NODE",
+    PcieLevel.SYSTEM: "SYS",
+}
 
 
 @dataclass(frozen=True)
@@ -28,6 +60,15 @@ class NvLink:
     active: bool
     remote_kind: LinkEndpointKind
     remote_pci_bus_id: str | None  # normalized like GpuInfo.pci_bus_id
+
+
+@dataclass(frozen=True)
+class PeerPath:
+    """How one GPU reaches another GPU of the node, as NVML answers pairwise questions."""
+
+    peer_index: int
+    pcie_level: PcieLevel | None  # nvmlDeviceGetTopologyCommonAncestor
+    nvlink_p2p: bool | None  # nvmlDeviceGetP2PStatus(..., NVML_P2P_CAPS_INDEX_NVLINK) == OK
 
 
 @dataclass(frozen=True)
@@ -48,6 +89,7 @@ class MigDevice:
     encoders: int = 0
     jpeg_engines: int = 0
     ofa_engines: int = 0
+    gpu_instance_profile_id: int | None = None  # NVML GI profile id, e.g. 19 for A100 1g.5gb
 
 
 @dataclass(frozen=True)
@@ -56,6 +98,11 @@ class FabricClique:
 
     cluster_uuid: str
     clique_id: int
+
+    @property
+    def id(self) -> str:
+        """`<clusterUUID>.<cliqueId>`, the form NVIDIA's driver labels nodes with."""
+        return f"{self.cluster_uuid}.{self.clique_id}"
 
 
 @dataclass(frozen=True)
@@ -66,8 +113,8 @@ class GpuInfo:
     minor: int  # /dev/nvidia<minor>
     uuid: str
     product_name: str
-    brand: str  # e.g. "Nvidia", "Tesla"
-    architecture: str  # e.g. "Hopper"
+    brand: str  # e.g. "Nvidia", "Tesla"; "Unknown" when NVML does not say
+    architecture: str  # e.g. "Hopper"; "Unknown" when NVML does not say
     cuda_compute_capability: str  # "9.0"
     memory_bytes: int
     pci_bus_id: str  # normalized, lower case, "0000:3b:00.0"
@@ -75,9 +122,20 @@ class GpuInfo:
     numa_node: int | None
     mig_enabled: bool
     mig_devices: tuple[MigDevice, ...] = ()
-    nvlinks: tuple[NvLink, ...] = ()
+    nvlinks: tuple[NvLink, ...] = ()  # only links NVML answered for; () = NVLink not reported
     fabric_clique: FabricClique | None = None
     multiprocessors: int | None = None
+    peer_paths: tuple[PeerPath, ...] = ()  # one per other GPU of the node
+
+    @property
+    def active_nvlinks(self) -> int:
+        return sum(1 for link in self.nvlinks if link.active)
+
+    def path_to(self, peer_index: int) -> PeerPath | None:
+        for path in self.peer_paths:
+            if path.peer_index == peer_index:
+                return path
+        return None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,480 @@
+"""The attribute vocabulary of our ResourceSlice devices, and one device -> its attributes.
+
+A superset of NVIDIA's GPU DRA driver (`gpu.nvidia.com`): every name and type that
+driver publishes for a GPU or a MIG device is published here under the same name and
+type, so a claim written for it works by changing the domain only. Our own additions
+(index, NUMA, NVLink peers/islands/groups, fabric clique...) follow. `VOCABULARY` and
+`CAPACITIES` are the single source of the table in `docs/attributes.md`
+(`markdown_table()` renders it; a test keeps the two equal).
+
+Pure data and pure functions: no I/O, no API calls, no topology computation (the NVLink
+facts of a GPU arrive ready-made as `NvlinkFacts`). Values the hardware did not report
+(None) are never published; values that break an API limit are shortened (free text)
+or left out (identifiers), never sent for the API server to reject.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dra_driver.devices import NodeDevice
+from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
+
+JSON = dict[str, Any]
+
+# --- API limits (resource.k8s.io/v1, see reference/dra-protocol.md §1.3 and §1.7) ---
+MAX_ATTRIBUTES_AND_CAPACITIES = 32  # per device, attributes + capacities together
+MAX_ATTRIBUTE_VALUES = 48  # per device, scalar + list elements (DRAListTypeAttributes)
+MAX_STRING_LENGTH = 64  # string and version values, and each element of a list
+MAX_ID_LENGTH = 32  # C identifier part of a qualified name
+MAX_DOMAIN_LENGTH = 63  # domain part of a qualified name
+MAX_QUALIFIED_NAME_LENGTH = 96
+
+# --- attribute names (unqualified ones live in the driver's domain) ---
+TYPE = "type"
+UUID = "uuid"
+PRODUCT_NAME = "productName"
+BRAND = "brand"
+ARCHITECTURE = "architecture"
+CUDA_COMPUTE_CAPABILITY = "cudaComputeCapability"
+DRIVER_VERSION = "driverVersion"
+CUDA_DRIVER_VERSION = "cudaDriverVersion"
+PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
+PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
+STANDARD_NUMA_NODE = "resource.kubernetes.io/numaNode"
+PARENT_UUID = "parentUUID"
+PROFILE = "profile"
+INDEX = "index"
+MINOR = "minor"
+PARENT_INDEX = "parentIndex"
+NUMA_NODE = "numaNode"
+NVLINK_PEER_COUNT = "nvlinkPeerCount"
+NVLINK_PEERS = "nvlinkPeers"
+NVLINK_ISLAND = "nvlinkIsland"
+NVLINK_GROUP_PREFIX = "nvlinkGroup"
+NVLINK_CLIQUES = "nvlinkCliques"
+FABRIC_CLIQUE_ID = "cliqueId"
+
+# Group sizes published as nvlinkGroup<N>; bounded so that a device stays under the
+# 32 attributes+capacities limit whatever the topology module reports.
+NVLINK_GROUP_SIZES = (2, 4, 8, 16, 32, 64)
+
+# --- capacity names ---
+MEMORY = "memory"
+MULTIPROCESSORS = "multiprocessors"
+COPY_ENGINES = "copyEngines"
+DECODERS = "decoders"
+ENCODERS = "encoders"
+JPEG_ENGINES = "jpegEngines"
+OFA_ENGINES = "ofaEngines"
+MEMORY_SLICE_PREFIX = "memorySlice"
+
+DEVICE_TYPE_GPU = "gpu"
+DEVICE_TYPE_MIG = "mig"
+
+
+def nvlink_group_attribute(size: int) -> str:
+    return f"{NVLINK_GROUP_PREFIX}{size}"
+
+
+def memory_slice_capacity(slice_index: int) -> str:
+    return f"{MEMORY_SLICE_PREFIX}{slice_index}"
+
+
+@dataclass(frozen=True)
+class AttributeDoc:
+    """One row of the vocabulary table."""
+
+    name: str
+    type: str  # the DeviceAttribute field: string, int, bool, version, ints, strings
+    example: str
+    meaning: str
+    nvidia: str  # whether/how NVIDIA's gpu.nvidia.com driver publishes it
+    devices: str  # "gpu", "mig" or "gpu, mig"
+
+
+_BOTH = "gpu, mig"
+
+VOCABULARY: tuple[AttributeDoc, ...] = (
+    AttributeDoc(TYPE, "string", '"gpu"', 'kind of device: "gpu" (whole GPU) or "mig" (MIG instance)',
+                 "yes", _BOTH),
+    AttributeDoc(UUID, "string", '"GPU-5b1c…" / "MIG-…"', "NVML UUID of the device", "yes", _BOTH),
+    AttributeDoc(PRODUCT_NAME, "string", '"NVIDIA H100 80GB HBM3"',
+                 "NVML product name (of the parent, for MIG)", "yes", _BOTH),
+    AttributeDoc(BRAND, "string", '"Nvidia"', "NVML brand", "yes", _BOTH),
+    AttributeDoc(ARCHITECTURE, "string", '"Hopper"', "NVML architecture", "yes", _BOTH),
+    AttributeDoc(CUDA_COMPUTE_CAPABILITY, "version", '"9.0.0"', "CUDA compute capability, as semver",
+                 "yes", _BOTH),
+    AttributeDoc(DRIVER_VERSION, "version", '"570.195.3"',
+                 "kernel driver version as semver (570.195.03 -> 570.195.3, as NVIDIA does)", "yes", _BOTH),
+    AttributeDoc(CUDA_DRIVER_VERSION, "version", '"12.8.0"', "highest CUDA version the driver supports",
+                 "yes", _BOTH),
+    AttributeDoc(PCI_BUS_ID, "string", '"0000:3b:00.0"',
+                 "PCI address (of the parent, for MIG); standard name", "yes (v25.12+)", _BOTH),
+    AttributeDoc(PCIE_ROOT, "string", '"pci0000:3a"',
+                 "PCIe root complex; standard name, match it to co-locate with NICs", "yes", _BOTH),
+    AttributeDoc(STANDARD_NUMA_NODE, "int (ints with list attributes)", "0",
+                 "NUMA node of the PCI device, only when known; standard name", "yes", _BOTH),
+    AttributeDoc(PARENT_UUID, "string", '"GPU-5b1c…"', "UUID of the MIG instance's GPU", "yes", "mig"),
+    AttributeDoc(PROFILE, "string", '"1g.10gb"', "MIG profile", "yes", "mig"),
+    AttributeDoc(INDEX, "int", "3", "NVML index of the GPU", "v25.3 only", "gpu"),
+    AttributeDoc(MINOR, "int", "3", "device minor: `/dev/nvidia<minor>`", "v25.3 only", "gpu"),
+    AttributeDoc(PARENT_INDEX, "int", "3", "NVML index of the MIG instance's GPU", "v25.3 only", "mig"),
+    AttributeDoc(NUMA_NODE, "int", "0", "NUMA node, only when known (scalar even with list attributes)",
+                 "no", _BOTH),
+    AttributeDoc(NVLINK_PEER_COUNT, "int", "4",
+                 "how many other GPUs of the node this GPU has NVLink to (GPUs in MIG mode included)",
+                 "no", "gpu"),
+    AttributeDoc(NVLINK_PEERS, "string (ints with list attributes)", '"1,2,3,6" / [1, 2, 3, 6]',
+                 "indexes of the NVLink peers, ascending (as ranges, \"0-4,6-63\", past 64 chars); "
+                 "absent with no peers", "no", "gpu"),
+    AttributeDoc(NVLINK_ISLAND, "string", '"island-0"',
+                 "GPUs with the same value are connected by NVLink paths (possibly over other GPUs)",
+                 "no", "gpu"),
+    AttributeDoc(nvlink_group_attribute(2), "string", '"nvl2-0-1"',
+                 "GPUs with the same value are mutually NVLink-linked whole GPUs; only when in such a pair",
+                 "no", "gpu"),
+    AttributeDoc(nvlink_group_attribute(4), "string", '"nvl4-0-1-2-3"',
+                 "same, for a group of 4 mutually linked GPUs", "no", "gpu"),
+    AttributeDoc(nvlink_group_attribute(8), "string", '"nvl8-0-1-2-3-4-5-6-7"',
+                 "same, for a group of 8 (e.g. all GPUs of an NVSwitch box)", "no", "gpu"),
+    AttributeDoc(f"{NVLINK_GROUP_PREFIX}<N>", "string", '"nvl16-0-1-…-15"',
+                 f"same, for N in {', '.join(str(n) for n in NVLINK_GROUP_SIZES[3:])}", "no", "gpu"),
+    AttributeDoc(NVLINK_CLIQUES, "strings (list attributes only)", '["0-1-2-3", "0-4"]',
+                 "ids of the maximal sets of mutually linked GPUs this GPU belongs to", "no", "gpu"),
+    AttributeDoc(FABRIC_CLIQUE_ID, "string", '"8c1f…-…-….7"',
+                 "multi-node NVLink fabric clique `<clusterUUID>.<cliqueId>` (NVIDIA's node label "
+                 "`nvidia.com/gpu.clique`), only in a fabric", "label only", "gpu"),
+)
+
+
+@dataclass(frozen=True)
+class CapacityDoc:
+    """One row of the capacity table."""
+
+    name: str
+    example: str
+    meaning: str
+    nvidia: str
+    devices: str
+
+
+CAPACITIES: tuple[CapacityDoc, ...] = (
+    CapacityDoc(MEMORY, '"81559Mi"', "framebuffer memory in bytes (canonical binary quantity)", "yes", _BOTH),
+    CapacityDoc(MULTIPROCESSORS, '"132"', "streaming multiprocessors; on whole GPUs only when known",
+                "mig (gpu: DynamicMIG only)", _BOTH),
+    CapacityDoc(COPY_ENGINES, '"1"', "copy engines of the instance", "yes", "mig"),
+    CapacityDoc(DECODERS, '"1"', "video decoders of the instance", "yes", "mig"),
+    CapacityDoc(ENCODERS, '"0"', "video encoders of the instance", "yes", "mig"),
+    CapacityDoc(JPEG_ENGINES, '"1"', "JPEG engines of the instance", "yes", "mig"),
+    CapacityDoc(OFA_ENGINES, '"0"', "optical-flow engines of the instance", "yes", "mig"),
+    CapacityDoc(f"{MEMORY_SLICE_PREFIX}<i>", '"1"', "1 for each memory slice the instance occupies",
+                "yes", "mig"),
+)
+
+
+def markdown_table() -> str:
+    """The vocabulary as the Markdown table of docs/attributes.md."""
+    lines = [
+        "| name | type | example | meaning | NVIDIA's driver | devices |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| `{a.name}` | {a.type} | `{a.example}` | {a.meaning} | {a.nvidia} | {a.devices} |"
+              for a in VOCABULARY]
+    lines += [f"| `{c.name}` | capacity (quantity) | `{c.example}` | {c.meaning} | {c.nvidia} | {c.devices} |"
+              for c in CAPACITIES]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class NvlinkFacts:
+    """The NVLink facts of one whole GPU, as the topology module derives them."""
+
+    peers: tuple[int, ...]  # indexes of directly linked GPUs, ascending
+    island: str | None
+    groups: Mapping[int, str]  # group size -> group id (members are mutually linked)
+    cliques: tuple[str, ...] = ()  # ids of the maximal cliques this GPU is in
+
+
+@dataclass(frozen=True)
+class DeviceAttributes:
+    """What one device publishes: its `attributes` and `capacity` maps, JSON-ready."""
+
+    attributes: JSON
+    capacity: JSON
+
+    @property
+    def count(self) -> int:
+        return len(self.attributes) + len(self.capacity)
+
+    @property
+    def value_count(self) -> int:
+        """Scalar attributes count 1, list attributes their length (the 48-values limit)."""
+        return sum(_values_in(v) for v in self.attributes.values()) + len(self.capacity)
+
+    @property
+    def uses_list_attributes(self) -> bool:
+        return any(k in _LIST_KINDS for v in self.attributes.values() for k in v)
+
+
+_LIST_KINDS = frozenset({"ints", "strings", "bools", "versions"})
+
+
+def _values_in(value: JSON) -> int:
+    (kind, inner), = value.items()
+    return len(inner) if kind in _LIST_KINDS else 1
+
+
+# --- values ---
+
+_NUMERIC_VERSION = re.compile(r"^[vV]?([0-9]+)(?:\.([0-9]+))?(?:\.([0-9]+))?$")
+
+
+def semver(raw: str) -> str | None:
+    """NVIDIA's normalisation of "9.0", "12.8", "570.195.03" to semver; None if not numeric.
+
+    Missing minor/patch become 0 and leading zeros go (570.195.03 -> 570.195.3), which is
+    what Masterminds/semver's loose parse + String() does in NVIDIA's driver.
+    """
+    match = _NUMERIC_VERSION.match(raw.strip())
+    if match is None:
+        return None
+    text = ".".join(str(int(part or "0")) for part in match.groups())
+    return text if len(text) <= MAX_STRING_LENGTH else None
+
+
+_DECIMAL_SUFFIXES = ("", "k", "M", "G", "T", "P", "E")
+_BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
+
+
+def decimal_quantity(n: int) -> str:
+    """The canonical form the API server writes for integer `n` in DecimalSI (1000 -> "1k")."""
+    if n == 0:
+        return "0"
+    step = 0
+    while step < len(_DECIMAL_SUFFIXES) - 1 and n % 1000 == 0:
+        n //= 1000
+        step += 1
+    return f"{n}{_DECIMAL_SUFFIXES[step]}"
+
+
+def binary_quantity(n: int) -> str:
+    """The canonical form the API server writes for integer `n` in BinarySI.
+
+    Like Go's `resource.NewQuantity(n, resource.BinarySI).String()` (what NVIDIA's driver
+    sends): the largest power-of-1024 suffix that keeps `n` whole, and below 1024 the
+    DecimalSI form. Publishing the server's own canonical form keeps `spec` comparisons
+    with what the server returns exact.
+    """
+    if -1024 < n < 1024:
+        return decimal_quantity(n)
+    step = 0
+    while step < len(_BINARY_SUFFIXES) - 1 and n % 1024 == 0:
+        n //= 1024
+        step += 1
+    return f"{n}{_BINARY_SUFFIXES[step]}"
+
+
+def _string(value: str | None, *, free_text: bool = False) -> JSON | None:
+    if value is None:
+        return None
+    if len(value) > MAX_STRING_LENGTH:
+        # Free text may be shortened; a shortened identifier would be a wrong one.
+        if not free_text:
+            return None
+        value = value[:MAX_STRING_LENGTH]
+    return {"string": value}
+
+
+def _id(value: str | None) -> JSON | None:
+    """One of our own ids (group, island, clique): kept unique when cut to the length limit."""
+    if value is None or len(value) <= MAX_STRING_LENGTH:
+        return _string(value)
+    digest = hashlib.sha256(value.encode()).hexdigest()[:12]
+    return {"string": f"{value[:MAX_STRING_LENGTH - 13]}~{digest}"}
+
+
+def _int(value: int | None) -> JSON | None:
+    return None if value is None else {"int": value}
+
+
+def _version(raw: str | None) -> JSON | None:
+    text = semver(raw) if raw is not None else None
+    return None if text is None else {"version": text}
+
+
+def _quantity(value: int | None, fmt: Callable[[int], str] = decimal_quantity) -> JSON | None:
+    return None if value is None or value < 0 else {"value": fmt(value)}
+
+
+def _known_numa(numa_node: int | None) -> int | None:
+    # sysfs reports -1 for "no NUMA affinity".
+    return numa_node if numa_node is not None and numa_node >= 0 else None
+
+
+def _ranges(numbers: tuple[int, ...]) -> str:
+    """1,2,3,5,7,8,9 -> "1-3,5,7-9": the short readable form when the plain list is too long."""
+    out: list[str] = []
+    start = prev = numbers[0]
+    for n in (*numbers[1:], None):
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ",".join(out)
+
+
+def _peer_string(peers: tuple[int, ...]) -> JSON | None:
+    if not peers:
+        return None
+    plain = ",".join(str(p) for p in peers)
+    if len(plain) <= MAX_STRING_LENGTH:
+        return {"string": plain}
+    return _string(_ranges(peers))
+
+
+# --- devices ---
+
+def _common(gpu: GpuInfo, inventory: Inventory, list_attributes: bool) -> dict[str, JSON | None]:
+    """What a whole GPU and its MIG instances share: NVIDIA's common set plus NUMA."""
+    numa = _known_numa(gpu.numa_node)
+    standard_numa: JSON | None = None
+    if numa is not None:
+        standard_numa = {"ints": [numa]} if list_attributes else {"int": numa}
+    return {
+        PRODUCT_NAME: _string(gpu.product_name, free_text=True),
+        BRAND: _string(gpu.brand, free_text=True),
+        ARCHITECTURE: _string(gpu.architecture, free_text=True),
+        CUDA_COMPUTE_CAPABILITY: _version(gpu.cuda_compute_capability),
+        DRIVER_VERSION: _version(inventory.driver_version),
+        CUDA_DRIVER_VERSION: _version(inventory.cuda_driver_version),
+        PCI_BUS_ID: _string(gpu.pci_bus_id),
+        PCIE_ROOT: _string(gpu.pcie_root),
+        STANDARD_NUMA_NODE: standard_numa,
+        NUMA_NODE: _int(numa),
+    }
+
+
+def _nvlink(facts: NvlinkFacts | None, gpu: GpuInfo, list_attributes: bool) -> dict[str, JSON | None]:
+    attrs: dict[str, JSON | None] = {
+        FABRIC_CLIQUE_ID: _string(gpu.fabric_clique.id if gpu.fabric_clique else None),
+    }
+    if facts is None:
+        return attrs
+    peers = tuple(sorted(facts.peers))
+    attrs[NVLINK_PEER_COUNT] = _int(len(peers))
+    if list_attributes:
+        attrs[NVLINK_PEERS] = {"ints": list(peers)} if peers else None
+    else:
+        attrs[NVLINK_PEERS] = _peer_string(peers)
+    attrs[NVLINK_ISLAND] = _id(facts.island)
+    for size in NVLINK_GROUP_SIZES:
+        attrs[nvlink_group_attribute(size)] = _id(facts.groups.get(size))
+    if list_attributes:
+        cliques = sorted(str(v["string"]) for c in facts.cliques if (v := _id(c)) is not None)
+        attrs[NVLINK_CLIQUES] = {"strings": cliques} if cliques else None
+    return attrs
+
+
+def _gpu_device(gpu: GpuInfo, inventory: Inventory, facts: NvlinkFacts | None,
+                list_attributes: bool) -> tuple[dict[str, JSON | None], dict[str, JSON | None]]:
+    attrs: dict[str, JSON | None] = {
+        TYPE: {"string": DEVICE_TYPE_GPU},
+        UUID: _string(gpu.uuid),
+        **_common(gpu, inventory, list_attributes),
+        INDEX: _int(gpu.index),
+        MINOR: _int(gpu.minor),
+        **_nvlink(facts, gpu, list_attributes),
+    }
+    capacity: dict[str, JSON | None] = {
+        MEMORY: _quantity(gpu.memory_bytes, binary_quantity),
+        MULTIPROCESSORS: _quantity(gpu.multiprocessors),
+    }
+    return attrs, capacity
+
+
+def _mig_device(gpu: GpuInfo, mig: MigDevice, inventory: Inventory,
+                list_attributes: bool) -> tuple[dict[str, JSON | None], dict[str, JSON | None]]:
+    # No NVLink or fabric attributes: MIG instances cannot do NVLink peer-to-peer.
+    attrs: dict[str, JSON | None] = {
+        TYPE: {"string": DEVICE_TYPE_MIG},
+        UUID: _string(mig.uuid),
+        PARENT_UUID: _string(gpu.uuid),
+        PROFILE: _string(mig.profile),
+        **_common(gpu, inventory, list_attributes),
+        PARENT_INDEX: _int(gpu.index),
+    }
+    capacity: dict[str, JSON | None] = {
+        MEMORY: _quantity(mig.memory_bytes, binary_quantity),
+        MULTIPROCESSORS: _quantity(mig.multiprocessors),
+        COPY_ENGINES: _quantity(mig.copy_engines),
+        DECODERS: _quantity(mig.decoders),
+        ENCODERS: _quantity(mig.encoders),
+        JPEG_ENGINES: _quantity(mig.jpeg_engines),
+        OFA_ENGINES: _quantity(mig.ofa_engines),
+    }
+    for i in range(mig.placement_start, mig.placement_start + mig.placement_size):
+        capacity[memory_slice_capacity(i)] = {"value": "1"}
+    return attrs, capacity
+
+
+# What goes first when a device would break a per-device limit: list attributes, then
+# our own optional additions, largest NVLink groups first. NVIDIA's names never go,
+# except memorySlice<i> as the very last resort (a MIG instance wider than any so far).
+_ATTRIBUTE_DROP_ORDER: tuple[str, ...] = (
+    NVLINK_CLIQUES,
+    NVLINK_PEERS,
+    *(nvlink_group_attribute(s) for s in reversed(NVLINK_GROUP_SIZES)),
+    NVLINK_ISLAND,
+    NUMA_NODE,
+    NVLINK_PEER_COUNT,
+    PARENT_INDEX,
+    MINOR,
+    INDEX,
+    FABRIC_CLIQUE_ID,
+)
+
+
+def _fits(device: DeviceAttributes) -> bool:
+    return device.count <= MAX_ATTRIBUTES_AND_CAPACITIES and device.value_count <= MAX_ATTRIBUTE_VALUES
+
+
+def _fit(attrs: JSON, capacity: JSON, optional_capacity: tuple[str, ...]) -> DeviceAttributes:
+    device = DeviceAttributes(attrs, capacity)
+    drops = [(name, True) for name in _ATTRIBUTE_DROP_ORDER] + [(name, False) for name in optional_capacity]
+    for name, is_attribute in drops:
+        if _fits(device):
+            break
+        if is_attribute:
+            device = DeviceAttributes(_without(device.attributes, name), device.capacity)
+        else:
+            device = DeviceAttributes(device.attributes, _without(device.capacity, name))
+    return device
+
+
+def _without(entries: JSON, name: str) -> JSON:
+    return {k: v for k, v in entries.items() if k != name}
+
+
+def device_attributes(device: NodeDevice, inventory: Inventory, nvlink: NvlinkFacts | None,
+                      *, list_attributes: bool) -> DeviceAttributes:
+    """The attributes and capacities of one device (`nvlink` is ignored for MIG devices).
+
+    `list_attributes`: the server keeps list-type attributes (DRAListTypeAttributes);
+    without it only scalar attributes are published.
+    """
+    if device.mig is None:
+        attrs, capacity = _gpu_device(device.gpu, inventory, nvlink, list_attributes)
+        optional_capacity: tuple[str, ...] = (MULTIPROCESSORS,)
+    else:
+        attrs, capacity = _mig_device(device.gpu, device.mig, inventory, list_attributes)
+        optional_capacity = tuple(sorted((k for k in capacity if k.startswith(MEMORY_SLICE_PREFIX)),
+                                         key=lambda k: -int(k[len(MEMORY_SLICE_PREFIX):])))
+    return _fit({k: v for k, v in attrs.items() if v is not None},
+                {k: v for k, v in capacity.items() if v is not None}, optional_capacity)

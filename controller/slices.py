@@ -1,0 +1,116 @@
+"""The desired ResourceSlices of one node: a pure function of its inventory.
+
+`desired_slices(inventory, node_name, driver, features)` returns the `spec` of every
+ResourceSlice of the node's one pool (pool name = node name), as plain JSON-ready dicts
+in the `resource.k8s.io/v1` shape. Devices are named by `dra_driver.devices` (the
+plugin resolves allocations with the same names) and described by
+`controller.attributes`. The reconcile loop owns what changes between writes: it adds
+`pool.generation` and `pool.resourceSliceCount` and talks to the API server; nothing
+here does I/O.
+
+Every API limit is respected here rather than discovered as a rejected write: devices
+are split over several slices (sorted by GPU index, then MIG placement, so the split is
+deterministic) and each device stays within the per-device limits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from controller.attributes import DeviceAttributes, NvlinkFacts, device_attributes
+from dra_driver.devices import NodeDevice, node_devices
+from dra_driver.gpu.model import Inventory
+from dra_driver.gpu.topology import nvlink_topology
+
+JSON = dict[str, Any]
+
+# resource.k8s.io/v1 limits (reference/dra-protocol.md §1.3, §1.7).
+MAX_DEVICES_PER_SLICE = 128
+# When any device of a slice uses taints, consumesCounters or (1.36+) list-type attributes.
+MAX_DEVICES_PER_SLICE_RESTRICTED = 64
+MAX_DRIVER_NAME_LENGTH = 63
+MAX_POOL_NAME_LENGTH = 253
+MAX_DEVICE_NAME_LENGTH = 63
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class SliceFeatures:
+    """What the API server supports, decided once at start."""
+
+    list_attributes: bool = False  # DRAListTypeAttributes: ints/strings/... attribute values
+
+
+def is_dns_label(name: str) -> bool:
+    return len(name) <= MAX_DEVICE_NAME_LENGTH and bool(_DNS_LABEL.match(name))
+
+
+def is_dns_subdomain(name: str, max_length: int = 253) -> bool:
+    return 0 < len(name) <= max_length and all(
+        len(part) <= 63 and _DNS_LABEL.match(part) for part in name.split(".")
+    )
+
+
+def _device_order(device: NodeDevice) -> tuple[int, int]:
+    return device.gpu.index, device.mig.placement_start if device.mig else -1
+
+
+def nvlink_facts(inventory: Inventory) -> dict[int, NvlinkFacts]:
+    """The NVLink facts of every GPU, by index."""
+    return {
+        g.index: NvlinkFacts(peers=g.peers, island=g.island, groups=g.groups_by_size, cliques=g.cliques)
+        for g in nvlink_topology(inventory).gpus
+    }
+
+
+def device_json(name: str, described: DeviceAttributes) -> JSON:
+    """One `Device` entry; empty maps are left out as the API server leaves them out."""
+    device: JSON = {"name": name}
+    if described.attributes:
+        device["attributes"] = described.attributes
+    if described.capacity:
+        device["capacity"] = described.capacity
+    return device
+
+
+def desired_slices(
+    inventory: Inventory, node_name: str, driver: str, features: SliceFeatures
+) -> tuple[JSON, ...]:
+    """The specs of the node's ResourceSlices, in order; at least one ("driver up, no devices").
+
+    Raises ValueError for a driver or node name the API server would reject.
+    """
+    if not is_dns_subdomain(driver, MAX_DRIVER_NAME_LENGTH):
+        raise ValueError(
+            f"driver name {driver!r} is not a DNS subdomain of at most {MAX_DRIVER_NAME_LENGTH} characters"
+        )
+    if not is_dns_subdomain(node_name, MAX_POOL_NAME_LENGTH):
+        raise ValueError(f"node name {node_name!r} cannot name a pool: not a DNS subdomain")
+
+    facts = nvlink_facts(inventory)
+    devices = sorted(node_devices(inventory).values(), key=_device_order)
+    described = [
+        device_attributes(d, inventory, facts.get(d.gpu.index), list_attributes=features.list_attributes)
+        for d in devices
+    ]
+    for d in devices:
+        if not is_dns_label(d.name):
+            raise ValueError(f"device name {d.name!r} is not a DNS label")
+
+    restricted = any(a.uses_list_attributes for a in described)
+    per_slice = MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
+    entries = [device_json(d.name, a) for d, a in zip(devices, described, strict=True)]
+    chunks = [entries[i : i + per_slice] for i in range(0, len(entries), per_slice)] or [[]]
+    return tuple(_spec(driver, node_name, chunk) for chunk in chunks)
+
+
+def _spec(driver: str, node_name: str, devices: list[JSON]) -> JSON:
+    spec: JSON = {"driver": driver, "nodeName": node_name, "pool": {"name": node_name}}
+    # An empty list is left out: the API server omits it (omitempty since 1.35), and the
+    # reconcile loop compares our spec with the server's.
+    if devices:
+        spec["devices"] = devices
+    return spec

@@ -1,0 +1,68 @@
+"""`dra-driver inventory`: show what the driver sees on this node (or in a simulated profile).
+
+Output only: a table for people (`-o table`, with an `nvidia-smi topo -m` style matrix) or
+the stable JSON document of docs/inventory.md (`-o json`). Errors become one message and
+a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from dra_driver.gpu import GpuDiscoveryError, NvmlUnavailableError, discover, list_profiles
+from dra_driver.gpu.report import inventory_document, render_table
+from dra_driver.gpu.topology import nvlink_topology
+
+NO_DRIVER_HINT = (
+    "No NVIDIA driver found: {reason}.\n"
+    "To see what the driver would publish on a GPU node, simulate one:\n"
+    "  dra-driver inventory --simulate hgx-h200\n"
+    "  dra-driver inventory --list-profiles      (all simulated profiles)"
+)
+
+
+@click.command("inventory")
+@click.option("--simulate", metavar="NAME|PATH", help="Use a simulated hardware profile instead of NVML.")
+@click.option("-o", "--output", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option(
+    "--list-profiles", "list_only", is_flag=True, help="List the simulated hardware profiles and exit."
+)
+def inventory(simulate: str | None, output: str, list_only: bool) -> None:
+    """Show the node's GPUs, MIG devices and NVLink topology."""
+    if list_only:
+        _print_profiles(output)
+        return
+    try:
+        inv = discover(simulate)
+    except NvmlUnavailableError as err:
+        raise click.ClickException(NO_DRIVER_HINT.format(reason=err)) from err
+    except GpuDiscoveryError as err:
+        raise click.ClickException(str(err)) from err
+    topology = nvlink_topology(inv)
+    if output == "json":
+        click.echo(json.dumps(inventory_document(inv, topology), indent=2))
+    else:
+        click.echo(render_table(inv, topology))
+
+
+def _print_profiles(output: str) -> None:
+    try:
+        profiles = list_profiles()
+    except GpuDiscoveryError as err:
+        raise click.ClickException(str(err)) from err
+    if output == "json":
+        click.echo(
+            json.dumps(
+                [
+                    {"name": p.name, "gpus": p.gpus, "product": p.product, "description": p.description}
+                    for p in profiles
+                ],
+                indent=2,
+            )
+        )
+        return
+    width = max(len(p.name) for p in profiles)
+    for p in profiles:
+        click.echo(f"{p.name.ljust(width)}  {p.description}")

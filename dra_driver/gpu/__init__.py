@@ -1,0 +1,43 @@
+"""GPU discovery: what this node's GPUs are, read once at start, from NVML or a simulated profile.
+
+Public API:
+- `discover(simulate=None) -> Inventory`: real NVML when `simulate` is None, else the
+  shipped profile of that name (`hgx-h200`, see `profile_names()`) or a profile file path.
+  Raises `NvmlUnavailableError` (no NVIDIA driver), `ProfileError` (bad profile) or
+  `GpuDiscoveryError` (a GPU NVML cannot identify); all are `GpuDiscoveryError`s.
+- `dra_driver.gpu.topology.nvlink_topology(inventory) -> NvlinkTopology`: per-GPU NVLink
+  peers, island, groups by size and maximal cliques.
+- `dra_driver.gpu.model`: the data (`Inventory`, `GpuInfo`, `MigDevice`, ...).
+- `dra_driver.gpu.report`: the JSON document and the table of `dra-driver inventory`.
+Both paths run the same code: `nvml.discover(pynvml)` on a host,
+`nvml.discover(FakeNvml(profile), FakeSysfs(profile))` for a simulation.
+"""
+
+from __future__ import annotations
+
+import pynvml
+
+from dra_driver.gpu import nvml
+from dra_driver.gpu.errors import GpuDiscoveryError, NvmlUnavailableError, ProfileError
+from dra_driver.gpu.model import Inventory
+from dra_driver.gpu.profiles import list_profiles, load_profile, profile_names
+from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
+
+__all__ = [
+    "GpuDiscoveryError",
+    "Inventory",
+    "NvmlUnavailableError",
+    "ProfileError",
+    "discover",
+    "list_profiles",
+    "load_profile",
+    "profile_names",
+]
+
+
+def discover(simulate: str | None = None) -> Inventory:
+    """The node's inventory: from NVML, or from the simulated profile named or pointed to by `simulate`."""
+    if simulate is None:
+        return nvml.discover(pynvml, nvml.HostSysfs(), source="nvml")
+    profile = load_profile(simulate)
+    return nvml.discover(FakeNvml(profile), FakeSysfs(profile), source=f"simulated:{profile.name}")

@@ -1,0 +1,353 @@
+"""Fake NVML: a stand-in for the `pynvml` module that answers from a `Profile`.
+
+`FakeNvml(profile)` has the same function names as the pynvml calls in
+`dra_driver.gpu.nvml.NvmlApi`, returns the same shapes (the real pynvml ctypes structs,
+ints, strs, lists) and raises real `pynvml.NVMLError` subclasses with real NVML codes
+(NotSupported where the profile says so, Uninitialized before `nvmlInit`,
+InvalidArgument past the last NVLink link). So `nvml.discover(FakeNvml(p), FakeSysfs(p))`
+runs the very parsing code a GPU host runs with `nvml.discover(pynvml)`.
+
+`FakeSysfs(profile)` answers the sysfs questions (PCIe root, NUMA node) the same way.
+`calls` records every call, so tests can check that each query is made once.
+This module holds no discovery logic of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import pynvml
+
+from dra_driver.gpu.nvml import normalize_pci_bus_id
+from dra_driver.gpu.profiles import GpuSpec, MigInstanceSpec, Profile
+
+
+@dataclass(frozen=True)
+class GpuHandle:
+    index: int
+
+
+@dataclass(frozen=True)
+class MigHandle:
+    gpu: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class GpuInstanceHandle:
+    gpu: int
+    gpu_instance_id: int
+
+
+@dataclass(frozen=True)
+class _LinkEnd:
+    gpu: int | None  # a GPU of the node, or None for an NVSwitch
+    bus_id: str | None  # NVML spelling; None when NVML does not report it
+
+
+def _fail(code: int) -> pynvml.NVMLError:
+    return pynvml.NVMLError(code)
+
+
+def _pci_info(bus_id: str) -> Any:
+    domain, bus, rest = bus_id.split(":")
+    info = pynvml.nvmlPciInfo_t()
+    info.busId = bus_id.upper().encode()
+    info.busIdLegacy = f"{int(domain, 16):04X}:{bus}:{rest}".upper().encode()
+    info.domain = int(domain, 16)
+    info.bus = int(bus, 16)
+    info.device = int(rest.split(".")[0], 16)
+    return info
+
+
+class FakeNvml:
+    """The pynvml calls that discovery makes, answered from a profile."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._initialized = 0
+        self._links = {g.index: self._link_table(g) for g in profile.gpus}
+
+    def _link_table(self, gpu: GpuSpec) -> tuple[_LinkEnd, ...]:
+        ends: list[_LinkEnd] = []
+        for a, b, count in self.profile.nvlink_pairs:
+            if gpu.index in (a, b):
+                peer = b if a == gpu.index else a
+                ends += [_LinkEnd(peer, self.profile.gpus[peer].pci_bus_id)] * count
+        for switch_bus, count in zip(self.profile.nvswitches, gpu.nvswitch_links, strict=True):
+            ends += [_LinkEnd(None, switch_bus)] * count
+        return tuple(ends)
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _enter(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+        if name != "nvmlInit" and not self._initialized:
+            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        if name in self.profile.errors:
+            raise _fail(self.profile.errors[name])
+        first = args[0] if args else None
+        gpu_index = first.index if isinstance(first, GpuHandle) else getattr(first, "gpu", None)
+        if gpu_index is not None and name in self.profile.gpus[gpu_index].errors:
+            raise _fail(self.profile.gpus[gpu_index].errors[name])
+
+    def _gpu(self, handle: Any) -> GpuSpec:
+        if not isinstance(handle, GpuHandle):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self.profile.gpus[handle.index]
+
+    def _mig(self, handle: Any) -> tuple[GpuSpec, MigInstanceSpec]:
+        if not isinstance(handle, MigHandle):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self.profile.gpus[handle.gpu]
+        return gpu, gpu.mig_devices[handle.slot]
+
+    def _link(self, handle: Any, link: int) -> _LinkEnd | None:
+        gpu = self._gpu(handle)
+        if not 0 <= link < gpu.nvlink_max_links:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        ends = self._links[gpu.index]
+        return ends[link] if link < len(ends) else None
+
+    def _nvlink_p2p(self, a: GpuSpec, b: GpuSpec) -> bool:
+        direct = any({x, y} == {a.index, b.index} for x, y, _ in self.profile.nvlink_pairs)
+        on_switch = sum(a.nvswitch_links) > 0 and sum(b.nvswitch_links) > 0
+        same_fabric = a.fabric is None or b.fabric is None or a.fabric.cluster_uuid == b.fabric.cluster_uuid
+        return direct or (on_switch and same_fabric)
+
+    # -- system -----------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self._enter("nvmlInit")
+        self._initialized += 1
+
+    def nvmlShutdown(self) -> None:
+        self._enter("nvmlShutdown")
+        self._initialized -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._enter("nvmlSystemGetDriverVersion")
+        return self.profile.driver_version
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        self._enter("nvmlSystemGetCudaDriverVersion_v2")
+        return self.profile.cuda_driver_version
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        self._enter("nvmlSystemGetCudaDriverVersion")
+        return self.profile.cuda_driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._enter("nvmlDeviceGetCount")
+        return len(self.profile.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        self._enter("nvmlDeviceGetHandleByIndex", index)
+        if not 0 <= index < len(self.profile.gpus):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return GpuHandle(index)
+
+    # -- identity ---------------------------------------------------------------------
+
+    def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        self._enter("nvmlDeviceGetUUID", handle)
+        if isinstance(handle, MigHandle):
+            return self._mig(handle)[1].uuid
+        return self._gpu(handle).uuid
+
+    def nvmlDeviceGetName(self, handle: Any) -> str:
+        self._enter("nvmlDeviceGetName", handle)
+        return self._gpu(handle).name
+
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetMinorNumber", handle)
+        return self._gpu(handle).minor
+
+    def nvmlDeviceGetBrand(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetBrand", handle)
+        return self._gpu(handle).brand
+
+    def nvmlDeviceGetArchitecture(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetArchitecture", handle)
+        return self._gpu(handle).architecture
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
+        self._enter("nvmlDeviceGetCudaComputeCapability", handle)
+        return self._gpu(handle).compute_capability
+
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any:
+        self._enter("nvmlDeviceGetMemoryInfo", handle)
+        total = self._gpu(handle).memory_bytes
+        return pynvml.c_nvmlMemory_t(total=total, free=total, used=0)
+
+    def nvmlDeviceGetPciInfo(self, handle: Any) -> Any:
+        self._enter("nvmlDeviceGetPciInfo", handle)
+        return _pci_info(self._gpu(handle).pci_bus_id)
+
+    def nvmlDeviceGetNumaNodeId(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetNumaNodeId", handle)
+        numa = self._gpu(handle).numa_node
+        if numa is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return numa
+
+    def nvmlDeviceGetAttributes(self, handle: Any) -> Any:
+        self._enter("nvmlDeviceGetAttributes", handle)
+        attrs = pynvml.c_nvmlDeviceAttributes()
+        if isinstance(handle, MigHandle):
+            _, mig = self._mig(handle)
+            p = mig.profile
+            attrs.multiprocessorCount = p.multiprocessors
+            attrs.sharedCopyEngineCount = p.copy_engines
+            attrs.sharedDecoderCount = p.decoders
+            attrs.sharedEncoderCount = p.encoders
+            attrs.sharedJpegCount = p.jpeg_engines
+            attrs.sharedOfaCount = p.ofa_engines
+            attrs.gpuInstanceSliceCount = p.slices
+            attrs.computeInstanceSliceCount = p.slices
+            attrs.memorySizeMB = p.memory_mib
+            return attrs
+        self._gpu(handle)
+        # A real H200 (driver 580) answers this only for MIG device handles.
+        raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    # -- MIG --------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, handle: Any) -> list[int]:
+        self._enter("nvmlDeviceGetMigMode", handle)
+        mode = (
+            pynvml.NVML_DEVICE_MIG_ENABLE if self._gpu(handle).mig_enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        )
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetMaxMigDeviceCount", handle)
+        return self._gpu(handle).mig_max_devices
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> Any:
+        self._enter("nvmlDeviceGetMigDeviceHandleByIndex", handle, index)
+        gpu = self._gpu(handle)
+        if not gpu.mig_enabled or not 0 <= index < gpu.mig_max_devices:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(gpu.mig_devices):
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return MigHandle(gpu.index, index)
+
+    def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetGpuInstanceId", handle)
+        return self._mig(handle)[1].gpu_instance_id
+
+    def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetComputeInstanceId", handle)
+        return self._mig(handle)[1].compute_instance_id
+
+    def nvmlDeviceGetGpuInstanceById(self, handle: Any, gpu_instance_id: int) -> Any:
+        self._enter("nvmlDeviceGetGpuInstanceById", handle, gpu_instance_id)
+        gpu = self._gpu(handle)
+        if not any(m.gpu_instance_id == gpu_instance_id for m in gpu.mig_devices):
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return GpuInstanceHandle(gpu.index, gpu_instance_id)
+
+    def nvmlGpuInstanceGetInfo(self, gpu_instance: Any) -> Any:
+        self._enter("nvmlGpuInstanceGetInfo", gpu_instance)
+        if not isinstance(gpu_instance, GpuInstanceHandle):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self.profile.gpus[gpu_instance.gpu]
+        mig = next(m for m in gpu.mig_devices if m.gpu_instance_id == gpu_instance.gpu_instance_id)
+        info = pynvml.c_nvmlGpuInstanceInfo_t()
+        info.id = mig.gpu_instance_id
+        info.profileId = mig.profile.id
+        info.placement.start = mig.placement
+        info.placement.size = mig.profile.placement_size
+        return info
+
+    # -- NVLink, P2P, PCIe topology -----------------------------------------------------
+
+    def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int:
+        self._enter("nvmlDeviceGetNvLinkState", handle, link)
+        return int(pynvml.NVML_FEATURE_ENABLED if self._link(handle, link) else pynvml.NVML_FEATURE_DISABLED)
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> Any:
+        self._enter("nvmlDeviceGetNvLinkRemotePciInfo", handle, link)
+        end = self._link(handle, link)
+        if end is None:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if end.bus_id is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _pci_info(end.bus_id)
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int:
+        self._enter("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+        end = self._link(handle, link)
+        if end is None:
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        kind = (
+            pynvml.NVML_NVLINK_DEVICE_TYPE_GPU
+            if end.gpu is not None
+            else pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+        )
+        return int(kind)
+
+    def nvmlDeviceGetP2PStatus(self, handle1: Any, handle2: Any, p2p_index: int) -> int:
+        self._enter("nvmlDeviceGetP2PStatus", handle1, handle2, p2p_index)
+        a, b = self._gpu(handle1), self._gpu(handle2)
+        if p2p_index != pynvml.NVML_P2P_CAPS_INDEX_NVLINK:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # the profile models only NVLink P2P
+        ok = self._nvlink_p2p(a, b)
+        return int(pynvml.NVML_P2P_STATUS_OK if ok else pynvml.NVML_P2P_STATUS_NOT_SUPPORTED)
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, handle1: Any, handle2: Any) -> int:
+        self._enter("nvmlDeviceGetTopologyCommonAncestor", handle1, handle2)
+        a, b = self._gpu(handle1), self._gpu(handle2)
+        if a.pcie_switch is not None and a.pcie_switch == b.pcie_switch:
+            return int(pynvml.NVML_TOPOLOGY_SINGLE)
+        if a.pcie_root is not None and a.pcie_root == b.pcie_root:
+            return int(pynvml.NVML_TOPOLOGY_HOSTBRIDGE)
+        if a.sysfs_numa_node >= 0 and a.sysfs_numa_node == b.sysfs_numa_node:
+            return int(pynvml.NVML_TOPOLOGY_NODE)
+        return int(pynvml.NVML_TOPOLOGY_SYSTEM)
+
+    # -- fabric -----------------------------------------------------------------------
+
+    def _fill_fabric(self, handle: Any, info_ref: Any) -> int:
+        spec = self._gpu(handle).fabric
+        if spec is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        info = info_ref._obj  # the struct behind ctypes.byref(), as the C library writes it
+        info.clusterUuid = (ctypes.c_uint8 * len(spec.cluster_uuid))(*spec.cluster_uuid)
+        info.status = spec.status
+        info.cliqueId = spec.clique_id
+        info.state = spec.state
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlDeviceGetGpuFabricInfoV(self, handle: Any, info: Any) -> int:
+        self._enter("nvmlDeviceGetGpuFabricInfoV", handle, info)
+        return self._fill_fabric(handle, info)
+
+    def nvmlDeviceGetGpuFabricInfo(self, handle: Any, info: Any) -> int:
+        self._enter("nvmlDeviceGetGpuFabricInfo", handle, info)
+        return self._fill_fabric(handle, info)
+
+
+@dataclass(frozen=True)
+class FakeSysfs:
+    """The sysfs facts of a profile: PCIe root and NUMA node per PCI bus id."""
+
+    profile: Profile
+
+    def _spec(self, bus_id: str) -> GpuSpec | None:
+        wanted = normalize_pci_bus_id(bus_id)
+        return next((g for g in self.profile.gpus if normalize_pci_bus_id(g.pci_bus_id) == wanted), None)
+
+    def pcie_root(self, bus_id: str) -> str | None:
+        spec = self._spec(bus_id)
+        return spec.pcie_root if spec else None
+
+    def numa_node(self, bus_id: str) -> int | None:
+        spec = self._spec(bus_id)
+        if spec is None or spec.sysfs_numa_node < 0:
+            return None
+        return spec.sysfs_numa_node
