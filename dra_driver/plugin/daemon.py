@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -42,6 +43,7 @@ class PluginOptions:
     cdi_dir: Path
     driver_root: Path
     dev_root: Path
+    host_driver_root: Path | None
     simulate: str | None
     kubeconfig: str | None
     rolling_update_uid: str | None = None
@@ -63,7 +65,10 @@ async def _serve(socket: Path, register: object, name: str) -> grpc.aio.Server:
 async def run_plugin(opts: PluginOptions) -> None:
     inventory = await asyncio.to_thread(discover, opts.simulate)
     devices = node_devices(inventory)
-    driver_files = await asyncio.to_thread(scan_driver_files, opts.driver_root, opts.dev_root, opts.simulate is not None)
+    driver_files = await asyncio.to_thread(
+        functools.partial(scan_driver_files, opts.driver_root, opts.dev_root, opts.simulate is not None,
+                          host_driver_root=opts.host_driver_root, gpu_minors=[g.minor for g in inventory.gpus])
+    )
     log.info("hardware discovered", gpus=len(inventory.gpus), devices=sorted(devices), source=inventory.source)
     paths: PluginPaths = plugin_paths(opts.kubelet_dir, opts.driver, opts.rolling_update_uid)
     paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)

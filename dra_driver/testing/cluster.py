@@ -96,6 +96,7 @@ class ControlPlane:
     api_port: int
     feature_gates: str = FEATURE_GATES
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    argv: dict[str, list[str]] = field(default_factory=dict)
     detach: bool = False
 
     @property
@@ -150,7 +151,8 @@ class ControlPlane:
         return cp
 
     def _spawn(self, name: str, argv: Sequence[str]) -> None:
-        log = open(self.work_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        self.argv[name] = list(argv)
+        log = open(self.work_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         _log(f"starting {name}")
         self.processes[name] = subprocess.Popen(
             list(argv),
@@ -359,6 +361,15 @@ class ControlPlane:
             check=check,
             input=input,
         )
+
+    def stop_component(self, name: str) -> None:
+        """Stop one component (for outage tests); `start_component` brings it back as it was."""
+        _terminate(self.processes.pop(name).pid, name)
+
+    def start_component(self, name: str) -> None:
+        self._spawn(name, self.argv[name])
+        if name == "kube-apiserver":
+            self._wait_ready()
 
     # -- stop --------------------------------------------------------------------------
 

@@ -40,6 +40,9 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
     name = f"t{next(_counter)}-{uuid.uuid4().hex[:6]}"
     request(api, "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     yield name
+    # Without a kubelet, a bound pod's graceful deletion never finishes and its claims
+    # keep their devices: delete pods at once so later tests get the GPUs back.
+    request(api, "DELETE", f"/api/v1/namespaces/{name}/pods", query={"gracePeriodSeconds": "0"})
     request(api, "DELETE", f"/api/v1/namespaces/{name}")
 
 

@@ -1,0 +1,114 @@
+"""Run the driver's own processes (kubelet plugin, controller) for tests, benchmarks and the demo.
+
+Each process is the real `dra-driver` command line in a subprocess, so a test
+exercises argument parsing, logging and signal handling too, and can kill -9 it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
+from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
+from dra_driver.testing.kubelet import find_registration_socket
+
+DRIVER = "gpu.dra-driver.dev"
+
+
+@dataclass
+class DriverProcess:
+    """One `dra-driver kubelet-plugin` for a simulated node, with its own kubelet and CDI dirs."""
+
+    node: str
+    profile: str
+    kubeconfig: Path
+    root: Path
+    extra_args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def kubelet_dir(self) -> Path:
+        return self.root / "kubelet"
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.root / "cdi"
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "plugin.log"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.kubelet_dir / "plugins" / DRIVER
+
+    def start(self, wait: bool = True) -> DriverProcess:
+        self.cdi_dir.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable, "-m", "dra_driver", "--log-format", "json", "--log-level", "debug", "kubelet-plugin",
+            "--node-name", self.node, "--simulate", self.profile, "--kubeconfig", str(self.kubeconfig),
+            "--kubelet-dir", str(self.kubelet_dir), "--cdi-dir", str(self.cdi_dir), *self.extra_args,
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **self.env})
+        if wait:
+            self.wait_serving(timeout=60)
+        return self
+
+    def wait_serving(self, timeout: float = 60.0) -> Path:
+        """Wait until the registration socket answers (a crashed predecessor's file does not)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            socket = self.registration_socket(timeout=max(deadline - time.monotonic(), 0.1))
+            with grpc.insecure_channel(f"unix://{socket}") as channel:
+                try:
+                    RegistrationStub(channel).GetInfo(InfoRequest(), timeout=1)
+                    return socket
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"plugin for {self.node} does not answer:\n{self.log_tail()}") from None
+                    time.sleep(0.1)
+
+    def registration_socket(self, timeout: float = 30.0) -> Path:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"plugin for {self.node} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(TimeoutError):
+                return find_registration_socket(self.kubelet_dir, DRIVER, timeout=0.2)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"plugin for {self.node} did not register:\n{self.log_tail()}")
+
+    def log_tail(self, size: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-size:] if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def wait_exit(self, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        self.proc = None
+        return code
