@@ -172,7 +172,7 @@ class SliceController:
                 await _first_failure(self._watch(resource_version), self._work())
             except _WatchEnded:
                 continue
-            except (ApiException, OSError, asyncio.TimeoutError) as error:
+            except kube.TRANSIENT_ERRORS as error:
                 self.stats.errors += 1
                 self.synced.clear()
                 if isinstance(error, ApiException) and error.status == 410:

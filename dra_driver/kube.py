@@ -9,16 +9,21 @@ newer server are never dropped on the way through.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiohttp
 from kubernetes.aio import client, config
 from kubernetes.client.exceptions import ApiException
 
 JSON = dict[str, Any]
 
-__all__ = ["JSON", "ApiException", "load_client", "request", "watch"]
+# What a request or a watch raises when the API server is slow, down or restarting.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ApiException, OSError, asyncio.TimeoutError, aiohttp.ClientError)
+
+__all__ = ["JSON", "TRANSIENT_ERRORS", "ApiException", "load_client", "request", "watch"]
 
 
 async def load_client(kubeconfig: str | None = None) -> client.ApiClient:
