@@ -7,6 +7,7 @@ in scale tests and benchmarks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import click
 import structlog
@@ -53,7 +54,10 @@ async def _run(driver: str, kubeconfig: str | None, list_attributes: ListAttribu
             await _create_nodes(api, list(inventories))
         ctl = await slice_controller(api, driver, inventories, list_attributes)
         log.info("publishing slices", driver=driver, pools=len(inventories))
-        await ctl.run()
+        try:
+            await ctl.run()
+        finally:
+            log.warning("controller stopping", **dataclasses.asdict(ctl.stats))
     finally:
         await api.close()
 

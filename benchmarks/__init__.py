@@ -1,0 +1,1 @@
+"""Measured figures, each runnable alone: `python -m benchmarks.<name>`."""
