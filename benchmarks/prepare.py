@@ -36,15 +36,26 @@ GPUS = 16
 
 
 def _profile(path: Path) -> Path:
-    gpus = [{"uuid": f"GPU-{i:08x}-0000-4000-8000-{i:012x}", "pci_bus_id": f"00000000:{i + 1:02X}:00.0",
-             "pcie_root": f"pci0000:{i:02x}"} for i in range(GPUS)]
+    gpus = [
+        {
+            "uuid": f"GPU-{i:08x}-0000-4000-8000-{i:012x}",
+            "pci_bus_id": f"00000000:{i + 1:02X}:00.0",
+            "pcie_root": f"pci0000:{i:02x}",
+        }
+        for i in range(GPUS)
+    ]
     profile = {
         "description": f"{GPUS}x L4 (benchmark)",
         "driver": {"version": "570.124.06", "cuda_version": 12080},
-        "gpu_defaults": {"name": "NVIDIA L4", "brand": "NVIDIA", "architecture": "ADA",
-                         "cuda_compute_capability": "8.9", "memory_bytes": 24152899584, "numa_node": 0,
-                         "errors": {"nvmlDeviceGetNvLinkState": "NOT_SUPPORTED",
-                                    "nvmlDeviceGetMigMode": "NOT_SUPPORTED"}},
+        "gpu_defaults": {
+            "name": "NVIDIA L4",
+            "brand": "NVIDIA",
+            "architecture": "ADA",
+            "cuda_compute_capability": "8.9",
+            "memory_bytes": 24152899584,
+            "numa_node": 0,
+            "errors": {"nvmlDeviceGetNvLinkState": "NOT_SUPPORTED", "nvmlDeviceGetMigMode": "NOT_SUPPORTED"},
+        },
         "gpus": gpus,
     }
     path.write_text(yaml.safe_dump(profile))
@@ -82,21 +93,46 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
     try:
         api = load_client(str(cp.kubeconfig))
         create_node(api, NODE)
-        request(api, "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                                     "metadata": {"name": "bench"}})
+        request(
+            api,
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bench"}},
+        )
         claims: list[ClaimName] = []
         for i in range(GPUS):
-            claim = request(api, "POST", "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims", {
-                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": f"c{i}"},
-                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "any"}}]}}})
-            claim["status"] = {"allocation": {"devices": {"results": [
-                {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}]}}}
-            claim = request(api, "PUT", f"/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims/c{i}/status",
-                            claim)
+            claim = request(
+                api,
+                "POST",
+                "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims",
+                {
+                    "apiVersion": "resource.k8s.io/v1",
+                    "kind": "ResourceClaim",
+                    "metadata": {"name": f"c{i}"},
+                    "spec": {
+                        "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "any"}}]}
+                    },
+                },
+            )
+            claim["status"] = {
+                "allocation": {
+                    "devices": {
+                        "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}]
+                    }
+                }
+            }
+            claim = request(
+                api, "PUT", f"/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims/c{i}/status", claim
+            )
             claims.append(ClaimName("bench", f"c{i}", claim["metadata"]["uid"]))
 
-        plugin = DriverProcess(NODE, str(_profile(work / "bench16.yaml")), cp.kubeconfig, work / "p",
-                               extra_args=("--driver-root", str(_driver_root(work / "driver-root"))))
+        plugin = DriverProcess(
+            NODE,
+            str(_profile(work / "bench16.yaml")),
+            cp.kubeconfig,
+            work / "p",
+            extra_args=("--driver-root", str(_driver_root(work / "driver-root"))),
+        )
         t0 = time.perf_counter()
         plugin.start(wait=False)
         plugin.wait_serving(timeout=60)

@@ -34,14 +34,20 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 def _requests_total(cp: ControlPlane) -> int:
     _, metrics = cp.get("/metrics", timeout=30)
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
-               if line.startswith("apiserver_request_total{"))
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in metrics.splitlines()
+        if line.startswith("apiserver_request_total{")
+    )
 
 
 def _devices_published(api: Any, node_prefix: str) -> int:
     items = request(api, "GET", SLICES)["items"]
-    return sum(len(s["spec"].get("devices", [])) for s in items
-               if s["spec"].get("nodeName", "").startswith(node_prefix))
+    return sum(
+        len(s["spec"].get("devices", []))
+        for s in items
+        if s["spec"].get("nodeName", "").startswith(node_prefix)
+    )
 
 
 def _case(cp: ControlPlane, api: Any, profile: str, nodes: int, work: Path) -> dict[str, Any]:
@@ -61,9 +67,25 @@ def _case(cp: ControlPlane, api: Any, profile: str, nodes: int, work: Path) -> d
     polls = 0
     log = open(work / f"{prefix}.log", "wb")  # noqa: SIM115 - closed below
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "dra_driver", "--log-format", "json", "--log-level", "warning",
-                             "controller", "--simulate", profile, "--kubeconfig", str(cp.kubeconfig), *args],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dra_driver",
+            "--log-format",
+            "json",
+            "--log-level",
+            "warning",
+            "controller",
+            "--simulate",
+            profile,
+            "--kubeconfig",
+            str(cp.kubeconfig),
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         while _devices_published(api, prefix) < expected:
             polls += 1
@@ -78,13 +100,20 @@ def _case(cp: ControlPlane, api: Any, profile: str, nodes: int, work: Path) -> d
         proc.wait(30)
         log.close()
     own = polls + 1 + 2  # our LISTs and the two metric reads
-    stats = next(json.loads(line) for line in reversed((work / f"{prefix}.log").read_text().splitlines())
-                 if '"controller stopping"' in line)
-    return {"profile": profile, "nodes": nodes, "devices": expected,
-            "seconds_to_published": round(elapsed, 2),
-            "controller_writes": stats["creates"] + stats["updates"] + stats["deletes"],
-            "controller_lists": stats["lists"],
-            "api_requests_all_clients": after - before - own}
+    stats = next(
+        json.loads(line)
+        for line in reversed((work / f"{prefix}.log").read_text().splitlines())
+        if '"controller stopping"' in line
+    )
+    return {
+        "profile": profile,
+        "nodes": nodes,
+        "devices": expected,
+        "seconds_to_published": round(elapsed, 2),
+        "controller_writes": stats["creates"] + stats["updates"] + stats["deletes"],
+        "controller_lists": stats["lists"],
+        "api_requests_all_clients": after - before - own,
+    }
 
 
 def run(fleets: tuple[int, ...] = (100, 1000)) -> dict[str, Any]:

@@ -22,7 +22,9 @@ log = structlog.get_logger(__name__)
 ListAttributesMode = Literal["auto", "on", "off"]
 
 
-async def resolve_features(api: client.ApiClient, driver: str, list_attributes: ListAttributesMode) -> SliceFeatures:
+async def resolve_features(
+    api: client.ApiClient, driver: str, list_attributes: ListAttributesMode
+) -> SliceFeatures:
     if list_attributes == "auto":
         enabled = await detect_list_attributes(api, driver)
         log.info("detected list-type attribute support", enabled=enabled)
@@ -31,7 +33,9 @@ async def resolve_features(api: client.ApiClient, driver: str, list_attributes: 
     return SliceFeatures(list_attributes=enabled)
 
 
-def pools_for(inventories: Mapping[str, Inventory], driver: str, features: SliceFeatures) -> dict[str, PoolSpec]:
+def pools_for(
+    inventories: Mapping[str, Inventory], driver: str, features: SliceFeatures
+) -> dict[str, PoolSpec]:
     """One pool per node, named after the node."""
     return {
         node: PoolSpec(name=node, node_name=node, slice_specs=desired_slices(inv, node, driver, features))
@@ -47,5 +51,6 @@ async def slice_controller(
 ) -> SliceController:
     features = await resolve_features(api, driver, list_attributes)
     single = next(iter(inventories)) if len(inventories) == 1 else None
-    return SliceController(api=api, driver=driver, pools=pools_for(inventories, driver, features),
-                           node_selector=single)
+    return SliceController(
+        api=api, driver=driver, pools=pools_for(inventories, driver, features), node_selector=single
+    )

@@ -64,9 +64,7 @@ def slice_name(driver: str, pool: str, index: int) -> str:
     return f"{pool}-{driver}-{index:03d}"
 
 
-def desired_objects(
-    driver: str, pool: PoolSpec, generation: int, owner: JSON | None
-) -> dict[str, JSON]:
+def desired_objects(driver: str, pool: PoolSpec, generation: int, owner: JSON | None) -> dict[str, JSON]:
     """The complete ResourceSlice objects of `pool` at `generation`, by name (pure)."""
     count = max(len(pool.slice_specs), 1)
     specs = pool.slice_specs or ({"driver": driver, "devices": []},)
@@ -76,12 +74,19 @@ def desired_objects(
         metadata: JSON = {"name": name, "labels": {MANAGED_BY_LABEL: driver, POOL_LABEL: pool.name}}
         if owner:
             metadata["ownerReferences"] = [owner]
-        full_spec = {**spec, "driver": driver,
-                     "pool": {"name": pool.name, "generation": generation, "resourceSliceCount": count}}
+        full_spec = {
+            **spec,
+            "driver": driver,
+            "pool": {"name": pool.name, "generation": generation, "resourceSliceCount": count},
+        }
         if pool.node_name:
             full_spec["nodeName"] = pool.node_name
-        objects[name] = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                         "metadata": metadata, "spec": full_spec}
+        objects[name] = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": metadata,
+            "spec": full_spec,
+        }
     return objects
 
 
@@ -114,8 +119,11 @@ def plan_pool(driver: str, pool: PoolSpec, existing: Iterable[JSON], owner: JSON
     stale_gen = any(s["spec"]["pool"].get("generation", 0) != current_gen for s in existing_by_name.values())
     extra = [s for n, s in existing_by_name.items() if n not in at_current]
     missing = [n for n in at_current if n not in existing_by_name]
-    changed = [n for n, obj in at_current.items() if n in existing_by_name
-               and not up_to_date(obj, existing_by_name[n])]
+    changed = [
+        n
+        for n, obj in at_current.items()
+        if n in existing_by_name and not up_to_date(obj, existing_by_name[n])
+    ]
     if not (extra or missing or changed or stale_gen):
         return Plan(current_gen, (), ())
     # One changed slice and nothing else: a single update is atomic, keep the generation
@@ -179,7 +187,9 @@ class SliceController:
                     log.info("watch expired; listing again")
                     continue
                 if not outage:
-                    log.warning("API server unreachable or failing; retrying with backoff", error=str(error)[:300])
+                    log.warning(
+                        "API server unreachable or failing; retrying with backoff", error=str(error)[:300]
+                    )
                     outage = True
                 await asyncio.sleep(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, 30.0)
@@ -204,12 +214,18 @@ class SliceController:
             nodes = (await kube.request(self.api, "GET", "/api/v1/nodes"))["items"]
         for node in nodes:
             meta = node["metadata"]
-            self._owners[meta["name"]] = {"apiVersion": "v1", "kind": "Node", "name": meta["name"],
-                                          "uid": meta["uid"], "controller": True}
+            self._owners[meta["name"]] = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": meta["name"],
+                "uid": meta["uid"],
+                "controller": True,
+            }
 
     async def _watch(self, resource_version: str) -> None:
-        async for kind, obj in kube.watch(self.api, SLICES, resource_version,
-                                           query={"fieldSelector": self._selector()}):
+        async for kind, obj in kube.watch(
+            self.api, SLICES, resource_version, query={"fieldSelector": self._selector()}
+        ):
             if kind == "BOOKMARK":
                 continue
             name = obj["metadata"]["name"]
@@ -251,9 +267,13 @@ class SliceController:
         plan = plan_pool(self.driver, pool, self._existing(pool_name), owner)
         if not (plan.apply or plan.delete):
             return
-        log.info("publishing pool", pool=pool_name, generation=plan.generation,
-                 apply=[o["metadata"]["name"] for o in plan.apply],
-                 delete=[o["metadata"]["name"] for o in plan.delete])
+        log.info(
+            "publishing pool",
+            pool=pool_name,
+            generation=plan.generation,
+            apply=[o["metadata"]["name"] for o in plan.apply],
+            delete=[o["metadata"]["name"] for o in plan.delete],
+        )
         for old in plan.delete:
             await self._delete(old)
         for obj in plan.apply:
@@ -276,7 +296,10 @@ class SliceController:
         self.stats.updates += existed
         self.stats.creates += not existed
         result = await kube.request(
-            self.api, "PATCH", f"{SLICES}/{name}", body=obj,
+            self.api,
+            "PATCH",
+            f"{SLICES}/{name}",
+            body=obj,
             query={"fieldManager": self.field_manager, "force": "true"},
             content_type="application/apply-patch+yaml",
         )
@@ -284,10 +307,17 @@ class SliceController:
             # Fields owned by another manager (a hand edit) survive an apply: replace
             # the object so that the slice says exactly what the hardware says.
             self.stats.updates += 1
-            replacement = {**obj, "metadata": {**obj["metadata"],
-                                               "resourceVersion": result["metadata"]["resourceVersion"]}}
-            result = await kube.request(self.api, "PUT", f"{SLICES}/{name}", body=replacement,
-                                        query={"fieldManager": self.field_manager})
+            replacement = {
+                **obj,
+                "metadata": {**obj["metadata"], "resourceVersion": result["metadata"]["resourceVersion"]},
+            }
+            result = await kube.request(
+                self.api,
+                "PUT",
+                f"{SLICES}/{name}",
+                body=replacement,
+                query={"fieldManager": self.field_manager},
+            )
         self._cache[name] = result
 
 
@@ -314,11 +344,17 @@ async def detect_list_attributes(api: client.ApiClient, driver: str) -> bool:
     A server without the feature either rejects the field or silently drops it; both
     mean "publish the GA string forms only".
     """
-    probe = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-             "metadata": {"name": f"probe-{driver}"},
-             "spec": {"driver": driver, "allNodes": True,
-                      "pool": {"name": "probe", "generation": 1, "resourceSliceCount": 1},
-                      "devices": [{"name": "probe", "attributes": {"probe": {"strings": ["a", "b"]}}}]}}
+    probe = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"probe-{driver}"},
+        "spec": {
+            "driver": driver,
+            "allNodes": True,
+            "pool": {"name": "probe", "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "probe", "attributes": {"probe": {"strings": ["a", "b"]}}}],
+        },
+    }
     try:
         created = await kube.request(api, "POST", SLICES, body=probe, query={"dryRun": "All"})
     except ApiException as e:

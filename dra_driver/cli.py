@@ -12,10 +12,16 @@ from dra_driver.commands.kubelet_plugin import kubelet_plugin
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "DRA_DRIVER"})
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--log-format", default="auto", show_default=True, type=click.Choice(["auto", "json", "console"]),
-              help="auto: console on a terminal, JSON otherwise (in a pod).")
+@click.option(
+    "--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning", "error"])
+)
+@click.option(
+    "--log-format",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "json", "console"]),
+    help="auto: console on a terminal, JSON otherwise (in a pod).",
+)
 def main(log_level: str, log_format: log.LogFormat) -> None:
     """GPU driver for Kubernetes Dynamic Resource Allocation."""
     log.configure(log_level, log_format)

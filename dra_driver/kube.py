@@ -21,7 +21,12 @@ from kubernetes.client.exceptions import ApiException
 JSON = dict[str, Any]
 
 # What a request or a watch raises when the API server is slow, down or restarting.
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ApiException, OSError, asyncio.TimeoutError, aiohttp.ClientError)
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    ApiException,
+    OSError,
+    asyncio.TimeoutError,
+    aiohttp.ClientError,
+)
 
 __all__ = ["JSON", "TRANSIENT_ERRORS", "ApiException", "load_client", "request", "watch"]
 
@@ -74,7 +79,10 @@ async def request(
 
 
 async def watch(
-    api: client.ApiClient, path: str, resource_version: str, query: dict[str, str] | None = None,
+    api: client.ApiClient,
+    path: str,
+    resource_version: str,
+    query: dict[str, str] | None = None,
     timeout_seconds: int = 300,
 ) -> AsyncIterator[tuple[str, JSON]]:
     """Follow `path`'s watch from `resource_version`; yields (event type, object).
@@ -82,14 +90,21 @@ async def watch(
     Ends when the server closes the stream; raises ApiException for an ERROR event
     (410 Gone means: list again).
     """
-    q = {**(query or {}), "watch": "true", "resourceVersion": resource_version,
-         "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_seconds)}
+    q = {
+        **(query or {}),
+        "watch": "true",
+        "resourceVersion": resource_version,
+        "allowWatchBookmarks": "true",
+        "timeoutSeconds": str(timeout_seconds),
+    }
     params = await _serialize(api, "GET", path, None, q, "application/json")
     response = await api.call_api(*params, _request_timeout=timeout_seconds + 30, _preload_content=False)
     try:
         if response.status >= 400:
             data = await response.read()
-            raise ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
+            raise ApiException(
+                status=response.status, reason=response.reason, body=data.decode(errors="replace")
+            )
         async for line in response.response.content:
             if not line.strip():
                 continue

@@ -46,7 +46,9 @@ def configure(level: str = "info", fmt: LogFormat = "auto") -> None:
     else:
         renderer = structlog.dev.ConsoleRenderer()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=[*final, renderer]))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=[*final, renderer])
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -7,6 +7,7 @@ pod deletion and a Ctrl-C take the same path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Coroutine
 from typing import Any
@@ -28,9 +29,7 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop, sig)
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await main
-        except asyncio.CancelledError:
-            pass
 
     asyncio.run(runner())

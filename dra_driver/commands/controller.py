@@ -26,12 +26,25 @@ log = structlog.get_logger(__name__)
 @click.command()
 @cluster_options
 @click.option("--node-name", envvar="NODE_NAME", help="The node whose GPUs this process publishes.")
-@click.option("--simulate-fleet", type=int, default=0, metavar="N",
-              help="Publish slices for N simulated nodes named <fleet-prefix>-0000...; needs --simulate.")
+@click.option(
+    "--simulate-fleet",
+    type=int,
+    default=0,
+    metavar="N",
+    help="Publish slices for N simulated nodes named <fleet-prefix>-0000...; needs --simulate.",
+)
 @click.option("--fleet-prefix", default="fleet-node", show_default=True)
 @click.option("--create-nodes", is_flag=True, help="Create the fleet's Node objects if missing.")
-def controller(driver_name: str, kubeconfig: str | None, simulate: str | None, list_attributes: ListAttributesMode,
-               node_name: str | None, simulate_fleet: int, fleet_prefix: str, create_nodes: bool) -> None:
+def controller(
+    driver_name: str,
+    kubeconfig: str | None,
+    simulate: str | None,
+    list_attributes: ListAttributesMode,
+    node_name: str | None,
+    simulate_fleet: int,
+    fleet_prefix: str,
+    create_nodes: bool,
+) -> None:
     """Publish and repair this node's (or a simulated fleet's) ResourceSlices."""
     if simulate_fleet and not simulate:
         raise click.UsageError("--simulate-fleet needs --simulate PROFILE")
@@ -46,8 +59,13 @@ def controller(driver_name: str, kubeconfig: str | None, simulate: str | None, l
     run_until_signalled(_run(driver_name, kubeconfig, list_attributes, inventories, create_nodes))
 
 
-async def _run(driver: str, kubeconfig: str | None, list_attributes: ListAttributesMode,
-               inventories: dict[str, Inventory], create_nodes: bool) -> None:
+async def _run(
+    driver: str,
+    kubeconfig: str | None,
+    list_attributes: ListAttributesMode,
+    inventories: dict[str, Inventory],
+    create_nodes: bool,
+) -> None:
     api = await kube.load_client(kubeconfig)
     try:
         if create_nodes:
@@ -66,7 +84,11 @@ async def _create_nodes(api: client.ApiClient, names: list[str]) -> None:
     limit = asyncio.Semaphore(16)
 
     async def one(name: str) -> None:
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}}}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        }
         async with limit:
             try:
                 await kube.request(api, "POST", "/api/v1/nodes", body=body)

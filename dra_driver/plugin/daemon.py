@@ -66,10 +66,18 @@ async def run_plugin(opts: PluginOptions) -> None:
     inventory = await asyncio.to_thread(discover, opts.simulate)
     devices = node_devices(inventory)
     driver_files = await asyncio.to_thread(
-        functools.partial(scan_driver_files, opts.driver_root, opts.dev_root, opts.simulate is not None,
-                          host_driver_root=opts.host_driver_root, gpu_minors=[g.minor for g in inventory.gpus])
+        functools.partial(
+            scan_driver_files,
+            opts.driver_root,
+            opts.dev_root,
+            opts.simulate is not None,
+            host_driver_root=opts.host_driver_root,
+            gpu_minors=[g.minor for g in inventory.gpus],
+        )
     )
-    log.info("hardware discovered", gpus=len(inventory.gpus), devices=sorted(devices), source=inventory.source)
+    log.info(
+        "hardware discovered", gpus=len(inventory.gpus), devices=sorted(devices), source=inventory.source
+    )
     paths: PluginPaths = plugin_paths(opts.kubelet_dir, opts.driver, opts.rolling_update_uid)
     paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
 
@@ -85,8 +93,13 @@ async def run_plugin(opts: PluginOptions) -> None:
             raise
 
     preparer = NodePreparer(
-        driver=opts.driver, pool=opts.node_name, devices=devices, fetch_claim=fetch_claim,
-        driver_files=driver_files, cdi_dir=opts.cdi_dir, data_dir=paths.data_dir,
+        driver=opts.driver,
+        pool=opts.node_name,
+        devices=devices,
+        fetch_claim=fetch_claim,
+        driver_files=driver_files,
+        cdi_dir=opts.cdi_dir,
+        data_dir=paths.data_dir,
     )
     await preparer.recover()
     board = DeviceHealthBoard(opts.node_name, devices)
@@ -99,8 +112,9 @@ async def run_plugin(opts: PluginOptions) -> None:
             tasks.append(asyncio.create_task(ctl.run(), name="slice-controller"))
         dra_server = await _serve(paths.dra_socket, lambda s: add_services(s, preparer, board), "dra")
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
-        reg_server = await _serve(paths.registration_socket, lambda s: add_registration(s, registration),
-                                  "registration")
+        reg_server = await _serve(
+            paths.registration_socket, lambda s: add_registration(s, registration), "registration"
+        )
         await asyncio.Event().wait()
     finally:
         if reg_server is not None:

@@ -51,7 +51,7 @@ class DeviceHealthBoard:
         seen = -1
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: self._version != seen)
+                await self._changed.wait_for(lambda: self._version != seen)  # noqa: B023 - evaluated at once
                 seen = self._version
                 snapshot = self.snapshot()
             yield snapshot

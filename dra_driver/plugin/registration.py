@@ -21,7 +21,12 @@ log = structlog.get_logger(__name__)
 
 # The kubelet uses the first entry it knows, so v1 must come first. The health services
 # are advertised so that a 1.37 kubelet opens the health stream (preferring v1).
-SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
+SUPPORTED_SERVICES = (
+    "v1.DRAPlugin",
+    "v1beta1.DRAPlugin",
+    "v1.DRAResourceHealth",
+    "v1alpha1.DRAResourceHealth",
+)
 
 
 class RegistrationService(reg_grpc.RegistrationServicer):  # type: ignore[misc]
@@ -31,13 +36,16 @@ class RegistrationService(reg_grpc.RegistrationServicer):  # type: ignore[misc]
         self.registered = asyncio.Event()
         self.last_error: str | None = None
 
-    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         log.info("kubelet asked for plugin info", endpoint=self._endpoint)
         return reg.PluginInfo(
-            type="DRAPlugin", name=self._driver, endpoint=self._endpoint, supported_versions=list(SUPPORTED_SERVICES)
+            type="DRAPlugin",
+            name=self._driver,
+            endpoint=self._endpoint,
+            supported_versions=list(SUPPORTED_SERVICES),
         )
 
-    async def NotifyRegistrationStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def NotifyRegistrationStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if request.plugin_registered:
             self.last_error = None
             self.registered.set()

@@ -49,10 +49,12 @@ class _DraService:
         self._pb = pb
         self._with_share_id = with_share_id
 
-    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
         answers = await asyncio.gather(*(self._prepare_one(ref) for ref in refs))
-        return self._pb.NodePrepareResourcesResponse(claims=dict(zip((r.uid for r in refs), answers, strict=True)))
+        return self._pb.NodePrepareResourcesResponse(
+            claims=dict(zip((r.uid for r in refs), answers, strict=True))
+        )
 
     async def _prepare_one(self, ref: ClaimRef) -> Any:
         with structlog.contextvars.bound_contextvars(**_claim_context(ref)):
@@ -63,7 +65,9 @@ class _DraService:
                 return self._pb.NodePrepareResourceResponse(error=str(e))
             except Exception as e:
                 log.exception("prepare failed")
-                return self._pb.NodePrepareResourceResponse(error=f"internal error preparing claim {ref}: {e}")
+                return self._pb.NodePrepareResourceResponse(
+                    error=f"internal error preparing claim {ref}: {e}"
+                )
             log.info("prepared", devices=[d.device for d in prepared])
             return self._pb.NodePrepareResourceResponse(devices=[self._device(d) for d in prepared])
 
@@ -78,10 +82,12 @@ class _DraService:
             fields["share_id"] = d.share_id
         return self._pb.Device(**fields)
 
-    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
         answers = await asyncio.gather(*(self._unprepare_one(ref) for ref in refs))
-        return self._pb.NodeUnprepareResourcesResponse(claims=dict(zip((r.uid for r in refs), answers, strict=True)))
+        return self._pb.NodeUnprepareResourcesResponse(
+            claims=dict(zip((r.uid for r in refs), answers, strict=True))
+        )
 
     async def _unprepare_one(self, ref: ClaimRef) -> Any:
         with structlog.contextvars.bound_contextvars(**_claim_context(ref)):
@@ -92,7 +98,9 @@ class _DraService:
                 return self._pb.NodeUnprepareResourceResponse(error=str(e))
             except Exception as e:
                 log.exception("unprepare failed")
-                return self._pb.NodeUnprepareResourceResponse(error=f"internal error unpreparing claim {ref}: {e}")
+                return self._pb.NodeUnprepareResourceResponse(
+                    error=f"internal error unpreparing claim {ref}: {e}"
+                )
             log.info("unprepared")
             return self._pb.NodeUnprepareResourceResponse()
 
@@ -114,9 +122,7 @@ class _HealthService:
         self._board = board
         self._pb = pb
 
-    async def NodeWatchResources(  # noqa: N802
-        self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
+    async def NodeWatchResources(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for snapshot in self._board.follow():
             yield self._pb.NodeWatchResourcesResponse(
                 devices=[

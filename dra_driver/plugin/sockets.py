@@ -54,12 +54,16 @@ def prepare_socket_path(path: Path) -> None:
     user's file because its name collides would be worse than not starting.
     """
     if len(str(path)) > MAX_SOCKET_PATH:
-        raise ValueError(f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; use a shorter --kubelet-dir")
+        raise ValueError(
+            f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; use a shorter --kubelet-dir"
+        )
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
     with contextlib.suppress(FileNotFoundError):
         mode = path.lstat().st_mode
         if not stat.S_ISSOCK(mode):
-            raise FileExistsError(f"{path} exists and is not a socket; remove it or choose another --kubelet-dir")
+            raise FileExistsError(
+                f"{path} exists and is not a socket; remove it or choose another --kubelet-dir"
+            )
         path.unlink()
 
 

@@ -35,9 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "cluster" / "build.sh"
 DEFAULT_STATE_DIR = Path(os.environ.get("DRA_CLUSTER_STATE", "/tmp/gpu-dra-driver-cluster"))
 
-ADMIN_TOKEN = "admin-token"  # noqa: S105 - loopback-only test cluster
-SCHEDULER_TOKEN = "scheduler-token"  # noqa: S105
-CONTROLLER_MANAGER_TOKEN = "controller-manager-token"  # noqa: S105
+ADMIN_TOKEN = "admin-token"
+SCHEDULER_TOKEN = "scheduler-token"
+CONTROLLER_MANAGER_TOKEN = "controller-manager-token"
 
 # Every DRA feature the driver uses. On 1.37 they are on by default except the alphas
 # (list-type attributes); naming them keeps the intent visible and fails loudly if a
@@ -147,7 +147,9 @@ class ControlPlane:
         (work_dir / "state.json").write_text(
             json.dumps({"pids": {n: p.pid for n, p in cp.processes.items()}, "apiPort": cp.api_port})
         )
-        _log(f"control plane ready in {time.monotonic() - t0:.1f}s at {cp.server} (kubeconfig {cp.kubeconfig})")
+        _log(
+            f"control plane ready in {time.monotonic() - t0:.1f}s at {cp.server} (kubeconfig {cp.kubeconfig})"
+        )
         return cp
 
     def _spawn(self, name: str, argv: Sequence[str]) -> None:
@@ -169,9 +171,7 @@ class ControlPlane:
         certs = self.work_dir / "certs"
         certs.mkdir(exist_ok=True)
         sa_key = certs / "sa.key"
-        subprocess.run(
-            ["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True
-        )
+        subprocess.run(["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True)
         subprocess.run(
             ["openssl", "rsa", "-in", str(sa_key), "-pubout", "-out", str(certs / "sa.pub")],
             check=True,
@@ -352,7 +352,9 @@ class ControlPlane:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run the kubectl built with the control plane against this cluster."""
         return subprocess.run(
             [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],

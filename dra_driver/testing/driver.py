@@ -55,13 +55,34 @@ class DriverProcess:
     def start(self, wait: bool = True) -> DriverProcess:
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
         argv = [
-            sys.executable, "-m", "dra_driver", "--log-format", "json", "--log-level", "debug", "kubelet-plugin",
-            "--node-name", self.node, "--simulate", self.profile, "--kubeconfig", str(self.kubeconfig),
-            "--kubelet-dir", str(self.kubelet_dir), "--cdi-dir", str(self.cdi_dir), *self.extra_args,
+            sys.executable,
+            "-m",
+            "dra_driver",
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
+            "kubelet-plugin",
+            "--node-name",
+            self.node,
+            "--simulate",
+            self.profile,
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--kubelet-dir",
+            str(self.kubelet_dir),
+            "--cdi-dir",
+            str(self.cdi_dir),
+            *self.extra_args,
         ]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **self.env})
+            self.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+            )
         if wait:
             self.wait_serving(timeout=60)
         return self
@@ -77,14 +98,18 @@ class DriverProcess:
                     return socket
                 except grpc.RpcError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"plugin for {self.node} does not answer:\n{self.log_tail()}") from None
+                        raise TimeoutError(
+                            f"plugin for {self.node} does not answer:\n{self.log_tail()}"
+                        ) from None
                     time.sleep(0.1)
 
     def registration_socket(self, timeout: float = 30.0) -> Path:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"plugin for {self.node} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"plugin for {self.node} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             with contextlib.suppress(TimeoutError):
                 return find_registration_socket(self.kubelet_dir, DRIVER, timeout=0.2)
             if time.monotonic() > deadline:

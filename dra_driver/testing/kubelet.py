@@ -41,7 +41,11 @@ def find_registration_socket(kubelet_dir: Path, driver: str, timeout: float = 30
     registry = kubelet_dir / "plugins_registry"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = sorted(p for p in registry.glob(f"{driver}*-reg.sock") if p.is_socket()) if registry.exists() else []
+        found = (
+            sorted(p for p in registry.glob(f"{driver}*-reg.sock") if p.is_socket())
+            if registry.exists()
+            else []
+        )
         if found:
             return found[-1]
         time.sleep(0.05)

@@ -16,7 +16,6 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-
 T = TypeVar("T")
 JSON = dict[str, Any]
 
@@ -33,7 +32,10 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0, in
         except ApiException as e:
             last_error = e
         time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+    raise TimeoutError(
+        f"timed out after {timeout}s waiting for {what}"
+        + (f" (last error: {last_error})" if last_error else "")
+    )
 
 
 def create_node(api: client.ApiClient, name: str, labels: dict[str, str] | None = None) -> Any:
@@ -99,14 +101,30 @@ def _collection_path(doc: dict[str, Any], namespace: str) -> str:
     return f"{base}/namespaces/{ns}/{plural}"
 
 
-_PLURALS = {"DeviceClass": "deviceclasses", "ResourceClaimTemplate": "resourceclaimtemplates",
-            "ResourceClaim": "resourceclaims", "ResourceSlice": "resourceslices",
-            "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
-            "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
-            "ClusterRole": "clusterroles", "ClusterRoleBinding": "clusterrolebindings",
-            "ServiceAccount": "serviceaccounts", "Namespace": "namespaces", "DaemonSet": "daemonsets"}
-_CLUSTER_SCOPED = {"DeviceClass", "ResourceSlice", "Node", "Namespace", "ClusterRole", "ClusterRoleBinding",
-                   "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "DeviceTaintRule"}
+_PLURALS = {
+    "DeviceClass": "deviceclasses",
+    "ResourceClaimTemplate": "resourceclaimtemplates",
+    "ResourceClaim": "resourceclaims",
+    "ResourceSlice": "resourceslices",
+    "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
+    "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
+    "ClusterRole": "clusterroles",
+    "ClusterRoleBinding": "clusterrolebindings",
+    "ServiceAccount": "serviceaccounts",
+    "Namespace": "namespaces",
+    "DaemonSet": "daemonsets",
+}
+_CLUSTER_SCOPED = {
+    "DeviceClass",
+    "ResourceSlice",
+    "Node",
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+    "DeviceTaintRule",
+}
 
 
 def request(
@@ -114,9 +132,12 @@ def request(
 ) -> JSON:
     """Send one request with the synchronous client; return the decoded JSON body."""
     params = api.param_serialize(
-        method=method, resource_path=path, query_params=list((query or {}).items()),
+        method=method,
+        resource_path=path,
+        query_params=list((query or {}).items()),
         header_params={"Content-Type": "application/json", "Accept": "application/json"},
-        body=body, auth_settings=["BearerToken"],
+        body=body,
+        auth_settings=["BearerToken"],
     )
     response = api.call_api(*params)
     data = response.read()

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from dra_driver.testing.objects import load_client, request
 from dra_driver.testing.cluster import ControlPlane
+from dra_driver.testing.objects import load_client, request
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,12 @@ def api(control_plane: ControlPlane) -> client.ApiClient:
 @pytest.fixture
 def namespace(api: client.ApiClient) -> Iterator[str]:
     name = f"t{next(_counter)}-{uuid.uuid4().hex[:6]}"
-    request(api, "POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    request(
+        api,
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+    )
     yield name
     # Without a kubelet, a bound pod's graceful deletion never finishes and its claims
     # keep their devices: delete pods at once so later tests get the GPUs back.

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
-
 from kubernetes.client.exceptions import ApiException
+
 from dra_driver.testing.cluster import ControlPlane
 from dra_driver.testing.objects import create_node, request, wait_for
 
 DRIVER = "foundation.test.example.com"
+BIG_ENOUGH = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
 
 
 def _slice(node: str, suffix: str) -> dict[str, object]:
@@ -45,26 +46,57 @@ def test_scheduler_allocates_the_device_with_enough_memory(
     create_node(api, node)
     request(api, "POST", "/apis/resource.k8s.io/v1/resourceslices", _slice(node, unique))
     cls = f"foundation-{unique}"
-    request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": cls},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-    })
-    request(api, "POST", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "big"},
-        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": cls,
-            "selectors": [{"cel": {"expression":
-                f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'}}],
-        }}]}}},
-    })
-    request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
-        "spec": {
-            "automountServiceAccountToken": False,
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "big"}],
-            "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
+    request(
+        api,
+        "POST",
+        "/apis/resource.k8s.io/v1/deviceclasses",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": cls},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
         },
-    })
+    )
+    request(
+        api,
+        "POST",
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "big"},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {
+                                "name": "gpu",
+                                "exactly": {
+                                    "deviceClassName": cls,
+                                    "selectors": [{"cel": {"expression": BIG_ENOUGH}}],
+                                },
+                            }
+                        ]
+                    }
+                }
+            },
+        },
+    )
+    request(
+        api,
+        "POST",
+        f"/api/v1/namespaces/{namespace}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "p"},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "big"}],
+                "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
+            },
+        },
+    )
 
     def bound() -> str | None:
         pod = request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/p")
@@ -83,10 +115,17 @@ def test_scheduler_allocates_the_device_with_enough_memory(
 def test_invalid_cel_is_rejected_naming_the_expression(api: client.ApiClient, unique: str) -> None:
     bad = 'device.driver == "x" &&& true'
     with pytest.raises(ApiException) as err:
-        request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", {
-            "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": f"bad-{unique}"},
-            "spec": {"selectors": [{"cel": {"expression": bad}}]},
-        })
+        request(
+            api,
+            "POST",
+            "/apis/resource.k8s.io/v1/deviceclasses",
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": f"bad-{unique}"},
+                "spec": {"selectors": [{"cel": {"expression": bad}}]},
+            },
+        )
     assert err.value.status == 422
     body = err.value.body or ""
     assert "spec.selectors[0].cel.expression" in body
@@ -111,7 +150,8 @@ def test_no_process_survives_a_killed_launcher(control_plane: ControlPlane, tmp_
     script = (
         "import sys, pathlib\n"
         "from dra_driver.testing.cluster import ControlPlane\n"
-        f"cp = ControlPlane.start(work_dir=pathlib.Path({str(tmp_path / 'c')!r}), bin_dir=pathlib.Path({str(control_plane.bin_dir)!r}))\n"
+        f"cp = ControlPlane.start(work_dir=pathlib.Path({str(tmp_path / 'c')!r}),"
+        f" bin_dir=pathlib.Path({str(control_plane.bin_dir)!r}))\n"
         "print(' '.join(str(p.pid) for p in cp.processes.values()), flush=True)\n"
         "import time; time.sleep(600)\n"
     )

@@ -68,8 +68,13 @@ def node(api: client.ApiClient) -> str:
 def plugin(
     control_plane: ControlPlane, node: str, driver_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DriverProcess]:
-    proc = DriverProcess(node, PROFILE, control_plane.kubeconfig, tmp_path_factory.mktemp("plugin"),
-                         extra_args=("--driver-root", str(driver_root)))
+    proc = DriverProcess(
+        node,
+        PROFILE,
+        control_plane.kubeconfig,
+        tmp_path_factory.mktemp("plugin"),
+        extra_args=("--driver-root", str(driver_root)),
+    )
     proc.start()
     yield proc
     proc.stop()
@@ -78,35 +83,71 @@ def plugin(
 @pytest.fixture(scope="module")
 def device_class(api: client.ApiClient) -> str:
     name = "plugin-test-gpu"
-    request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
-        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-    })
+    request(
+        api,
+        "POST",
+        "/apis/resource.k8s.io/v1/deviceclasses",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "DeviceClass",
+            "metadata": {"name": name},
+            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
+        },
+    )
     return name
 
 
 def _wait_slices(api: client.ApiClient, node: str) -> None:
     def published() -> bool:
-        items = request(api, "GET", "/apis/resource.k8s.io/v1/resourceslices",
-                        query={"fieldSelector": f"spec.nodeName={node}"})["items"]
+        items = request(
+            api,
+            "GET",
+            "/apis/resource.k8s.io/v1/resourceslices",
+            query={"fieldSelector": f"spec.nodeName={node}"},
+        )["items"]
         return sum(len(s["spec"].get("devices", [])) for s in items) == 4
 
     wait_for("the plugin's slices", published, timeout=30)
 
 
-def _pod_with_claim(api: client.ApiClient, namespace: str, pod: str, device_class: str, count: int = 1) -> dict[str, Any]:
+def _pod_with_claim(
+    api: client.ApiClient, namespace: str, pod: str, device_class: str, count: int = 1
+) -> dict[str, Any]:
     """A pod whose claim comes from a template; returns the claim once the scheduler allocated it."""
-    request(api, "POST", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates", {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": pod},
-        "spec": {"spec": {"devices": {"requests": [
-            {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count}}]}}},
-    })
-    request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
-        "spec": {"automountServiceAccountToken": False,
-                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": pod}],
-                 "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}]},
-    })
+    request(
+        api,
+        "POST",
+        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaimTemplate",
+            "metadata": {"name": pod},
+            "spec": {
+                "spec": {
+                    "devices": {
+                        "requests": [
+                            {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count}}
+                        ]
+                    }
+                }
+            },
+        },
+    )
+    request(
+        api,
+        "POST",
+        f"/api/v1/namespaces/{namespace}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": pod},
+            "spec": {
+                "automountServiceAccountToken": False,
+                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": pod}],
+                "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
+            },
+        },
+    )
 
     def allocated() -> dict[str, Any] | None:
         for claim in request(api, "GET", CLAIMS.format(ns=namespace))["items"]:
@@ -124,16 +165,25 @@ def _ref(claim: dict[str, Any]) -> ClaimName:
 
 
 def _cdicheck(control_plane: ControlPlane, cdi_dir: Path, *ids: str) -> dict[str, Any]:
-    out = subprocess.run([str(control_plane.bin_dir / "cdicheck"), "-dir", str(cdi_dir), *ids],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(control_plane.bin_dir / "cdicheck"), "-dir", str(cdi_dir), *ids],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result: dict[str, Any] = json.loads(out.stdout)
     return result
 
 
 @pytest.mark.parametrize("service", ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
 def test_prepare_and_unprepare_through_the_kubelet_protocol(
-    control_plane: ControlPlane, api: client.ApiClient, plugin: DriverProcess, node: str, device_class: str,
-    namespace: str, service: str,
+    control_plane: ControlPlane,
+    api: client.ApiClient,
+    plugin: DriverProcess,
+    node: str,
+    device_class: str,
+    namespace: str,
+    service: str,
 ) -> None:
     _wait_slices(api, node)
     kubelet = KubeletSide(plugin.registration_socket(), prefer=service)
@@ -154,12 +204,15 @@ def test_prepare_and_unprepare_through_the_kubelet_protocol(
     oci = _cdicheck(control_plane, plugin.cdi_dir, *ids)
     nodes = sorted(d["path"] for d in oci["linux"]["devices"])
     minors = sorted(int(name.removeprefix("gpu-")) for name in allocated)
-    assert nodes == sorted([f"/dev/nvidia{m}" for m in minors] + ["/dev/nvidiactl", "/dev/nvidia-uvm",
-                                                                    "/dev/nvidia-uvm-tools"])
+    assert nodes == sorted(
+        [f"/dev/nvidia{m}" for m in minors] + ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    )
     mounts = {m["destination"] for m in oci["mounts"]}
     assert "/usr/local/nvidia/lib64/libcuda.so.1" in mounts
     assert "/usr/bin/nvidia-smi" in mounts
-    assert all("ro" in m["options"] for m in oci["mounts"] if "nvidia" in m["source"] or "cuda" in m["source"])
+    assert all(
+        "ro" in m["options"] for m in oci["mounts"] if "nvidia" in m["source"] or "cuda" in m["source"]
+    )
 
     # Prepare is idempotent: the same answer again.
     again = kubelet.prepare(_ref(claim)).claims[claim["metadata"]["uid"]]
@@ -167,21 +220,34 @@ def test_prepare_and_unprepare_through_the_kubelet_protocol(
 
     assert kubelet.unprepare(_ref(claim)).claims[claim["metadata"]["uid"]].error == ""
     assert not list(plugin.cdi_dir.glob(f"*{claim['metadata']['uid']}*"))
-    assert kubelet.unprepare(_ref(claim)).claims[claim["metadata"]["uid"]].error == "", "unknown claim: no error"
+    assert kubelet.unprepare(_ref(claim)).claims[claim["metadata"]["uid"]].error == "", (
+        "unknown claim: no error"
+    )
     kubelet.close()
 
 
-def _fake_allocation(api: client.ApiClient, namespace: str, name: str, results: list[dict[str, str]] | None,
-                     device_class: str) -> dict[str, Any]:
+def _fake_allocation(
+    api: client.ApiClient, namespace: str, name: str, results: list[dict[str, str]] | None, device_class: str
+) -> dict[str, Any]:
     """A claim whose allocation an admin wrote by hand (what a buggy or hostile scheduler might do)."""
-    claim = request(api, "POST", CLAIMS.format(ns=namespace), {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}},
-    })
+    claim = request(
+        api,
+        "POST",
+        CLAIMS.format(ns=namespace),
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "spec": {
+                "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}
+            },
+        },
+    )
     if results is None:
         return claim
-    claim["status"] = {"allocation": {"devices": {"results": [
-        {"request": "gpu", "driver": DRIVER, **r} for r in results]}}}
+    claim["status"] = {
+        "allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, **r} for r in results]}}
+    }
     return request(api, "PUT", f"{CLAIMS.format(ns=namespace)}/{name}/status", claim)
 
 
@@ -193,8 +259,9 @@ def test_bad_claims_are_refused_one_by_one(
     good = _pod_with_claim(api, namespace, "good", device_class)
     replaced = _fake_allocation(api, namespace, "replaced", [{"pool": node, "device": "gpu-0"}], device_class)
     unallocated = _fake_allocation(api, namespace, "unallocated", None, device_class)
-    elsewhere = _fake_allocation(api, namespace, "elsewhere", [{"pool": "other-node", "device": "gpu-0"}],
-                                 device_class)
+    elsewhere = _fake_allocation(
+        api, namespace, "elsewhere", [{"pool": "other-node", "device": "gpu-0"}], device_class
+    )
     missing = _fake_allocation(api, namespace, "missing", [{"pool": node, "device": "gpu-9"}], device_class)
     claims = {
         "uid": (ClaimName(namespace, "replaced", "0000-not-the-uid"), "re-created"),
@@ -219,11 +286,16 @@ def test_bad_claims_are_refused_one_by_one(
     # A garbage payload is a gRPC error for that call only; the server keeps serving.
     raw = kubelet.channel.unary_unary(
         "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
-        request_serializer=lambda b: b, response_deserializer=lambda b: b,
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
     )
     with pytest.raises(grpc.RpcError) as err:
         raw(b"\xff\xff\xff\xff garbage", timeout=10)
-    assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
+    assert err.value.code() in (
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNKNOWN,
+    )
     assert plugin.proc is not None and plugin.proc.poll() is None
     again = kubelet.prepare(_ref(good))
     assert again.claims[good["metadata"]["uid"]].error == ""
@@ -260,16 +332,29 @@ def _state(proc: DriverProcess) -> tuple[set[str], set[str]]:
 
 @pytest.mark.parametrize("fault", PREPARE_FAULTS + UNPREPARE_FAULTS)
 def test_kill_at_every_step_then_repeat(
-    control_plane: ControlPlane, api: client.ApiClient, node: str, device_class: str, driver_root: Path,
-    namespace: str, short_tmp: Path, fault: str,
+    control_plane: ControlPlane,
+    api: client.ApiClient,
+    node: str,
+    device_class: str,
+    driver_root: Path,
+    namespace: str,
+    short_tmp: Path,
+    fault: str,
 ) -> None:
     crash_node = f"crash-{fault}"
     create_node(api, crash_node)
-    proc = DriverProcess(crash_node, PROFILE, control_plane.kubeconfig, short_tmp,
-                         extra_args=("--driver-root", str(driver_root)))
+    proc = DriverProcess(
+        crash_node,
+        PROFILE,
+        control_plane.kubeconfig,
+        short_tmp,
+        extra_args=("--driver-root", str(driver_root)),
+    )
     proc.start()
     try:
-        claim = _fake_allocation(api, namespace, "crashy", [{"pool": crash_node, "device": "gpu-1"}], device_class)
+        claim = _fake_allocation(
+            api, namespace, "crashy", [{"pool": crash_node, "device": "gpu-1"}], device_class
+        )
         ref, uid = _ref(claim), claim["metadata"]["uid"]
         kubelet = KubeletSide(proc.registration_socket())
         baseline = None

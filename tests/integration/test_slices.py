@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _slices(api: client.ApiClient, node: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = request(api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node}"})["items"]
+    items: list[dict[str, Any]] = request(
+        api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node}"}
+    )["items"]
     return items
 
 
@@ -57,22 +59,50 @@ def test_every_profile_is_published_and_accepted(control_plane: ControlPlane, ap
         expected = sum(len(g.mig_devices) if g.mig_enabled else 1 for g in inventory.gpus)
         assert len(devices) == expected, node
         assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {len(slices)}
-        assert all(o["kind"] == "Node" and o["name"] == node for s in slices for o in s["metadata"]["ownerReferences"])
-    described = control_plane.kubectl("describe", "resourceslice", _slices(api, "profile-dgx1-v100")[0]["metadata"]["name"]).stdout
-    for readable in ("Product Name:", "Tesla V100", "nvlinkGroup4", "Memory:", "Cuda Compute Capability:", "7.0.0"):
+        assert all(
+            o["kind"] == "Node" and o["name"] == node
+            for s in slices
+            for o in s["metadata"]["ownerReferences"]
+        )
+    described = control_plane.kubectl(
+        "describe", "resourceslice", _slices(api, "profile-dgx1-v100")[0]["metadata"]["name"]
+    ).stdout
+    for readable in (
+        "Product Name:",
+        "Tesla V100",
+        "nvlinkGroup4",
+        "Memory:",
+        "Cuda Compute Capability:",
+        "7.0.0",
+    ):
         assert readable in described
 
 
 @pytest.fixture
-def controller_process(control_plane: ControlPlane, api: client.ApiClient, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+def controller_process(
+    control_plane: ControlPlane, api: client.ApiClient, tmp_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     node = f"ctl-{tmp_path.name[-12:].lower().strip('_')}".replace("_", "-")
     create_node(api, node)
     log = tmp_path / "controller.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dra_driver", "--log-format", "json", "controller", "--node-name", node,
-             "--simulate", "dgx1-v100", "--kubeconfig", str(control_plane.kubeconfig)],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "dra_driver",
+                "--log-format",
+                "json",
+                "controller",
+                "--node-name",
+                node,
+                "--simulate",
+                "dgx1-v100",
+                "--kubeconfig",
+                str(control_plane.kubeconfig),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         wait_for("slices published", lambda: _slices(api, node), timeout=30)
@@ -95,7 +125,9 @@ def _slice_writes(control_plane: ControlPlane) -> int:
 
 
 def test_deleted_or_edited_slice_is_repaired_and_no_change_means_no_write(
-    control_plane: ControlPlane, api: client.ApiClient, controller_process: tuple[str, subprocess.Popen[bytes], Path]
+    control_plane: ControlPlane,
+    api: client.ApiClient,
+    controller_process: tuple[str, subprocess.Popen[bytes], Path],
 ) -> None:
     node, _, _ = controller_process
     (original,) = _slices(api, node)
@@ -103,7 +135,11 @@ def test_deleted_or_edited_slice_is_repaired_and_no_change_means_no_write(
 
     request(api, "DELETE", f"{SLICES}/{name}")
     t0 = time.monotonic()
-    wait_for("deleted slice re-created", lambda: [s for s in _slices(api, node) if s["metadata"]["uid"] != original["metadata"]["uid"]], timeout=10)
+    wait_for(
+        "deleted slice re-created",
+        lambda: [s for s in _slices(api, node) if s["metadata"]["uid"] != original["metadata"]["uid"]],
+        timeout=10,
+    )
     repaired_delete = time.monotonic() - t0
 
     (current,) = _slices(api, node)
@@ -116,8 +152,11 @@ def test_deleted_or_edited_slice_is_repaired_and_no_change_means_no_write(
     def restored() -> bool:
         (s,) = _slices(api, node)
         device = s["spec"]["devices"][0]
-        return device["capacity"]["memory"]["value"] == original["spec"]["devices"][0]["capacity"]["memory"]["value"] \
+        return (
+            device["capacity"]["memory"]["value"]
+            == original["spec"]["devices"][0]["capacity"]["memory"]["value"]
             and "handEdited" not in device["attributes"]
+        )
 
     wait_for("edited slice restored", restored, timeout=10)
     repaired_edit = time.monotonic() - t0
@@ -131,7 +170,9 @@ def test_deleted_or_edited_slice_is_repaired_and_no_change_means_no_write(
 
 
 def test_api_server_outage_is_survived(
-    control_plane: ControlPlane, api: client.ApiClient, controller_process: tuple[str, subprocess.Popen[bytes], Path]
+    control_plane: ControlPlane,
+    api: client.ApiClient,
+    controller_process: tuple[str, subprocess.Popen[bytes], Path],
 ) -> None:
     node, proc, log = controller_process
     control_plane.stop_component("kube-apiserver")
@@ -160,16 +201,40 @@ def test_policy_limits_the_driver_to_its_own_node(control_plane: ControlPlane, a
                     raise
     create_node(api, "vap-node-a")
     create_node(api, "vap-node-b")
-    pod = request(api, "POST", "/api/v1/namespaces/gpu-dra-driver/pods", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "driver-on-a"},
-        "spec": {"nodeName": "vap-node-a", "serviceAccountName": "gpu-dra-driver",
-                 "automountServiceAccountToken": False, "containers": [{"name": "c", "image": "driver"}]},
-    })
-    token = request(api, "POST", "/api/v1/namespaces/gpu-dra-driver/serviceaccounts/gpu-dra-driver/token", {
-        "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-        "spec": {"expirationSeconds": 3600,
-                 "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": "driver-on-a", "uid": pod["metadata"]["uid"]}},
-    })["status"]["token"]
+    pod = request(
+        api,
+        "POST",
+        "/api/v1/namespaces/gpu-dra-driver/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "driver-on-a"},
+            "spec": {
+                "nodeName": "vap-node-a",
+                "serviceAccountName": "gpu-dra-driver",
+                "automountServiceAccountToken": False,
+                "containers": [{"name": "c", "image": "driver"}],
+            },
+        },
+    )
+    token = request(
+        api,
+        "POST",
+        "/api/v1/namespaces/gpu-dra-driver/serviceaccounts/gpu-dra-driver/token",
+        {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 3600,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": "driver-on-a",
+                    "uid": pod["metadata"]["uid"],
+                },
+            },
+        },
+    )["status"]["token"]
     cfg = client.Configuration()
     cfg.host = control_plane.server
     cfg.ssl_ca_cert = str(control_plane.ca_file)
@@ -177,15 +242,27 @@ def test_policy_limits_the_driver_to_its_own_node(control_plane: ControlPlane, a
     as_driver = client.ApiClient(cfg)
 
     def slice_for(node: str) -> dict[str, Any]:
-        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"vap-{node}"},
-                "spec": {"driver": DRIVER, "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}}}
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"vap-{node}"},
+            "spec": {
+                "driver": DRIVER,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            },
+        }
 
     def refused_for_b() -> str | None:
         try:
             request(as_driver, "POST", SLICES, slice_for("vap-node-b"))
         except ApiException as e:
             # A ValidatingAdmissionPolicy denial is 422 Invalid (RBAC would be 403).
-            return str(e.body) if e.status == 422 and "may not write ResourceSlices of node vap-node-b" in str(e.body) else None
+            return (
+                str(e.body)
+                if e.status == 422 and "may not write ResourceSlices of node vap-node-b" in str(e.body)
+                else None
+            )
         request(api, "DELETE", f"{SLICES}/vap-vap-node-b")  # policy not active yet: undo and retry
         return None
 

@@ -22,9 +22,20 @@ NODE = "node-a"
 
 
 def _gpu(index: int) -> GpuInfo:
-    return GpuInfo(index=index, minor=index, uuid=f"GPU-{index}", product_name="NVIDIA H200", brand="Nvidia",
-                   architecture="Hopper", cuda_compute_capability="9.0", memory_bytes=150754820096,
-                   pci_bus_id=f"0000:0{index}:00.0", pcie_root=None, numa_node=None, mig_enabled=False)
+    return GpuInfo(
+        index=index,
+        minor=index,
+        uuid=f"GPU-{index}",
+        product_name="NVIDIA H200",
+        brand="Nvidia",
+        architecture="Hopper",
+        cuda_compute_capability="9.0",
+        memory_bytes=150754820096,
+        pci_bus_id=f"0000:0{index}:00.0",
+        pcie_root=None,
+        numa_node=None,
+        mig_enabled=False,
+    )
 
 
 DEVICES = {f"gpu-{i}": NodeDevice(f"gpu-{i}", _gpu(i)) for i in range(2)}
@@ -38,7 +49,9 @@ def _claim(results: list[dict[str, Any]] | None, uid: str = "uid-1") -> dict[str
     return claim
 
 
-def _result(device: str, request: str = "gpu", pool: str = NODE, driver: str = DRIVER, **extra: Any) -> dict[str, Any]:
+def _result(
+    device: str, request: str = "gpu", pool: str = NODE, driver: str = DRIVER, **extra: Any
+) -> dict[str, Any]:
     return {"request": request, "driver": driver, "pool": pool, "device": device, **extra}
 
 
