@@ -386,3 +386,43 @@ def test_kill_at_every_step_then_repeat(
         kubelet.close()
     finally:
         proc.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha1"])
+def test_health_stream_lists_every_device(plugin: DriverProcess, version: str) -> None:
+    from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as h1
+    from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as h1_grpc
+    from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as h1a1
+    from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2_grpc as h1a1_grpc
+
+    pb, stub_class = (
+        (h1, h1_grpc.DRAResourceHealthStub) if version == "v1" else (h1a1, h1a1_grpc.DRAResourceHealthStub)
+    )
+    kubelet = KubeletSide(plugin.registration_socket())
+    assert f"{version}.DRAResourceHealth" in kubelet.info.supported_versions
+    stream = stub_class(kubelet.channel).NodeWatchResources(pb.NodeWatchResourcesRequest(), timeout=10)
+    first = next(iter(stream))
+    stream.cancel()
+    assert sorted(d.device.device_name for d in first.devices) == [f"gpu-{i}" for i in range(4)]
+    assert {d.health for d in first.devices} == {pb.HEALTHY}
+    assert {d.device.pool_name for d in first.devices} == {plugin.node}
+    kubelet.close()
+
+
+def test_a_refused_registration_is_logged_not_fatal(plugin: DriverProcess) -> None:
+    from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2 as reg
+    from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+
+    with grpc.insecure_channel(f"unix://{plugin.registration_socket()}") as channel:
+        reg_grpc.RegistrationStub(channel).NotifyRegistrationStatus(
+            reg.RegistrationStatus(plugin_registered=False, error="driver name collides with another plugin"),
+            timeout=10,
+        )
+    wait_for(
+        "the refusal in the log", lambda: "collides with another plugin" in plugin.log_tail(20000), timeout=10
+    )
+    assert '"level": "error"' in next(
+        line for line in plugin.log_tail(20000).splitlines() if "collides with another plugin" in line
+    )
+    assert plugin.proc is not None and plugin.proc.poll() is None
+    KubeletSide(plugin.registration_socket()).close()  # registers again
