@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +44,8 @@ from dra_driver.demo_report import (
     render,
 )
 from dra_driver.testing.cluster import REPO_ROOT, ControlPlane, build_binaries
-from dra_driver.testing.kubelet import ClaimName, KubeletSide, find_registration_socket
+from dra_driver.testing.driver import DriverProcess
+from dra_driver.testing.kubelet import ClaimName, KubeletSide
 from dra_driver.testing.objects import create_node, create_object, load_client, load_yaml_documents, request
 
 logger = structlog.get_logger(__name__)
@@ -125,68 +123,6 @@ def api_error(e: ApiException) -> str:
 # -- driver processes ----------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    # Linux only: a demo or test run killed outright must not leave drivers behind.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-@dataclass
-class DriverProcess:
-    """One `dra-driver kubelet-plugin` process, standing for the driver's pod on one node."""
-
-    node: SimulatedNode
-    root: Path
-    process: subprocess.Popen[bytes]
-
-    @property
-    def kubelet_dir(self) -> Path:
-        return self.root / "kubelet"
-
-    @property
-    def cdi_dir(self) -> Path:
-        return self.root / "cdi"
-
-    @property
-    def log_file(self) -> Path:
-        return self.root / "plugin.log"
-
-    @classmethod
-    def start(cls, node: SimulatedNode, kubeconfig: Path, root: Path, detach: bool = False) -> DriverProcess:
-        """Start the plugin; `detach` lets it outlive this process (`--keep`)."""
-        root.mkdir(parents=True, exist_ok=True)
-        (root / "kubelet").mkdir(exist_ok=True)
-        (root / "cdi").mkdir(exist_ok=True)
-        argv = [sys.executable, "-m", "dra_driver", "--log-format", "json", "kubelet-plugin",
-                "--node-name", node.name, "--simulate", node.profile, "--kubeconfig", str(kubeconfig),
-                "--kubelet-dir", str(root / "kubelet"), "--cdi-dir", str(root / "cdi")]
-        with open(root / "plugin.log", "wb") as out:
-            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       cwd=REPO_ROOT, start_new_session=True,
-                                       preexec_fn=None if detach else _die_with_parent)
-        return cls(node=node, root=root, process=process)
-
-    def registration_socket(self, timeout: float = 30.0) -> Path:
-        return find_registration_socket(self.kubelet_dir, DRIVER, timeout=timeout)
-
-    def check_alive(self) -> None:
-        if self.process.poll() is not None:
-            tail = self.log_file.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"driver for {self.node.name} exited with {self.process.returncode}:\n{tail}")
-
-    def stop(self, grace: float = 10.0) -> int | None:
-        """SIGTERM (the kubelet's way to stop a plugin pod), SIGKILL after `grace` seconds."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
-                logger.warning("driver ignored SIGTERM; killing", node=self.node.name, pid=self.process.pid)
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
-
-
 def start_node_drivers(
     api: client.ApiClient, kubeconfig: Path, base: Path,
     nodes: Sequence[SimulatedNode] = DEMO_NODES, detach: bool = False,
@@ -196,7 +132,8 @@ def start_node_drivers(
     try:
         for node in nodes:
             create_node(api, node.name)
-            drivers.append(DriverProcess.start(node, kubeconfig, base / node.name, detach=detach))
+            driver = DriverProcess(node.name, node.profile, kubeconfig, base / node.name, detach=detach)
+            drivers.append(driver.start(wait=False))
     except BaseException:
         stop_drivers(drivers)
         raise
@@ -224,10 +161,10 @@ def wait_for_slices(api: client.ApiClient, drivers: Sequence[DriverProcess],
             driver.check_alive()
         slices = request(api, "GET", f"{RESOURCE_API}/resourceslices",
                          query={"fieldSelector": f"spec.driver={DRIVER}"})["items"]
-        if all(_pool_complete(slices, d.node.name) for d in drivers):
+        if all(_pool_complete(slices, d.node) for d in drivers):
             return published_devices(api)
         if time.monotonic() > deadline:
-            missing = [d.node.name for d in drivers if not _pool_complete(slices, d.node.name)]
+            missing = [d.node for d in drivers if not _pool_complete(slices, d.node)]
             raise TimeoutError(f"no complete ResourceSlice pool after {timeout}s for: {', '.join(missing)}")
         time.sleep(0.2)
 
@@ -476,7 +413,7 @@ def prepare_like_kubelet(g: Gathered, drivers: Sequence[DriverProcess]) -> dict[
     """
     sides: dict[str, KubeletSide] = {}
     done: dict[str, Prepared] = {}
-    by_node = {d.node.name: d for d in drivers}
+    by_node = {d.node: d for d in drivers}
     try:
         for (ns, name), pod in g.pods.items():
             node = pod["spec"].get("nodeName")
@@ -545,9 +482,10 @@ def pod_view(
 def node_views(drivers: Sequence[DriverProcess], devices: DeviceMap) -> tuple[NodeView, ...]:
     views = []
     for d in drivers:
-        mine = [dev for (pool, _), dev in devices.items() if pool == d.node.name]
+        mine = [dev for (pool, _), dev in devices.items() if pool == d.node]
         product = str(_attribute(mine[0], "productName")) if mine else "?"
-        views.append(NodeView(d.node.name, d.node.profile, len(mine), product, d.node.description))
+        description = next((n.description for n in DEMO_NODES if n.name == d.node), "")
+        views.append(NodeView(d.node, d.profile, len(mine), product, description))
     return tuple(views)
 
 
@@ -655,7 +593,7 @@ def run_demo(keep: bool) -> int:
 
         drivers = start_node_drivers(api, cp.kubeconfig, base / "nodes", detach=keep)
         progress("nodes created, one driver each: "
-                 + ", ".join(f"{d.node.name} ({d.node.profile}, pid {d.process.pid})" for d in drivers))
+                 + ", ".join(f"{d.node} ({d.profile}, pid {d.pid})" for d in drivers))
         devices = wait_for_slices(api, drivers)
         progress(f"ResourceSlices published: {len(devices)} devices on {len(drivers)} nodes")
 
@@ -700,7 +638,7 @@ def run_demo(keep: bool) -> int:
 
 
 def _print_keep_hints(cp: ControlPlane, drivers: Sequence[DriverProcess], base: Path) -> None:
-    pids = " ".join(str(d.process.pid) for d in drivers)
+    pids = " ".join(str(d.pid) for d in drivers)
     print("\nLeft running (--keep):")
     print(f"  export KUBECONFIG={cp.kubeconfig}")
     print(f"  {cp.bin_dir / 'kubectl'} get resourceslices,resourceclaims -A")

@@ -52,6 +52,13 @@ from dra_driver.signals import run_until_signalled
     help="Where the host's device nodes are visible to this process.",
 )
 @click.option(
+    "--mps-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where per-claim MPS daemons keep pipes and logs: a short path, mounted from the host at the same "
+    "path; default /run/<driver-name>/mps.",
+)
+@click.option(
     "--rolling-update-uid",
     envvar="POD_UID",
     default=None,
@@ -74,6 +81,7 @@ def kubelet_plugin(
     driver_root: Path,
     host_driver_root: Path | None,
     dev_root: Path,
+    mps_root: Path | None,
     rolling_update_uid: str | None,
     publish_slices: bool,
 ) -> None:
@@ -88,6 +96,7 @@ def kubelet_plugin(
         dev_root=dev_root,
         simulate=simulate,
         kubeconfig=kubeconfig,
+        mps_root=mps_root,
         rolling_update_uid=rolling_update_uid,
         list_attributes=list_attributes,
         publish_slices=publish_slices,

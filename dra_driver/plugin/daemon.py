@@ -25,6 +25,8 @@ from dra_driver import kube
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
+from dra_driver.mps import MpsControl
+from dra_driver.mps import default_root as mps_default_root
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.health import DeviceHealthBoard
 from dra_driver.plugin.registration import RegistrationService, add_registration
@@ -46,6 +48,7 @@ class PluginOptions:
     host_driver_root: Path | None
     simulate: str | None
     kubeconfig: str | None
+    mps_root: Path | None = None
     rolling_update_uid: str | None = None
     list_attributes: Literal["auto", "on", "off"] = "auto"
     publish_slices: bool = True
@@ -100,6 +103,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         driver_files=driver_files,
         cdi_dir=opts.cdi_dir,
         data_dir=paths.data_dir,
+        mps=MpsControl(opts.mps_root or mps_default_root(opts.driver), driver_files.driver_root),
     )
     await preparer.recover()
     board = DeviceHealthBoard(opts.node_name, devices)

@@ -79,7 +79,7 @@ def build_binaries() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # Linux only: SIGKILL the child when the process that started it dies, so that a
     # killed pytest or demo never leaves etcd or the apiserver running.
     PR_SET_PDEATHSIG = 1
@@ -163,7 +163,7 @@ class ControlPlane:
             stdin=subprocess.DEVNULL,
             cwd=self.work_dir,
             start_new_session=True,
-            preexec_fn=None if self.detach else _die_with_parent,
+            preexec_fn=None if self.detach else die_with_parent,
         )
         log.close()
 

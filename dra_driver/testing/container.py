@@ -188,7 +188,9 @@ def _depth(path: str) -> int:
     return len([p for p in path.split("/") if p])
 
 
-def _finish(env: list[str], nodes: list[DeviceNodeEdit], mounts: list[MountEdit], rules: list[DeviceRule]) -> Edits:
+def _finish(
+    env: list[str], nodes: list[DeviceNodeEdit], mounts: list[MountEdit], rules: list[DeviceRule]
+) -> Edits:
     by_path = {n.path: n for n in nodes}  # a later node of the same path replaces the earlier
     by_dest = {m.destination: m for m in mounts}
     return Edits(
@@ -379,9 +381,8 @@ class ContainerResult:
 
     def describe(self) -> str:
         """The command and its output, for logs and result files."""
-        return (
-            f"$ {' '.join(self.argv)}\n(exit {self.returncode})\n{self.stdout}"
-            + (f"--- stderr ---\n{self.stderr}" if self.stderr.strip() else "")
+        return f"$ {' '.join(self.argv)}\n(exit {self.returncode})\n{self.stdout}" + (
+            f"--- stderr ---\n{self.stderr}" if self.stderr.strip() else ""
         )
 
 
@@ -401,12 +402,13 @@ def run_container(
     if unshare is None:
         raise ContainerError("util-linux unshare is not installed")
     with tempfile.TemporaryDirectory(prefix="dra-container-") as tmp:
+        report_path = os.path.join(tmp, "report.json")
         plan = {
             "edits": asdict(edits),
             "argv": list(argv),
             "env": list(_merge_env(opts.base_env, edits.env)),
             "options": asdict(opts),
-            "report": os.path.join(tmp, "report.json"),
+            "report": report_path,
         }
         plan_path = os.path.join(tmp, "plan.json")
         Path(plan_path).write_text(json.dumps(plan))
@@ -426,7 +428,11 @@ def run_container(
             plan_path,
         ]
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -435,7 +441,7 @@ def run_container(
             out, err = proc.communicate()
             err += f"\n[container killed after {timeout:.0f}s]".encode()
         try:
-            setup = json.loads(Path(plan["report"]).read_text())
+            setup = json.loads(Path(report_path).read_text())
         except (OSError, ValueError):
             setup = {}
         cgroup = setup.get("device_cgroup", {}).get("path")
@@ -513,13 +519,14 @@ class _Rootfs:
 
     def __init__(self, report: dict[str, Any]) -> None:
         self.owned: set[str] = set()  # directories whose entries are ours to create
+        self.pinned: list[str] = []
         self.report = report
         report.setdefault("masked", [])
         report.setdefault("shadowed", [])
         report.setdefault("warnings", [])
 
-    def tmpfs(self, path: str, mode: int) -> None:
-        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode:o}")
+    def tmpfs(self, path: str, mode: int, flags: int = MS_NOSUID | MS_NODEV) -> None:
+        _mount("tmpfs", path, "tmpfs", flags, f"mode={mode:o}")
         self.owned.add(os.path.realpath(path))
 
     def shadow(self, directory: str, exclude: re.Pattern[str] | None = None) -> str:
@@ -531,7 +538,13 @@ class _Rootfs:
         orig = os.path.join(self.STAGING, secrets.token_hex(6))
         os.makedirs(orig)
         _mount(real, orig, None, MS_BIND | MS_REC)
-        _mount("tmpfs", real, "tmpfs", MS_NOSUID, f"mode={stat.S_IMODE(st.st_mode):o},uid={st.st_uid},gid={st.st_gid}")
+        _mount(
+            "tmpfs",
+            real,
+            "tmpfs",
+            MS_NOSUID,
+            f"mode={stat.S_IMODE(st.st_mode):o},uid={st.st_uid},gid={st.st_gid}",
+        )
         for name in sorted(os.listdir(orig)):
             src, dst = os.path.join(orig, name), os.path.join(real, name)
             if exclude is not None and exclude.match(name):
@@ -551,6 +564,29 @@ class _Rootfs:
         self.owned.add(real)
         self.report["shadowed"].append(real)
         return real
+
+    def pin(self, source: str) -> str:
+        """A bind mount of `source` under the staging directory, which hiding cannot reach."""
+        if not os.path.exists(source):
+            raise ContainerError(f"mount source {source} does not exist")
+        pinned = os.path.join(self.STAGING, f"pin-{secrets.token_hex(6)}")
+        if os.path.isdir(source):
+            os.mkdir(pinned)
+            _mount(source, pinned, None, MS_BIND | MS_REC)
+        else:
+            Path(pinned).touch()
+            _mount(source, pinned, None, MS_BIND)
+        self.pinned.append(pinned)
+        return pinned
+
+    def unpin_all(self) -> None:
+        for p in self.pinned:
+            _umount(p)
+            if os.path.isdir(p):
+                os.rmdir(p)
+            else:
+                os.unlink(p)
+        os.rmdir(self.STAGING)
 
     def ensure_dir(self, path: str) -> str:
         """A directory at `path` that this namespace may add entries to; returns its real path."""
@@ -580,7 +616,7 @@ class _Rootfs:
 
 
 def _setup_dev(fs: _Rootfs, report: dict[str, Any]) -> None:
-    fs.tmpfs("/dev", 0o755)
+    fs.tmpfs("/dev", 0o755, MS_NOSUID)  # device nodes must work here: no nodev
     os.makedirs(_Rootfs.STAGING)
     for path, major, minor in ORDINARY_DEVICES:
         os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
@@ -592,8 +628,12 @@ def _setup_dev(fs: _Rootfs, report: dict[str, Any]) -> None:
         os.symlink("pts/ptmx", "/dev/ptmx")
     except OSError as e:
         report["warnings"].append(f"no /dev/pts: {e}")
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"/dev/{name}")
 
 
@@ -609,6 +649,10 @@ def _create_node(fs: _Rootfs, node: Mapping[str, Any]) -> None:
     os.chown(target, int(node["uid"]), int(node["gid"]))
 
 
+def _is_bind(m: Mapping[str, Any]) -> bool:
+    return m["type"] in (None, "", "bind", "none") or "bind" in m["options"] or "rbind" in m["options"]
+
+
 def _apply_mount(fs: _Rootfs, m: Mapping[str, Any]) -> None:
     options = list(m["options"])
     flags = 0
@@ -619,7 +663,7 @@ def _apply_mount(fs: _Rootfs, m: Mapping[str, Any]) -> None:
         else:
             data.append(o)
     kind = m["type"]
-    if kind in (None, "", "bind", "none") or "bind" in options or "rbind" in options:
+    if _is_bind(m):
         source = str(m["source"])
         if not os.path.exists(source):
             raise ContainerError(f"mount source {source} does not exist")
@@ -671,7 +715,11 @@ def device_filter_program(rules: Sequence[DeviceRule]) -> bytes:
         allowed = sum(_DEV_ACCESS[c] for c in set(rule.access))
         if allowed != 7:
             checks.append(
-                (_insn(_MOV_X, dst=1, src=3), _insn(_AND_K, dst=1, imm=~allowed & 7), _insn(_JNE_K, dst=1, imm=0))
+                (
+                    _insn(_MOV_X, dst=1, src=3),
+                    _insn(_AND_K, dst=1, imm=~allowed & 7),
+                    _insn(_JNE_K, dst=1, imm=0),
+                )
             )
         if rule.major is not None:
             checks.append((_insn(_JNE_K, dst=4, imm=rule.major),))
@@ -729,14 +777,25 @@ def apply_device_cgroup(rules: Sequence[DeviceRule]) -> str:
         license_ = ctypes.create_string_buffer(b"GPL")
         log_buf = ctypes.create_string_buffer(65536)
         attr = ctypes.create_string_buffer(144)
-        struct.pack_into("<IIQQIIQ", attr, 0, _BPF_PROG_TYPE_CGROUP_DEVICE, len(code) // 8,
-                         ctypes.addressof(insns), ctypes.addressof(license_), 1, len(log_buf),
-                         ctypes.addressof(log_buf))
+        struct.pack_into(
+            "<IIQQIIQ",
+            attr,
+            0,
+            _BPF_PROG_TYPE_CGROUP_DEVICE,
+            len(code) // 8,
+            ctypes.addressof(insns),
+            ctypes.addressof(license_),
+            1,
+            len(log_buf),
+            ctypes.addressof(log_buf),
+        )
         struct.pack_into("<I", attr, 68, _BPF_CGROUP_DEVICE)  # expected_attach_type
         try:
             prog_fd = _bpf(_BPF_PROG_LOAD, attr)
         except OSError as e:
-            raise OSError(e.errno, f"loading the device program: {e.strerror}; {log_buf.value.decode()[-500:]}") from e
+            raise OSError(
+                e.errno, f"loading the device program: {e.strerror}; {log_buf.value.decode()[-500:]}"
+            ) from e
         cg_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             attach = ctypes.create_string_buffer(144)
@@ -775,6 +834,9 @@ def _init(plan_path: str) -> int:
     edits = plan["edits"]
     fs = _Rootfs(report)
     _setup_dev(fs, report)
+    # Mount sources are resolved on the host, as a runtime does; pin them before any of
+    # them is hidden or masked below.
+    mounts = [{**m, "source": fs.pin(str(m["source"]))} if _is_bind(m) else m for m in edits["mounts"]]
     exclude = re.compile(opts["mask_pattern"])
     for d in opts["mask_dirs"]:
         if os.path.isdir(d):
@@ -787,9 +849,9 @@ def _init(plan_path: str) -> int:
             fs.tmpfs(d, 0o1777)
     for node in edits["device_nodes"]:
         _create_node(fs, node)
-    for m in edits["mounts"]:
+    for m in mounts:
         _apply_mount(fs, m)
-    os.rmdir(_Rootfs.STAGING)
+    fs.unpin_all()
     report["device_cgroup"] = {"path": None}
     if opts["device_cgroup"]:
         rules = [*ordinary_device_rules(), *(DeviceRule(**r) for r in edits["device_rules"])]
@@ -822,7 +884,8 @@ def _init(plan_path: str) -> int:
         except ChildProcessError:
             return 125
         if reaped == pid:
-            return os.waitstatus_to_exitcode(status) % 256
+            code = os.waitstatus_to_exitcode(status)
+            return 128 - code if code < 0 else code  # killed by signal N: 128 + N, as shells say
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--init":

@@ -19,6 +19,7 @@ import grpc
 
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
+from dra_driver.testing.cluster import die_with_parent
 from dra_driver.testing.kubelet import find_registration_socket
 
 DRIVER = "gpu.dra-driver.dev"
@@ -34,6 +35,7 @@ class DriverProcess:
     root: Path
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    detach: bool = False  # outlive this process (the demo's --keep); else die with it
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -73,6 +75,8 @@ class DriverProcess:
             str(self.kubelet_dir),
             "--cdi-dir",
             str(self.cdi_dir),
+            "--mps-root",
+            str(self.root / "mps"),
             *self.extra_args,
         ]
         with open(self.log_path, "ab") as log:
@@ -82,6 +86,8 @@ class DriverProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env},
+                start_new_session=self.detach,
+                preexec_fn=None if self.detach else die_with_parent,
             )
         if wait:
             self.wait_serving(timeout=60)
@@ -114,6 +120,16 @@ class DriverProcess:
                 return find_registration_socket(self.kubelet_dir, DRIVER, timeout=0.2)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"plugin for {self.node} did not register:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            code = None if self.proc is None else self.proc.returncode
+            raise RuntimeError(f"driver for {self.node} is not running (exit {code}):\n{self.log_tail()}")
 
     def log_tail(self, size: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-size:] if self.log_path.exists() else ""

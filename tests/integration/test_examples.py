@@ -107,7 +107,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             applied = apply_documents(api, path, "default")
             assert not applied.problems, f"{path.name}: {applied.problems}"
         inventories = {n.name: discover(n.profile) for n in DEMO_NODES}
-        cl = Cluster(cp=cp, api=api, drivers={d.node.name: d for d in drivers}, inventories=inventories,
+        cl = Cluster(cp=cp, api=api, drivers={d.node: d for d in drivers}, inventories=inventories,
                      topologies={name: nvlink_topology(inv) for name, inv in inventories.items()},
                      devices=devices)
         yield cl

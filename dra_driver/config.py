@@ -1,0 +1,277 @@
+"""The driver's opaque claim configuration (GPU sharing) and its validation.
+
+A ResourceClaim (or its DeviceClass) can carry configuration for this driver:
+
+    spec.devices.config[]:
+      - requests: [gpu]                 # optional; empty = every request of the claim
+        opaque:
+          driver: gpu.dra-driver.dev
+          parameters:
+            apiVersion: gpu.dra-driver.dev/v1alpha1
+            kind: GpuConfig
+            sharing:
+              strategy: MPS             # or TimeSlicing (the GPU's default behaviour)
+              mps:
+                defaultActiveThreadPercentage: 50
+                defaultPinnedDeviceMemoryLimit: 10Gi
+
+The scheduler copies class and claim entries into `status.allocation.devices.config[]`
+(with `source: FromClass|FromClaim`); that copy is what the plugin reads, so what it
+prepares is what was allocated. `device_configs` resolves which configuration applies to
+each allocated device: entries of another driver are ignored; a claim's entry wins over a
+class's; among entries of one source the later wins (the order in which the API lists them).
+
+Validation is strict: an unknown field, a quantity that is not one, a percentage outside
+1..100 or an unknown strategy is an error whose message names the field and says what to
+write instead, because the kubelet shows it to the user verbatim. Pure functions and
+frozen dataclasses only: nothing here does I/O or starts anything (see `dra_driver.mps`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any, Final
+
+API_VERSION: Final = "v1alpha1"
+KIND: Final = "GpuConfig"
+DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
+
+# Kubernetes resource.Quantity suffixes (binary, decimal SI) as multipliers.
+_BINARY_SUFFIXES: Final = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL_SUFFIXES: Final = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_QUANTITY = re.compile(
+    r"^([+-]?[0-9]*\.?[0-9]+|[+-]?[0-9]+\.)(?:(Ki|Mi|Gi|Ti|Pi|Ei|[kMGTPE])|[eE]([+-]?[0-9]+))?$"
+)
+
+
+class ConfigError(ValueError):
+    """The claim's configuration for this driver is not valid; the message says how to fix it."""
+
+
+class SharingStrategy(enum.StrEnum):
+    TIME_SLICING = "TimeSlicing"  # the GPU's default: processes take turns; nothing is started
+    MPS = "MPS"  # one CUDA MPS control daemon per claim, with the limits below
+
+
+@dataclass(frozen=True)
+class MpsConfig:
+    """Limits every MPS client of the claim gets (None: MPS's own default, no limit)."""
+
+    default_active_thread_percentage: int | None = None
+    default_pinned_device_memory_limit: int | None = None  # bytes
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    strategy: SharingStrategy = SharingStrategy.TIME_SLICING
+    mps: MpsConfig | None = None  # set iff strategy is MPS
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """One validated `GpuConfig` object."""
+
+    sharing: SharingConfig = SharingConfig()
+
+    @property
+    def uses_mps(self) -> bool:
+        return self.sharing.strategy is SharingStrategy.MPS
+
+
+DEFAULT_CONFIG: Final = GpuConfig()
+
+
+# --------------------------------------------------------------------------- quantities
+
+
+def parse_quantity(value: object, where: str) -> int:
+    """A Kubernetes quantity of bytes ("10Gi", "512Mi", "1e9", 1073741824) as a positive int."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f'{where}: {value!r} is not a quantity; write a string such as "10Gi" or "512Mi"')
+    if isinstance(value, int):
+        number, multiplier = Decimal(value), 1
+    else:
+        m = _QUANTITY.match(value.strip())
+        if not m:
+            raise ConfigError(
+                f"{where}: {value!r} is not a Kubernetes quantity; write a number with an optional suffix "
+                '(Ki, Mi, Gi, Ti or k, M, G, T), e.g. "10Gi"'
+            )
+        digits, suffix, exponent = m.group(1), m.group(2) or "", m.group(3)
+        try:
+            number = Decimal(digits)
+        except InvalidOperation as err:  # the regex admits only decimal numbers; kept as a guard
+            raise ConfigError(f"{where}: {value!r} is not a number") from err
+        if exponent is not None:
+            number = number.scaleb(int(exponent))
+            multiplier = 1
+        else:
+            multiplier = _BINARY_SUFFIXES.get(suffix) or _DECIMAL_SUFFIXES[suffix]
+    total = number * multiplier
+    if total <= 0:
+        raise ConfigError(f"{where}: {value!r} must be greater than zero")
+    if total != total.to_integral_value():
+        raise ConfigError(f"{where}: {value!r} is not a whole number of bytes")
+    return int(total)
+
+
+def format_mps_memory(limit_bytes: int) -> str:
+    """A byte count in the units CUDA MPS reads (binary: `G` = GiB, `M` = MiB), rounded down
+    to whole MiB so that the enforced limit never exceeds the configured one."""
+    mib = limit_bytes // 2**20
+    if mib < 1:
+        raise ConfigError(f"an MPS memory limit must be at least 1Mi, not {limit_bytes} bytes")
+    return f"{mib // 1024}G" if mib % 1024 == 0 else f"{mib}M"
+
+
+# --------------------------------------------------------------------------- the object
+
+
+def _check_fields(obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+    unknown = sorted(set(obj) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(allowed)}"
+        )
+
+
+def _mapping(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be an object, not {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_mps(value: object, where: str) -> MpsConfig:
+    obj = _mapping(value, where)
+    _check_fields(obj, ("defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit"), where)
+    pct = obj.get("defaultActiveThreadPercentage")
+    if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100):
+        raise ConfigError(
+            f"{where}.defaultActiveThreadPercentage: {pct!r} must be a whole number from 1 to 100"
+        )
+    limit = obj.get("defaultPinnedDeviceMemoryLimit")
+    limit_bytes = None
+    if limit is not None:
+        limit_bytes = parse_quantity(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
+        format_mps_memory(limit_bytes)  # at least 1Mi
+    return MpsConfig(default_active_thread_percentage=pct, default_pinned_device_memory_limit=limit_bytes)
+
+
+def _parse_sharing(value: object, where: str) -> SharingConfig:
+    obj = _mapping(value, where)
+    _check_fields(obj, ("strategy", "mps"), where)
+    raw = obj.get("strategy")
+    choices = ", ".join(s.value for s in SharingStrategy)
+    if raw is None:
+        raise ConfigError(f"{where}.strategy is missing; set it to one of: {choices}")
+    try:
+        strategy = SharingStrategy(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{where}.strategy: {raw!r} is not a sharing strategy; use one of: {choices}"
+        ) from None
+    if strategy is SharingStrategy.MPS:
+        return SharingConfig(strategy, _parse_mps(obj.get("mps", {}), f"{where}.mps"))
+    if "mps" in obj:
+        raise ConfigError(f"{where}.mps is only allowed with strategy MPS (the strategy is {strategy.value})")
+    return SharingConfig(strategy)
+
+
+def parse_gpu_config(parameters: object, driver: str = DEFAULT_GROUP, where: str = "parameters") -> GpuConfig:
+    """Validate one `opaque.parameters` object of this driver."""
+    obj = _mapping(parameters, where)
+    _check_fields(obj, ("apiVersion", "kind", "sharing"), where)
+    accepted = sorted({f"{driver}/{API_VERSION}", f"{DEFAULT_GROUP}/{API_VERSION}"})
+    if obj.get("apiVersion") not in accepted:
+        raise ConfigError(
+            f"{where}.apiVersion: {obj.get('apiVersion')!r} is not supported; use {' or '.join(accepted)}"
+        )
+    if obj.get("kind") != KIND:
+        raise ConfigError(f"{where}.kind: {obj.get('kind')!r} is not supported; use {KIND}")
+    if "sharing" not in obj:
+        return GpuConfig()
+    return GpuConfig(sharing=_parse_sharing(obj["sharing"], f"{where}.sharing"))
+
+
+# --------------------------------------------------------------------------- a claim's entries
+
+
+@dataclass(frozen=True)
+class ConfigEntry:
+    """One `status.allocation.devices.config[]` entry of this driver, validated."""
+
+    requests: tuple[str, ...]  # empty: every request
+    from_class: bool
+    config: GpuConfig
+
+    def applies_to(self, request: str) -> bool:
+        """`request` is a result's request name, `main` or `main/subrequest`; an entry naming
+        the main request covers all its subrequests."""
+        return not self.requests or request in self.requests or request.split("/", 1)[0] in self.requests
+
+
+def claim_config_entries(claim: Mapping[str, Any], driver: str) -> tuple[ConfigEntry, ...]:
+    """This driver's entries of the claim's allocation, in the order the API lists them."""
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    raw = (allocation.get("devices") or {}).get("config") or []
+    if not isinstance(raw, list):
+        raise ConfigError("status.allocation.devices.config is not a list")
+    entries: list[ConfigEntry] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, Mapping):
+            continue
+        opaque = item.get("opaque")
+        if not isinstance(opaque, Mapping) or opaque.get("driver") != driver:
+            continue
+        source = item.get("source", "FromClaim")
+        origin = "the DeviceClass" if source == "FromClass" else "the claim"
+        where = f"config[{i}] (from {origin}) opaque.parameters"
+        requests = item.get("requests") or []
+        if not isinstance(requests, list) or not all(isinstance(r, str) for r in requests):
+            raise ConfigError(f"config[{i}].requests must be a list of request names")
+        entries.append(
+            ConfigEntry(
+                requests=tuple(requests),
+                from_class=source == "FromClass",
+                config=parse_gpu_config(opaque.get("parameters"), driver, where),
+            )
+        )
+    return tuple(entries)
+
+
+def config_for_request(entries: Sequence[ConfigEntry], request: str) -> GpuConfig:
+    """The configuration of one allocated request: claim entries over class entries, later over earlier."""
+    chosen = DEFAULT_CONFIG
+    for from_class in (True, False):
+        for entry in entries:
+            if entry.from_class == from_class and entry.applies_to(request):
+                chosen = entry.config
+    return chosen
+
+
+def device_configs(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, GpuConfig]:
+    """The configuration of every device this driver allocated in `pool`, by device name.
+
+    A device allocated for two requests of one claim must get one configuration: if the
+    two differ the claim is refused (a device has one sharing mode)."""
+    entries = claim_config_entries(claim, driver)
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    results = (allocation.get("devices") or {}).get("results") or []
+    out: dict[str, GpuConfig] = {}
+    for result in results:
+        if not isinstance(result, Mapping) or result.get("driver") != driver or result.get("pool") != pool:
+            continue
+        device, request = str(result.get("device", "")), str(result.get("request", ""))
+        config = config_for_request(entries, request)
+        if device in out and out[device] != config:
+            raise ConfigError(
+                f"device {device} is allocated to several requests of this claim with different "
+                "configurations; give them the same sharing configuration"
+            )
+        out[device] = config
+    return out

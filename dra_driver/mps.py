@@ -1,0 +1,516 @@
+"""CUDA MPS (Multi-Process Service) control daemons, one per claim that asks for MPS sharing.
+
+A claim whose configuration says `sharing.strategy: MPS` (see `dra_driver.config`) gets
+its own `nvidia-cuda-mps-control -d`, started by the kubelet plugin during Prepare from
+the driver root's tools, with everything private to the claim under
+`<root>/<claim uid>/`:
+
+    pipe/   CUDA_MPS_PIPE_DIRECTORY: the daemon's and servers' named pipes and sockets;
+            mounted into the claim's containers at `CONTAINER_PIPE_DIR`
+    log/    CUDA_MPS_LOG_DIRECTORY: control.log, server.log
+    shm/    the daemon's /dev/shm (MPS clients and servers share memory through it); the
+            daemon runs in its own mount namespace with this directory over /dev/shm, and
+            the containers get it as their /dev/shm, so a claim never sees the host's
+            /dev/shm nor another claim's (the NVIDIA device plugin does the same with a tmpfs)
+    settings.json   what the daemon was started with, so a restarted plugin can restart a
+            daemon that died, rebuild the CDI edits, and stop daemons it no longer knows
+
+Two facts of MPS, both seen on the H200 host, constrain `<root>` (default
+`/run/<driver>/mps`, see `default_root`): the daemon binds UNIX sockets in the pipe
+directory, so its path must stay short (a 101-character one made the daemon exit 1
+silently); and it starts each client's server as that client's user, so every directory
+above the pipe and log directories must be searchable by others (a 0700 parent made every
+non-root client fail with CUDA error 805). `start` checks both and says what to change.
+The container runtime must find `<root>` at the same path on the host (`host_root` if not).
+
+The daemon sees only the claim's GPUs (`CUDA_VISIBLE_DEVICES=<uuid>,...`), so client
+device index i is `settings.devices[i]`. Limits are set twice: as defaults in the control
+daemon (`set_default_*`, which apply to every server it starts) and as the client
+variables in the container (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`,
+`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`).
+
+The daemon is stopped with `quit` written to `nvidia-cuda-mps-control` (client mode); its
+processes are found by a marker variable in their environment
+(`GPU_DRA_MPS_CLAIM=<uid>`), so a stop after a plugin restart finds them too, and a daemon
+that does not quit is killed by PID.
+
+`settings_for_claim` and `MpsControl.container_edits` are pure; the other methods of
+`MpsControl` do blocking I/O (call them from a thread in async code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from dra_driver import cdi
+from dra_driver.config import ConfigError, MpsConfig, format_mps_memory
+from dra_driver.driver_root import BINARY_DIRS, library_dirs, resolve_in_root
+
+log = structlog.get_logger(__name__)
+
+CONTROL_BINARY: Final = "nvidia-cuda-mps-control"
+CONTAINER_PIPE_DIR: Final = "/tmp/nvidia-mps"  # the default CUDA itself uses
+CONTAINER_SHM_DIR: Final = "/dev/shm"
+CLAIM_MARKER_ENV: Final = "GPU_DRA_MPS_CLAIM"
+SETTINGS_FILE: Final = "settings.json"
+MOUNT_OPTIONS: Final = ("rw", "nosuid", "nodev", "bind")
+
+
+class MpsError(Exception):
+    """An MPS daemon could not be started or stopped; the message says what happened."""
+
+
+@dataclass(frozen=True)
+class MpsDevice:
+    """One GPU (or MIG device) the claim's daemon serves."""
+
+    uuid: str
+    pinned_memory_limit: int | None = None  # bytes per client; None: no limit
+
+
+@dataclass(frozen=True)
+class MpsSettings:
+    """What one claim's daemon is started with. Client device index i is `devices[i]`."""
+
+    claim_uid: str
+    devices: tuple[MpsDevice, ...]
+    active_thread_percentage: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "claimUID": self.claim_uid,
+            "devices": [{"uuid": d.uuid, "pinnedMemoryLimit": d.pinned_memory_limit} for d in self.devices],
+            "activeThreadPercentage": self.active_thread_percentage,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> MpsSettings:
+        return cls(
+            claim_uid=str(obj["claimUID"]),
+            devices=tuple(
+                MpsDevice(
+                    str(d["uuid"]), None if d["pinnedMemoryLimit"] is None else int(d["pinnedMemoryLimit"])
+                )
+                for d in obj["devices"]
+            ),
+            active_thread_percentage=None
+            if obj.get("activeThreadPercentage") is None
+            else int(obj["activeThreadPercentage"]),
+        )
+
+
+def settings_for_claim(claim_uid: str, devices: Sequence[tuple[str, MpsConfig]]) -> MpsSettings:
+    """The daemon settings of a claim from its MPS devices `(uuid, config)`, in client order.
+
+    The active thread percentage applies to every client of the daemon, so all the
+    claim's MPS devices must agree on it."""
+    if not devices:
+        raise ValueError(f"claim {claim_uid}: an MPS daemon needs at least one device")
+    percentages = sorted({c.default_active_thread_percentage for _, c in devices}, key=str)
+    if len(percentages) > 1:
+        raise ConfigError(
+            "all MPS devices of one claim share one daemon and must have the same "
+            f"mps.defaultActiveThreadPercentage (got {', '.join(map(str, percentages))})"
+        )
+    return MpsSettings(
+        claim_uid=claim_uid,
+        devices=tuple(MpsDevice(uuid, c.default_pinned_device_memory_limit) for uuid, c in devices),
+        active_thread_percentage=percentages[0],
+    )
+
+
+def control_commands(settings: MpsSettings) -> tuple[str, ...]:
+    """The `nvidia-cuda-mps-control` commands that make the limits the daemon's defaults."""
+    cmds = []
+    if settings.active_thread_percentage is not None:
+        cmds.append(f"set_default_active_thread_percentage {settings.active_thread_percentage}")
+    for i, d in enumerate(settings.devices):
+        if d.pinned_memory_limit is not None:
+            cmds.append(f"set_default_device_pinned_mem_limit {i} {format_mps_memory(d.pinned_memory_limit)}")
+    return tuple(cmds)
+
+
+def client_env(settings: MpsSettings) -> tuple[str, ...]:
+    """The variables an MPS client of this claim runs with."""
+    env = [f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}"]
+    limits = [
+        f"{i}={format_mps_memory(d.pinned_memory_limit)}"
+        for i, d in enumerate(settings.devices)
+        if d.pinned_memory_limit is not None
+    ]
+    if limits:
+        env.append(f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={','.join(limits)}")
+    if settings.active_thread_percentage is not None:
+        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={settings.active_thread_percentage}")
+    return tuple(env)
+
+
+# The longest socket name the control daemon creates in its pipe directory (seen on the
+# H200 host: control, control_privileged, log, control_lock, nvidia-cuda-mps-control.pid).
+_LONGEST_SOCKET_NAME: Final = "control_privileged"
+_SUN_PATH_MAX: Final = 107  # sockaddr_un.sun_path holds 108 bytes with the final NUL
+
+
+def check_pipe_dir_length(pipe_dir: Path) -> None:
+    """MPS binds UNIX sockets in the pipe directory; a longer path makes the control daemon
+    exit 1 without a word (seen on the H200 host with a 101-character directory)."""
+    longest = len(os.fsencode(pipe_dir)) + 1 + len(_LONGEST_SOCKET_NAME)
+    if longest > _SUN_PATH_MAX:
+        raise MpsError(
+            f"the MPS pipe directory {pipe_dir} is too long for UNIX socket paths "
+            f"({longest} > {_SUN_PATH_MAX} bytes for its control_privileged socket); "
+            "choose a shorter MPS root (the default is "
+            f"{default_root('<driver>')})"
+        )
+
+
+def check_searchable(path: Path) -> None:
+    """Every directory above `path` must let other users through: the control daemon starts
+    each client's MPS server as that client's user, and a server that cannot reach the pipe
+    directory exits at once (the client then fails with CUDA error 805; seen on the H200
+    host with a 0700 parent)."""
+    for parent in path.parents:
+        mode = os.stat(parent).st_mode
+        if not mode & stat.S_IXOTH:
+            raise MpsError(
+                f"{parent} (mode {stat.S_IMODE(mode):04o}) is not searchable by other users, so MPS "
+                f"servers started for non-root clients cannot reach {path}; make it 0755 or choose "
+                "another MPS root"
+            )
+
+
+def default_root(driver: str) -> Path:
+    """Where a node keeps its claims' MPS directories by default: short (UNIX socket paths)
+    and on a tmpfs (the daemons die with the boot). The container runtime must find the
+    same path on the host: run the plugin with that directory mounted from the host."""
+    return Path("/run") / driver / "mps"
+
+
+def find_control_binary(driver_root: str | os.PathLike[str]) -> Path | None:
+    """`nvidia-cuda-mps-control` under the driver root (as this process sees it)."""
+    root = os.fspath(driver_root)
+    for d in BINARY_DIRS:
+        real = resolve_in_root(root, f"{d}/{CONTROL_BINARY}")
+        if real is not None:
+            path = Path(root, real.lstrip("/"))
+            if path.is_file() and os.access(path, os.X_OK):
+                return path
+    return None
+
+
+@dataclass(frozen=True)
+class ClaimDirs:
+    base: Path
+
+    @property
+    def pipe(self) -> Path:
+        return self.base / "pipe"
+
+    @property
+    def log(self) -> Path:
+        return self.base / "log"
+
+    @property
+    def shm(self) -> Path:
+        return self.base / "shm"
+
+    @property
+    def settings(self) -> Path:
+        return self.base / SETTINGS_FILE
+
+
+class MpsControl:
+    """Starts, finds and stops the per-claim MPS control daemons of this node.
+
+    `root` is where this process keeps the claims' directories, `host_root` where the
+    container runtime finds that same directory (the CDI mounts); `driver_root` is where
+    this process sees the driver's files. `private_shm=False` leaves the daemon on the
+    host's /dev/shm and mounts none into the container (for tests that cannot create mount
+    namespaces; a real node needs True)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        driver_root: str | os.PathLike[str],
+        *,
+        host_root: str | os.PathLike[str] | None = None,
+        private_shm: bool = True,
+        control_binary: str | os.PathLike[str] | None = None,
+        start_timeout: float = 15.0,
+        stop_timeout: float = 15.0,
+        dir_mode: int = 0o1777,
+    ) -> None:
+        self.root = Path(root)
+        self.host_root = Path(host_root) if host_root is not None else self.root
+        self.driver_root = Path(driver_root)
+        self.private_shm = private_shm
+        self._control_binary = Path(control_binary) if control_binary is not None else None
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.dir_mode = dir_mode
+
+    # -- paths and pure parts ----------------------------------------------------------
+
+    def dirs(self, claim_uid: str) -> ClaimDirs:
+        cdi.validate_claim_uid(claim_uid)  # it names a directory
+        return ClaimDirs(self.root / claim_uid)
+
+    def container_edits(self, settings: MpsSettings) -> cdi.ContainerEdits:
+        """What each of the claim's containers needs to be a client of its daemon."""
+        host = ClaimDirs(self.host_root / settings.claim_uid)
+        mounts = [cdi.Mount(str(host.pipe), CONTAINER_PIPE_DIR, MOUNT_OPTIONS)]
+        if self.private_shm:
+            mounts.append(cdi.Mount(str(host.shm), CONTAINER_SHM_DIR, MOUNT_OPTIONS))
+        return cdi.ContainerEdits(env=client_env(settings), mounts=tuple(mounts))
+
+    def control_binary(self) -> Path:
+        found = self._control_binary or find_control_binary(self.driver_root)
+        if found is None:
+            raise MpsError(
+                f"{CONTROL_BINARY} not found under the driver root {self.driver_root} "
+                f"(looked in {', '.join(BINARY_DIRS)}): MPS sharing needs the driver's MPS tools"
+            )
+        return found
+
+    def _env(self, dirs: ClaimDirs, settings: MpsSettings | None = None) -> dict[str, str]:
+        binary = self.control_binary()
+        lib_dirs = [str(self.driver_root / d) for d in library_dirs() if (self.driver_root / d).is_dir()]
+        env = {
+            # the control daemon starts nvidia-cuda-mps-server from its PATH
+            "PATH": os.pathsep.join(
+                [
+                    str(binary.parent),
+                    "/usr/local/sbin",
+                    "/usr/local/bin",
+                    "/usr/sbin",
+                    "/usr/bin",
+                    "/sbin",
+                    "/bin",
+                ]
+            ),
+            "CUDA_MPS_PIPE_DIRECTORY": str(dirs.pipe),
+            "CUDA_MPS_LOG_DIRECTORY": str(dirs.log),
+        }
+        if lib_dirs:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_dirs)
+        if settings is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid for d in settings.devices)
+            env[CLAIM_MARKER_ENV] = settings.claim_uid
+        return env
+
+    # -- state on disk and in /proc ----------------------------------------------------
+
+    def claim_uids(self) -> frozenset[str]:
+        """Claims that have a daemon directory here (running or not)."""
+        try:
+            return frozenset(p.name for p in self.root.iterdir() if p.is_dir())
+        except FileNotFoundError:
+            return frozenset()
+
+    def saved_settings(self, claim_uid: str) -> MpsSettings | None:
+        try:
+            text = self.dirs(claim_uid).settings.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            return MpsSettings.from_json(json.loads(text))
+        except (ValueError, KeyError, TypeError) as e:
+            log.error(
+                "unreadable MPS settings file; treating the daemon as unknown",
+                claim_uid=claim_uid,
+                error=str(e),
+            )
+            return None
+
+    def daemon_pids(self, claim_uid: str) -> tuple[int, ...]:
+        """Processes (control daemon, servers) started for this claim, found by their marker."""
+        marker = f"{CLAIM_MARKER_ENV}={claim_uid}".encode()
+        pids = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+            except OSError:  # gone, or not ours to read
+                continue
+            if marker in environ:
+                pids.append(int(entry.name))
+        return tuple(sorted(pids))
+
+    def is_running(self, claim_uid: str) -> bool:
+        return bool(self.daemon_pids(claim_uid))
+
+    # -- start and stop ----------------------------------------------------------------
+
+    def start(self, settings: MpsSettings) -> None:
+        """Start the claim's daemon; a no-op if it already runs with these settings."""
+        uid = settings.claim_uid
+        dirs = self.dirs(uid)
+        if self.is_running(uid):
+            if self.saved_settings(uid) == settings:
+                return
+            log.warning("MPS daemon of the claim runs with other settings; restarting it", claim_uid=uid)
+        self.stop(uid)
+        binary = self.control_binary()
+        check_pipe_dir_length(dirs.pipe)
+        dirs.base.mkdir(parents=True, exist_ok=True, mode=0o755)
+        # The daemon runs as root, but it starts each MPS server with the user id of the
+        # first client (the container's user); that server creates pipes here and writes
+        # server.log, so both directories are open to every user, like /tmp.
+        for d in (dirs.pipe, dirs.log, dirs.shm):
+            d.mkdir(exist_ok=True)
+            os.chmod(d, self.dir_mode)
+        try:
+            check_searchable(dirs.pipe)
+            check_searchable(dirs.log)
+        except MpsError:
+            self.stop(uid)
+            raise
+        cdi.write_file_atomic(dirs.settings, (json.dumps(settings.to_json(), indent=2) + "\n").encode())
+        cmd = [str(binary), "-d"]
+        if self.private_shm:
+            cmd = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "/bin/sh",
+                "-c",
+                'mount --bind "$0" /dev/shm && exec "$@"',
+                str(dirs.shm),
+                *cmd,
+            ]
+        start_log = dirs.log / "start.log"
+        with open(start_log, "wb") as out:  # never a pipe: the daemon would hold it open
+            try:
+                rc = subprocess.run(
+                    cmd,
+                    env=self._env(dirs, settings),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=self.start_timeout,
+                    check=False,
+                    start_new_session=True,
+                ).returncode
+            except (OSError, subprocess.TimeoutExpired) as e:
+                self.stop(uid)
+                raise MpsError(f"starting the MPS control daemon failed: {e}") from e
+        if rc != 0:
+            detail = _tail(start_log)
+            self.stop(uid)
+            raise MpsError(f"starting the MPS control daemon failed (exit {rc}): {detail}")
+        if not _wait_for(lambda: (dirs.pipe / "control").exists(), self.start_timeout):
+            detail = _tail(dirs.log / "control.log") or _tail(start_log)
+            detail += f" (pipe directory holds: {sorted(os.listdir(dirs.pipe))})"
+            self.stop(uid)
+            raise MpsError(
+                f"the MPS control daemon did not open its control pipe in {self.start_timeout:.0f}s: "
+                f"{detail or 'no log'}"
+            )
+        for command in control_commands(settings):
+            self._send(dirs, command, settings)
+        log.info(
+            "MPS control daemon started",
+            claim_uid=uid,
+            devices=[d.uuid for d in settings.devices],
+            pids=list(self.daemon_pids(uid)),
+        )
+
+    def send(self, claim_uid: str, command: str) -> str:
+        """Send one command to the claim's control daemon; returns its answer."""
+        return self._send(self.dirs(claim_uid), command, self.saved_settings(claim_uid))
+
+    def _send(self, dirs: ClaimDirs, command: str, settings: MpsSettings | None) -> str:
+        try:
+            done = subprocess.run(
+                [str(self.control_binary())],
+                input=command + "\n",
+                env=self._env(dirs),
+                capture_output=True,
+                text=True,
+                timeout=self.stop_timeout,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise MpsError(f"sending {command!r} to the MPS control daemon failed: {e}") from e
+        answer = (done.stdout + done.stderr).strip()
+        if done.returncode != 0:
+            log.warning(
+                "MPS control command failed",
+                command=command,
+                exit_code=done.returncode,
+                answer=answer,
+                claim_uid=settings.claim_uid if settings else None,
+            )
+        return answer
+
+    def stop(self, claim_uid: str) -> bool:
+        """Stop the claim's daemon and remove its directory; True if there was anything to stop.
+
+        Idempotent. `quit` first (the daemon stops its servers); processes still there after
+        `stop_timeout` get SIGTERM, then SIGKILL. Raises MpsError only if one survives that."""
+        dirs = self.dirs(claim_uid)
+        if not dirs.base.exists():  # every start creates it first: no directory, no daemon
+            return False
+        pids = self.daemon_pids(claim_uid)
+        if pids and (dirs.pipe / "control").exists():
+            try:
+                self._send(dirs, "quit", None)
+            except MpsError as e:
+                log.warning(
+                    "MPS daemon did not take 'quit'; it will be killed", claim_uid=claim_uid, error=str(e)
+                )
+            _wait_for(lambda: not self.daemon_pids(claim_uid), self.stop_timeout)
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+            left = self.daemon_pids(claim_uid)
+            if not left:
+                break
+            log.warning(
+                "MPS processes still running; signalling",
+                claim_uid=claim_uid,
+                pids=list(left),
+                signal=sig.name,
+            )
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            _wait_for(lambda: not self.daemon_pids(claim_uid), wait)
+        left = self.daemon_pids(claim_uid)
+        if left:
+            raise MpsError(f"MPS processes {list(left)} of claim {claim_uid} survived SIGKILL")
+        shutil.rmtree(dirs.base, ignore_errors=True)
+        log.info("MPS control daemon stopped", claim_uid=claim_uid, had_processes=bool(pids))
+        return True
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:].strip()
+    except OSError:
+        return ""

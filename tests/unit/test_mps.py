@@ -1,0 +1,468 @@
+"""MPS daemons per claim, against a fake `nvidia-cuda-mps-control`, and their place in prepare.
+
+The fake behaves like the real tool where the driver relies on it: `-d` forks a daemon
+(environment kept, stdio detached) that opens `<pipe dir>/control` as a FIFO and logs
+each command to `<log dir>/control.log`; without `-d` it forwards its stdin to that FIFO;
+`quit` ends the daemon. `fake.json` next to it can make it fail to start or ignore `quit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dra_driver.config import ConfigError, MpsConfig
+from dra_driver.devices import node_devices
+from dra_driver.driver_root import scan_driver_files
+from dra_driver.gpu import discover
+from dra_driver.mps import (
+    CLAIM_MARKER_ENV,
+    CONTAINER_PIPE_DIR,
+    MpsControl,
+    MpsDevice,
+    MpsError,
+    MpsSettings,
+    check_pipe_dir_length,
+    client_env,
+    control_commands,
+    default_root,
+    find_control_binary,
+    settings_for_claim,
+)
+from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.state import NodePreparer
+
+GI = 2**30
+UID = "1c9e7d3a-1111-4222-8333-444455556666"
+DRIVER = "gpu.dra-driver.dev"
+POOL = "node-a"
+
+FAKE = """#!{python}
+import json, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+try:
+    mode = json.load(open(os.path.join(here, "fake.json")))
+except OSError:
+    mode = {{}}
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+logd = os.environ["CUDA_MPS_LOG_DIRECTORY"]
+ctl = os.path.join(pipe, "control")
+
+def log(msg):
+    with open(os.path.join(logd, "control.log"), "a") as f:
+        f.write(msg + "\\n")
+
+if sys.argv[1:] == ["-d"]:
+    if mode.get("fail"):
+        print("fake: cannot start", file=sys.stderr)
+        sys.exit(3)
+    if os.fork():
+        sys.exit(0)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    with open(os.path.join(logd, "env.json"), "w") as f:
+        json.dump(dict(os.environ), f)
+    if mode.get("shm_marker"):
+        with open("/dev/shm/fake-mps-" + os.environ["{marker}"], "w") as f:
+            f.write("x")
+    if not mode.get("no_pipe"):
+        os.mkfifo(ctl)
+    log("started")
+    while True:
+        with open(ctl) as f:
+            for line in f:
+                log("cmd " + line.strip())
+                if line.strip() == "quit" and not mode.get("ignore_quit"):
+                    os.unlink(ctl)
+                    sys.exit(0)
+else:
+    data = sys.stdin.read()
+    with open(ctl, "w") as f:
+        f.write(data)
+    print("ok")
+"""
+
+
+@pytest.fixture
+def fake_bin(tmp_path: Path) -> Path:
+    root = tmp_path / "driver"
+    (root / "bin").mkdir(parents=True)
+    binary = root / "bin" / "nvidia-cuda-mps-control"
+    binary.write_text(FAKE.format(python=sys.executable, marker=CLAIM_MARKER_ENV))
+    binary.chmod(0o755)
+    return binary
+
+
+def set_mode(fake_bin: Path, **mode: bool) -> None:
+    (fake_bin.parent / "fake.json").write_text(json.dumps(mode))
+
+
+@pytest.fixture
+def short_root() -> Iterator[Path]:
+    """A root as the driver needs one: short (UNIX socket paths) and searchable by everyone
+    (pytest's tmp_path is neither: long, and under a 0700 directory)."""
+    root = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def mps(short_root: Path, fake_bin: Path) -> Iterator[MpsControl]:
+    control = MpsControl(
+        short_root / "mps", fake_bin.parent.parent, private_shm=False, start_timeout=5, stop_timeout=2
+    )
+    yield control
+    set_mode(fake_bin)
+    for uid in control.claim_uids():
+        control.stop(uid)
+
+
+def settings(uid: str = UID, limit: int | None = 10 * GI, pct: int | None = None) -> MpsSettings:
+    return MpsSettings(uid, (MpsDevice("GPU-aaaa", limit),), pct)
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_settings_keep_the_device_order_and_need_one_percentage() -> None:
+    s = settings_for_claim(UID, [("GPU-b", MpsConfig(50, GI)), ("GPU-a", MpsConfig(50, None))])
+    assert s == MpsSettings(UID, (MpsDevice("GPU-b", GI), MpsDevice("GPU-a", None)), 50)
+    with pytest.raises(ConfigError, match=r"same mps\.defaultActiveThreadPercentage"):
+        settings_for_claim(UID, [("GPU-b", MpsConfig(50, GI)), ("GPU-a", MpsConfig(None, GI))])
+
+
+def test_client_env_and_daemon_defaults() -> None:
+    s = MpsSettings(
+        UID, (MpsDevice("GPU-a", 10 * GI), MpsDevice("GPU-b", None), MpsDevice("GPU-c", 10**10)), 25
+    )
+    assert client_env(s) == (
+        f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G,2=9536M",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25",
+    )
+    assert control_commands(s) == (
+        "set_default_active_thread_percentage 25",
+        "set_default_device_pinned_mem_limit 0 10G",
+        "set_default_device_pinned_mem_limit 2 9536M",
+    )
+    assert client_env(settings(limit=None)) == (f"CUDA_MPS_PIPE_DIRECTORY={CONTAINER_PIPE_DIR}",)
+
+
+def test_container_edits_mount_the_claims_own_dirs(tmp_path: Path) -> None:
+    control = MpsControl(tmp_path / "seen", "/driver", host_root="/var/lib/plugin/mps")
+    edits = control.container_edits(settings())
+    assert [(m.host_path, m.container_path) for m in edits.mounts] == [
+        (f"/var/lib/plugin/mps/{UID}/pipe", "/tmp/nvidia-mps"),
+        (f"/var/lib/plugin/mps/{UID}/shm", "/dev/shm"),
+    ]
+    assert all("rw" in m.options and "bind" in m.options for m in edits.mounts)
+    no_shm = MpsControl(tmp_path, "/driver", private_shm=False).container_edits(settings())
+    assert [m.container_path for m in no_shm.mounts] == ["/tmp/nvidia-mps"]
+
+
+def test_settings_round_trip_through_json() -> None:
+    s = MpsSettings(UID, (MpsDevice("GPU-a", GI), MpsDevice("GPU-b", None)), 30)
+    assert MpsSettings.from_json(json.loads(json.dumps(s.to_json()))) == s
+
+
+def test_claim_uids_that_could_escape_the_directory_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not usable"):
+        MpsControl(tmp_path, "/driver").dirs("../etc")
+
+
+# --------------------------------------------------------------------------- the daemon
+
+
+def test_control_binary_is_found_under_the_driver_root(fake_bin: Path, tmp_path: Path) -> None:
+    assert find_control_binary(fake_bin.parent.parent) == fake_bin
+    with pytest.raises(MpsError, match=r"nvidia-cuda-mps-control not found under the driver root .*empty"):
+        MpsControl(tmp_path / "m", tmp_path / "empty").control_binary()
+
+
+def test_start_then_stop(mps: MpsControl) -> None:
+    mps.start(settings(pct=40))
+    dirs = mps.dirs(UID)
+    pids = mps.daemon_pids(UID)
+    assert len(pids) == 1
+    assert (dirs.pipe / "control").exists()
+    assert mps.saved_settings(UID) == settings(pct=40)
+    env = json.loads((dirs.log / "env.json").read_text())
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa"
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(dirs.pipe)
+    assert env[CLAIM_MARKER_ENV] == UID
+    assert os.stat(dirs.pipe).st_mode & 0o7777 == 0o1777
+    assert "ok" in mps.send(UID, "get_server_list")
+
+    assert mps.stop(UID)
+    assert not mps.daemon_pids(UID)
+    assert not dirs.base.exists()
+    assert not mps.stop(UID), "a second stop has nothing to do"
+
+
+def test_start_sends_the_limits_as_daemon_defaults(mps: MpsControl) -> None:
+    mps.start(settings(pct=40))
+    log = (mps.dirs(UID).log / "control.log").read_text().splitlines()
+    assert log == [
+        "started",
+        "cmd set_default_active_thread_percentage 40",
+        "cmd set_default_device_pinned_mem_limit 0 10G",
+    ]
+
+
+def test_start_is_idempotent_and_restarts_on_new_settings(mps: MpsControl) -> None:
+    mps.start(settings())
+    first = mps.daemon_pids(UID)
+    mps.start(settings())
+    assert mps.daemon_pids(UID) == first
+    mps.start(settings(limit=5 * GI))
+    second = mps.daemon_pids(UID)
+    assert second and second != first
+    assert mps.saved_settings(UID) == settings(limit=5 * GI)
+
+
+def test_a_daemon_that_ignores_quit_is_killed(mps: MpsControl, fake_bin: Path) -> None:
+    set_mode(fake_bin, ignore_quit=True)
+    mps.start(settings())
+    assert mps.daemon_pids(UID)
+    assert mps.stop(UID)
+    assert not mps.daemon_pids(UID)
+    assert not mps.dirs(UID).base.exists()
+
+
+def test_a_failed_start_says_why_and_leaves_nothing(mps: MpsControl, fake_bin: Path) -> None:
+    set_mode(fake_bin, fail=True)
+    with pytest.raises(MpsError, match=r"exit 3\): fake: cannot start"):
+        mps.start(settings())
+    assert not mps.dirs(UID).base.exists()
+
+
+def test_a_daemon_without_control_pipe_times_out(short_root: Path, fake_bin: Path) -> None:
+    set_mode(fake_bin, no_pipe=True)
+    control = MpsControl(
+        short_root / "mps", fake_bin.parent.parent, private_shm=False, start_timeout=0.5, stop_timeout=0.5
+    )
+    with pytest.raises(MpsError, match="did not open its control pipe"):
+        control.start(settings())
+    assert not control.daemon_pids(UID)
+
+
+def test_a_pipe_directory_too_long_for_unix_sockets_is_refused(tmp_path: Path, fake_bin: Path) -> None:
+    deep = tmp_path / ("d" * 60) / "mps"
+    control = MpsControl(deep, fake_bin.parent.parent, private_shm=False)
+    with pytest.raises(MpsError, match=r"too long for UNIX socket paths \(\d+ > 107 bytes"):
+        control.start(settings())
+    assert not control.daemon_pids(UID)
+
+
+def test_a_root_that_other_users_cannot_search_is_refused(short_root: Path, fake_bin: Path) -> None:
+    private = short_root / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    control = MpsControl(private / "mps", fake_bin.parent.parent, private_shm=False)
+    with pytest.raises(MpsError, match=r"private \(mode 0700\) is not searchable by other users"):
+        control.start(settings())
+    assert not control.daemon_pids(UID)
+    assert not control.dirs(UID).base.exists()
+
+
+def test_the_default_root_is_short_enough() -> None:
+    check_pipe_dir_length(default_root("gpu.dra-driver.dev") / UID / "pipe")
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0:
+        return False
+    probe = ["unshare", "--mount", "--propagation", "private", "true"]
+    try:
+        return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare --mount")
+def test_private_shm_is_the_claims_directory(short_root: Path, fake_bin: Path) -> None:
+    control = MpsControl(short_root / "mps", fake_bin.parent.parent, start_timeout=5, stop_timeout=2)
+    set_mode(fake_bin, shm_marker=True)
+    try:
+        control.start(settings())
+        marker = f"fake-mps-{UID}"
+        assert (control.dirs(UID).shm / marker).exists()
+        assert not Path("/dev/shm", marker).exists()
+    finally:
+        control.stop(UID)
+
+
+# --------------------------------------------------------------------------- in prepare
+
+
+def mps_claim(parameters: Any, uid: str = UID) -> dict[str, Any]:
+    return {
+        "metadata": {"uid": uid, "namespace": "default", "name": "shared"},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [{"request": "gpu", "driver": DRIVER, "pool": POOL, "device": "gpu-0"}],
+                    "config": [
+                        {"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": parameters}}
+                    ],
+                }
+            }
+        },
+    }
+
+
+MPS_PARAMS = {
+    "apiVersion": f"{DRIVER}/v1alpha1",
+    "kind": "GpuConfig",
+    "sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "10Gi"}},
+}
+
+
+@pytest.fixture
+def make_preparer(tmp_path: Path, mps: MpsControl) -> Any:
+    inventory = discover("h200-single")
+    files = scan_driver_files(None, "/dev", True, gpu_minors=[g.minor for g in inventory.gpus])
+
+    def make(claim: dict[str, Any]) -> NodePreparer:
+        async def fetch(ref: ClaimRef) -> dict[str, Any]:
+            return claim
+
+        return NodePreparer(
+            driver=DRIVER,
+            pool=POOL,
+            devices=node_devices(inventory),
+            fetch_claim=fetch,
+            driver_files=files,
+            cdi_dir=tmp_path / "cdi",
+            data_dir=tmp_path / "data",
+            boot_id="boot-1",
+            mps=mps,
+        )
+
+    return make
+
+
+REF = ClaimRef("default", "shared", UID)
+
+
+def spec_of(preparer: NodePreparer) -> dict[str, Any]:
+    spec: dict[str, Any] = json.loads(next(preparer.cdi_dir.glob("*.json")).read_text())
+    return spec
+
+
+def test_prepare_starts_the_daemon_and_puts_its_edits_in_the_spec(
+    make_preparer: Any, mps: MpsControl
+) -> None:
+    preparer = make_preparer(mps_claim(MPS_PARAMS))
+
+    async def go() -> None:
+        await preparer.recover()
+        await preparer.prepare(REF)
+
+    asyncio.run(go())
+    assert mps.is_running(UID)
+    edits = spec_of(preparer)["devices"][0]["containerEdits"]
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G" in edits["env"]
+    assert {
+        "hostPath": str(mps.dirs(UID).pipe),
+        "containerPath": "/tmp/nvidia-mps",
+        "options": ["rw", "nosuid", "nodev", "bind"],
+    } in edits["mounts"]
+    assert preparer.checkpoint.claims[UID].phase == ckpt.COMPLETED
+
+    asyncio.run(preparer.unprepare(REF))
+    assert not mps.is_running(UID)
+    assert not mps.dirs(UID).base.exists()
+    assert not list(preparer.cdi_dir.glob("*.json"))
+
+
+def test_a_claim_without_mps_starts_nothing(make_preparer: Any, mps: MpsControl) -> None:
+    preparer = make_preparer(mps_claim({**MPS_PARAMS, "sharing": {"strategy": "TimeSlicing"}}))
+    asyncio.run(preparer.recover())
+    asyncio.run(preparer.prepare(REF))
+    assert not mps.claim_uids()
+    assert not any(e.startswith("CUDA_MPS") for e in spec_of(preparer)["devices"][0]["containerEdits"]["env"])
+
+
+def test_an_invalid_config_is_refused_before_anything_is_touched(make_preparer: Any, mps: MpsControl) -> None:
+    bad = {**MPS_PARAMS, "sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "10GB"}}}
+    preparer = make_preparer(mps_claim(bad))
+    asyncio.run(preparer.recover())
+    with pytest.raises(ClaimRejected, match=r"invalid configuration for driver gpu.dra-driver.dev: .*10GB"):
+        asyncio.run(preparer.prepare(REF))
+    assert UID not in preparer.checkpoint.claims
+    assert not mps.claim_uids()
+
+
+def test_a_daemon_that_cannot_start_rolls_the_claim_back(
+    make_preparer: Any, mps: MpsControl, fake_bin: Path
+) -> None:
+    set_mode(fake_bin, fail=True)
+    preparer = make_preparer(mps_claim(MPS_PARAMS))
+    asyncio.run(preparer.recover())
+    with pytest.raises(ClaimRejected, match="MPS sharing could not be set up on this node"):
+        asyncio.run(preparer.prepare(REF))
+    assert UID not in preparer.checkpoint.claims
+    assert not list(preparer.cdi_dir.glob("*.json"))
+    assert not mps.claim_uids()
+
+
+def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec_with_its_edits(
+    make_preparer: Any, mps: MpsControl
+) -> None:
+    preparer = make_preparer(mps_claim(MPS_PARAMS))
+    asyncio.run(preparer.recover())
+    asyncio.run(preparer.prepare(REF))
+    # the plugin's container restarts: the daemon dies with it, the tmpfs spec is gone too
+    for pid in mps.daemon_pids(UID):
+        os.kill(pid, 9)
+    for spec in preparer.cdi_dir.glob("*.json"):
+        spec.unlink()
+    (mps.dirs(UID).pipe / "control").unlink()
+
+    restarted = make_preparer(mps_claim(MPS_PARAMS))
+    asyncio.run(restarted.recover())
+    assert mps.is_running(UID)
+    assert (
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G" in spec_of(restarted)["devices"][0]["containerEdits"]["env"]
+    )
+
+
+def test_recover_stops_daemons_of_unknown_claims(make_preparer: Any, mps: MpsControl) -> None:
+    orphan = "0rphan00-1111-4222-8333-444455556666"
+    mps.start(settings(uid=orphan))
+    preparer = make_preparer(mps_claim(MPS_PARAMS))
+    asyncio.run(preparer.recover())
+    assert not mps.is_running(orphan)
+    assert not mps.claim_uids()
+
+
+def test_an_interrupted_prepare_is_rolled_back_with_its_daemon(make_preparer: Any, mps: MpsControl) -> None:
+    preparer = make_preparer(mps_claim(MPS_PARAMS))
+    asyncio.run(preparer.recover())
+    asyncio.run(preparer.prepare(REF))
+    # as if the plugin died after `started` and the daemon's start: mark the entry started again
+    cp = preparer.checkpoint
+    entry = cp.claims[UID]
+    ckpt.save(
+        preparer.checkpoint_path,
+        ckpt.with_started(ckpt.without(cp, UID), entry.namespace, entry.name, entry.uid, entry.devices),
+    )
+    restarted = make_preparer(mps_claim(MPS_PARAMS))
+    asyncio.run(restarted.recover())
+    assert UID not in restarted.checkpoint.claims
+    assert not mps.is_running(UID)
