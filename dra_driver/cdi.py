@@ -17,7 +17,7 @@ driver's libraries and tools bind-mounted read-only. No hooks are used, so no NV
 binary needs to be installed on the host for the runtime to call.
 
 I/O lives only in the file functions at the bottom (`write_spec`, `remove_claim_spec`,
-`claim_uids_in`, `write_file_atomic`).
+`claim_uids_in`; atomic writes come from `dra_driver.atomic`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any, Final, Protocol
 
 import structlog
 
+from dra_driver.atomic import fsync_dir, write_file_atomic
 from dra_driver.driver_root import DeviceNodeInfo, DriverFiles, multiarch_triplet
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
 
@@ -573,41 +573,6 @@ def claim_spec_path(cdi_dir: Path, vendor: str, claim_uid: str) -> Path:
     return Path(cdi_dir) / claim_spec_filename(vendor, claim_uid)
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so that a reader or a crash sees the old file or the new
-    one, never a part: temp file in the same directory, fsync, rename, fsync the directory.
-
-    The temp name starts with '.' and ends in '.tmp', so CDI runtimes (which read only
-    *.json and *.yaml) never pick it up."""
-    path = Path(path)
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{path.name}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
-
-
 def write_spec_file(path: Path, spec: CdiSpec) -> None:
     """Write `spec` to exactly `path`, atomically."""
     write_file_atomic(path, spec_to_json(spec).encode())
@@ -632,7 +597,7 @@ def remove_claim_spec(cdi_dir: Path, vendor: str, claim_uid: str) -> bool:
         path.unlink()
     except FileNotFoundError:
         return False
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     log.debug("CDI spec removed", path=str(path))
     return True
 

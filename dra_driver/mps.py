@@ -56,6 +56,7 @@ from typing import Any, Final
 import structlog
 
 from dra_driver import cdi
+from dra_driver.atomic import write_file_atomic
 from dra_driver.config import ConfigError, MpsConfig, format_mps_memory
 from dra_driver.driver_root import BINARY_DIRS, library_dirs, resolve_in_root
 
@@ -380,7 +381,7 @@ class MpsControl:
         except MpsError:
             self.stop(uid)
             raise
-        cdi.write_file_atomic(dirs.settings, (json.dumps(settings.to_json(), indent=2) + "\n").encode())
+        write_file_atomic(dirs.settings, (json.dumps(settings.to_json(), indent=2) + "\n").encode())
         cmd = [str(binary), "-d"]
         if self.private_shm:
             cmd = [

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import structlog
 
-from dra_driver.cdi import write_file_atomic
+from dra_driver.atomic import write_file_atomic
 from dra_driver.plugin.prepared import PreparedDevice
 
 log = structlog.get_logger(__name__)
