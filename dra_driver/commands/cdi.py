@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from dra_driver import cdi as cdispec
+from dra_driver.commands.options import driver_files_options
 from dra_driver.driver_root import scan_driver_files
 
 
@@ -25,26 +26,7 @@ def cdi() -> None:
 @click.option(
     "--simulate", metavar="NAME|PATH", default=None, help="Use a simulated hardware profile instead of NVML."
 )
-@click.option(
-    "--driver-root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where the NVIDIA driver's files are seen by this command [default: /; with --simulate: "
-    "none, so the spec mounts no libraries].",
-)
-@click.option(
-    "--host-driver-root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where the container runtime finds the driver root, if not where this command sees it.",
-)
-@click.option(
-    "--dev-root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("/dev"),
-    show_default=True,
-    help="Where the host's device nodes are seen by this command.",
-)
+@driver_files_options
 @click.option(
     "--driver-name",
     default=cdispec.DEFAULT_VENDOR,

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from controller.publisher import ListAttributesMode
-from dra_driver.commands.options import cluster_options
+from dra_driver.commands.options import cluster_options, driver_files_options
 from dra_driver.plugin.daemon import PluginOptions, run_plugin
 from dra_driver.signals import run_until_signalled
 
@@ -29,28 +29,7 @@ from dra_driver.signals import run_until_signalled
     show_default=True,
     help="Where the per-claim CDI specs are written (a tmpfs on most hosts).",
 )
-@click.option(
-    "--driver-root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("/"),
-    show_default=True,
-    help="Where the NVIDIA driver's files are: / on most hosts; /usr/local/nvidia, /run/nvidia/driver, "
-    "/home/kubernetes/bin/nvidia on others.",
-)
-@click.option(
-    "--host-driver-root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="The driver root as the host sees it, written into CDI specs, when this process sees it "
-    "elsewhere (a hostPath mount); default: --driver-root.",
-)
-@click.option(
-    "--dev-root",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("/dev"),
-    show_default=True,
-    help="Where the host's device nodes are visible to this process.",
-)
+@driver_files_options
 @click.option(
     "--mps-root",
     type=click.Path(file_okay=False, path_type=Path),
@@ -78,7 +57,7 @@ def kubelet_plugin(
     node_name: str,
     kubelet_dir: Path,
     cdi_dir: Path,
-    driver_root: Path,
+    driver_root: Path | None,
     host_driver_root: Path | None,
     dev_root: Path,
     mps_root: Path | None,

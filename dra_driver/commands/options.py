@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -39,6 +40,38 @@ def cluster_options(f: F) -> F:
                 default="auto",
                 show_default=True,
                 help="Publish list-type attributes (DRAListTypeAttributes); auto detects.",
+            ),
+        ]
+    ):
+        f = option(f)
+    return f
+
+
+def driver_files_options(f: F) -> F:
+    """Where the driver's user-space files and device nodes are, as this process and the host see them."""
+    for option in reversed(
+        [
+            click.option(
+                "--driver-root",
+                type=click.Path(file_okay=False, path_type=Path),
+                default=None,
+                help="Where the NVIDIA driver's files are seen by this process: / on most hosts; "
+                "/usr/local/nvidia, /run/nvidia/driver, /home/kubernetes/bin/nvidia on others "
+                "[default: /; with --simulate: none, so specs mount no libraries].",
+            ),
+            click.option(
+                "--host-driver-root",
+                type=click.Path(file_okay=False, path_type=Path),
+                default=None,
+                help="The driver root as the host (the container runtime) sees it, written into CDI "
+                "specs, when this process sees it elsewhere (a hostPath mount); default: --driver-root.",
+            ),
+            click.option(
+                "--dev-root",
+                type=click.Path(file_okay=False, path_type=Path),
+                default=Path("/dev"),
+                show_default=True,
+                help="Where the host's device nodes are seen by this process.",
             ),
         ]
     ):

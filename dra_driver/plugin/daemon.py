@@ -43,7 +43,7 @@ class PluginOptions:
     driver: str
     kubelet_dir: Path
     cdi_dir: Path
-    driver_root: Path
+    driver_root: Path | None  # None: / on a GPU node, no driver files for simulated GPUs
     dev_root: Path
     host_driver_root: Path | None
     simulate: str | None
@@ -103,7 +103,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         driver_files=driver_files,
         cdi_dir=opts.cdi_dir,
         data_dir=paths.data_dir,
-        mps=MpsControl(opts.mps_root or mps_default_root(opts.driver), driver_files.driver_root),
+        mps=MpsControl(opts.mps_root or mps_default_root(opts.driver), opts.driver_root or Path("/")),
     )
     await preparer.recover()
     board = DeviceHealthBoard(opts.node_name, devices)
