@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
 from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.driver import DRIVER
+from dra_driver.testing.driver import DRIVER, spawn_dra_driver
 from dra_driver.testing.objects import create_node, load_client, request
 
 RESULTS = Path(__file__).parent / "results"
@@ -52,7 +51,7 @@ def _devices_published(api: Any, node_prefix: str) -> int:
 
 def _case(cp: ControlPlane, api: Any, profile: str, nodes: int, work: Path) -> dict[str, Any]:
     inventory = discover(profile)
-    per_node = sum(len(g.mig_devices) if g.mig_enabled else 1 for g in inventory.gpus)
+    per_node = len(node_devices(inventory))
     prefix = f"b{nodes}-{profile}"
     if nodes == 1:
         names = [prefix]
@@ -65,32 +64,15 @@ def _case(cp: ControlPlane, api: Any, profile: str, nodes: int, work: Path) -> d
     expected = per_node * nodes
     before = _requests_total(cp)
     polls = 0
-    log = open(work / f"{prefix}.log", "wb")  # noqa: SIM115 - closed below
+    log = work / f"{prefix}.log"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dra_driver",
-            "--log-format",
-            "json",
-            "--log-level",
-            "warning",
-            "controller",
-            "--simulate",
-            profile,
-            "--kubeconfig",
-            str(cp.kubeconfig),
-            *args,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    args = ["controller", "--simulate", profile, "--kubeconfig", str(cp.kubeconfig), *args]
+    proc = spawn_dra_driver(args, log, log_level="warning")
     try:
         while _devices_published(api, prefix) < expected:
             polls += 1
             if proc.poll() is not None or time.perf_counter() - t0 > 900:
-                raise RuntimeError(f"controller for {prefix} failed; see {log.name}")
+                raise RuntimeError(f"controller for {prefix} failed; see {log}")
             time.sleep(0.25)
         elapsed = time.perf_counter() - t0
         time.sleep(2)  # let the controller settle: it must not keep writing
@@ -98,11 +80,10 @@ def _case(cp: ControlPlane, api: Any, profile: str, nodes: int, work: Path) -> d
     finally:
         proc.terminate()
         proc.wait(30)
-        log.close()
     own = polls + 1 + 2  # our LISTs and the two metric reads
     stats = next(
         json.loads(line)
-        for line in reversed((work / f"{prefix}.log").read_text().splitlines())
+        for line in reversed(log.read_text().splitlines())
         if '"controller stopping"' in line
     )
     return {

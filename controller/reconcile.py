@@ -158,11 +158,6 @@ class SliceController:
         sel = f"spec.driver={self.driver}"
         return sel + (f",spec.nodeName={self.node_selector}" if self.node_selector else "")
 
-    def update_pool(self, pool: PoolSpec) -> None:
-        """Replace a pool's desired state (inventory changed); the worker publishes it."""
-        self.pools[pool.name] = pool
-        self._mark(pool.name)
-
     def _mark(self, pool: str) -> None:
         self._dirty.add(pool)
         self._wake.set()

@@ -32,13 +32,14 @@ from typing import Any, Final, Protocol
 
 import structlog
 
+from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.atomic import fsync_dir, write_file_atomic
 from dra_driver.driver_root import DeviceNodeInfo, DriverFiles, multiarch_triplet
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_VENDOR: Final = "gpu.dra-driver.dev"
+DEFAULT_VENDOR: Final = DEFAULT_DRIVER_NAME
 CDI_CLASS: Final = "gpu"
 DEFAULT_CDI_DIR: Final = "/var/run/cdi"
 STATIC_CDI_DIR: Final = "/etc/cdi"

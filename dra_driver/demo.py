@@ -44,7 +44,7 @@ from dra_driver.demo_report import (
     render,
 )
 from dra_driver.testing.cluster import REPO_ROOT, ControlPlane, build_binaries
-from dra_driver.testing.driver import DriverProcess
+from dra_driver.testing.driver import DRIVER, DriverProcess
 from dra_driver.testing.kubelet import ClaimName, KubeletSide
 from dra_driver.testing.objects import create_node, create_object, load_client, load_yaml_documents, request
 
@@ -54,7 +54,6 @@ DESCRIPTION = "The GPU DRA driver end to end on a real control plane, with three
 
 JSON = dict[str, Any]
 DeviceMap = dict[tuple[str, str], JSON]  # (pool, device name) -> the device in its ResourceSlice
-DRIVER = "gpu.dra-driver.dev"
 DEMO_NAMESPACE = "gpu-demo"
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 EXTENDED_RESOURCE_CLAIM = "resource.kubernetes.io/extended-resource-claim"

@@ -8,9 +8,9 @@ from typing import Any, TypeVar
 
 import click
 
-F = TypeVar("F", bound=Callable[..., Any])
+from dra_driver import DEFAULT_DRIVER_NAME
 
-DEFAULT_DRIVER_NAME = "gpu.dra-driver.dev"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def cluster_options(f: F) -> F:

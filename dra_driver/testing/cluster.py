@@ -296,19 +296,25 @@ class ControlPlane:
         self.write_kubeconfig(self.work_dir / "scheduler.kubeconfig", "scheduler", SCHEDULER_TOKEN)
         self.write_kubeconfig(self.work_dir / "kcm.kubeconfig", "kcm", CONTROLLER_MANAGER_TOKEN)
 
+    def _client_component_flags(self, kubeconfig: str) -> list[str]:
+        """What the controller-manager and the scheduler share: identity, loopback serving, gates."""
+        return [
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--leader-elect=false",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_port()}",
+            f"--feature-gates={self.feature_gates}",
+        ]
+
     def _start_controller_manager(self) -> None:
-        kc = str(self.work_dir / "kcm.kubeconfig")
         certs = self.work_dir / "certs"
         self._spawn(
             "kube-controller-manager",
             [
                 str(self.bin_dir / "kube-controller-manager"),
-                f"--kubeconfig={kc}",
-                f"--authentication-kubeconfig={kc}",
-                f"--authorization-kubeconfig={kc}",
-                "--leader-elect=false",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}",
+                *self._client_component_flags(str(self.work_dir / "kcm.kubeconfig")),
                 f"--service-account-private-key-file={certs / 'sa.key'}",
                 f"--root-ca-file={self.ca_file}",
                 "--use-service-account-credentials=true",
@@ -316,24 +322,16 @@ class ControlPlane:
                 # No kubelets: without heartbeats the node-lifecycle controller would
                 # taint every test Node unreachable.
                 "--controllers=*,-node-lifecycle-controller",
-                f"--feature-gates={self.feature_gates}",
                 "--v=1",
             ],
         )
 
     def _start_scheduler(self) -> None:
-        kc = str(self.work_dir / "scheduler.kubeconfig")
         self._spawn(
             "kube-scheduler",
             [
                 str(self.bin_dir / "kube-scheduler"),
-                f"--kubeconfig={kc}",
-                f"--authentication-kubeconfig={kc}",
-                f"--authorization-kubeconfig={kc}",
-                "--leader-elect=false",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_port()}",
-                f"--feature-gates={self.feature_gates}",
+                *self._client_component_flags(str(self.work_dir / "scheduler.kubeconfig")),
                 "--v=2",
             ],
         )

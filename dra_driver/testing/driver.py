@@ -17,12 +17,34 @@ from pathlib import Path
 
 import grpc
 
+from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
 from dra_driver.testing.cluster import die_with_parent
 from dra_driver.testing.kubelet import find_registration_socket
 
-DRIVER = "gpu.dra-driver.dev"
+DRIVER = DEFAULT_DRIVER_NAME
+
+
+def spawn_dra_driver(
+    args: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    detach: bool = False,
+    log_level: str = "debug",
+) -> subprocess.Popen[bytes]:
+    """`dra-driver <args>` with JSON logs appended to `log_path`; it dies with this process
+    unless `detach` (the demo's --keep)."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dra_driver", "--log-format", "json", "--log-level", log_level, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=detach,
+            preexec_fn=None if detach else die_with_parent,
+        )
 
 
 @dataclass
@@ -56,14 +78,7 @@ class DriverProcess:
 
     def start(self, wait: bool = True) -> DriverProcess:
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            sys.executable,
-            "-m",
-            "dra_driver",
-            "--log-format",
-            "json",
-            "--log-level",
-            "debug",
+        args = [
             "kubelet-plugin",
             "--node-name",
             self.node,
@@ -79,16 +94,7 @@ class DriverProcess:
             str(self.root / "mps"),
             *self.extra_args,
         ]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
-                start_new_session=self.detach,
-                preexec_fn=None if self.detach else die_with_parent,
-            )
+        self.proc = spawn_dra_driver(args, self.log_path, env=self.env, detach=self.detach)
         if wait:
             self.wait_serving(timeout=60)
         return self

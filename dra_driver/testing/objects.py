@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,12 +84,6 @@ def load_yaml_documents(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
-def apply_objects(api: client.ApiClient, docs: Iterable[dict[str, Any]], namespace: str = "default") -> None:
-    """Create each object with the dynamic-free generic path: POST to its collection."""
-    for doc in docs:
-        create_object(api, doc, namespace)
-
-
 def _collection_path(doc: dict[str, Any], namespace: str) -> str:
     api_version: str = doc["apiVersion"]
     kind: str = doc["kind"]
@@ -151,6 +145,17 @@ def load_client(kubeconfig: str) -> client.ApiClient:
     cfg = client.Configuration()
     config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
     return client.ApiClient(cfg)
+
+
+def create_device_class(api: client.ApiClient, name: str, expression: str) -> JSON:
+    """A DeviceClass with one CEL selector."""
+    body = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"selectors": [{"cel": {"expression": expression}}]},
+    }
+    return request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", body)
 
 
 def create_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "default") -> JSON:

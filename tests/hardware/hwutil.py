@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.devices import node_devices
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
 
-DRIVER = "gpu.dra-driver.dev"
+DRIVER = DEFAULT_DRIVER_NAME
 NODE = "h200-node"
 # The Python (with torch) that runs inside the containers, as uid 65534.
 WORKLOAD_PYTHON = os.environ.get("HW_CONTAINER_PYTHON") or sys.executable

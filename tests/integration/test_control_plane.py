@@ -16,7 +16,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.objects import create_node, request, wait_for
+from dra_driver.testing.objects import create_device_class, create_node, request, wait_for
 
 DRIVER = "foundation.test.example.com"
 BIG_ENOUGH = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
@@ -46,17 +46,7 @@ def test_scheduler_allocates_the_device_with_enough_memory(
     create_node(api, node)
     request(api, "POST", "/apis/resource.k8s.io/v1/resourceslices", _slice(node, unique))
     cls = f"foundation-{unique}"
-    request(
-        api,
-        "POST",
-        "/apis/resource.k8s.io/v1/deviceclasses",
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "DeviceClass",
-            "metadata": {"name": cls},
-            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-        },
-    )
+    create_device_class(api, cls, f'device.driver == "{DRIVER}"')
     request(
         api,
         "POST",
@@ -115,17 +105,7 @@ def test_scheduler_allocates_the_device_with_enough_memory(
 def test_invalid_cel_is_rejected_naming_the_expression(api: client.ApiClient, unique: str) -> None:
     bad = 'device.driver == "x" &&& true'
     with pytest.raises(ApiException) as err:
-        request(
-            api,
-            "POST",
-            "/apis/resource.k8s.io/v1/deviceclasses",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "DeviceClass",
-                "metadata": {"name": f"bad-{unique}"},
-                "spec": {"selectors": [{"cel": {"expression": bad}}]},
-            },
-        )
+        create_device_class(api, f"bad-{unique}", bad)
     assert err.value.status == 422
     body = err.value.body or ""
     assert "spec.selectors[0].cel.expression" in body

@@ -26,7 +26,7 @@ from dra_driver.plugin.checkpoint import checkpoint_path, load, read_boot_id
 from dra_driver.testing.cluster import ControlPlane
 from dra_driver.testing.driver import DRIVER, DriverProcess
 from dra_driver.testing.kubelet import ClaimName, KubeletSide
-from dra_driver.testing.objects import create_node, request, wait_for
+from dra_driver.testing.objects import create_device_class, create_node, request, wait_for
 
 PROFILE = "a100-pcie-bridged"  # 4 GPUs: gpu-0..gpu-3
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
@@ -83,17 +83,7 @@ def plugin(
 @pytest.fixture(scope="module")
 def device_class(api: client.ApiClient) -> str:
     name = "plugin-test-gpu"
-    request(
-        api,
-        "POST",
-        "/apis/resource.k8s.io/v1/deviceclasses",
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "DeviceClass",
-            "metadata": {"name": name},
-            "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]},
-        },
-    )
+    create_device_class(api, name, f'device.driver == "{DRIVER}"')
     return name
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +17,10 @@ from kubernetes.client.exceptions import ApiException
 
 from controller.publisher import slice_controller
 from dra_driver import kube
+from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, profile_names
 from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.driver import DRIVER
+from dra_driver.testing.driver import DRIVER, spawn_dra_driver
 from dra_driver.testing.objects import create_node, create_object, load_yaml_documents, request, wait_for
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -56,7 +56,7 @@ def test_every_profile_is_published_and_accepted(control_plane: ControlPlane, ap
     for node, inventory in inventories.items():
         slices = _slices(api, node)
         devices = [d for s in slices for d in s["spec"].get("devices", [])]
-        expected = sum(len(g.mig_devices) if g.mig_enabled else 1 for g in inventory.gpus)
+        expected = len(node_devices(inventory))
         assert len(devices) == expected, node
         assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {len(slices)}
         assert all(
@@ -85,25 +85,16 @@ def controller_process(
     node = f"ctl-{tmp_path.name[-12:].lower().strip('_')}".replace("_", "-")
     create_node(api, node)
     log = tmp_path / "controller.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dra_driver",
-                "--log-format",
-                "json",
-                "controller",
-                "--node-name",
-                node,
-                "--simulate",
-                "dgx1-v100",
-                "--kubeconfig",
-                str(control_plane.kubeconfig),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    args = [
+        "controller",
+        "--node-name",
+        node,
+        "--simulate",
+        "dgx1-v100",
+        "--kubeconfig",
+        str(control_plane.kubeconfig),
+    ]
+    proc = spawn_dra_driver(args, log, log_level="info")
     try:
         wait_for("slices published", lambda: _slices(api, node), timeout=30)
         yield node, proc, log
