@@ -32,6 +32,9 @@ log = structlog.get_logger(__name__)
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 POOL_LABEL = "gpu.dra-driver.dev/pool"
+# After an outage the slices must come back soon (the kubelet may have wiped them), so the
+# retry interval stays short; jitter only ever shortens it.
+MAX_BACKOFF_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -186,8 +189,8 @@ class SliceController:
                         "API server unreachable or failing; retrying with backoff", error=str(error)[:300]
                     )
                     outage = True
-                await asyncio.sleep(backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, 30.0)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
 
     async def _list(self) -> str:
         self.stats.lists += 1
