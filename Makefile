@@ -20,16 +20,16 @@ cluster-build:
 	@bash hack/cluster/build.sh >/dev/null
 
 cluster-up: setup cluster-build
-	@$(PY) -m dra_driver.testing.cluster up
+	@$(PY) -m tests.harness.cluster up
 
 cluster-down: setup
-	@$(PY) -m dra_driver.testing.cluster down
+	@$(PY) -m tests.harness.cluster down
 
 demo: setup cluster-build
-	@$(PY) -m dra_driver.demo $(DEMO_ARGS)
+	@$(PY) -m demo.run $(DEMO_ARGS)
 
 lint: setup
-	@$(VENV)/bin/ruff check dra_driver controller tests hack benchmarks
+	@$(VENV)/bin/ruff check dra_driver controller tests hack benchmarks demo
 	@$(VENV)/bin/mypy
 
 test: setup cluster-build lint

@@ -25,10 +25,10 @@ from typing import Any
 
 import yaml
 
-from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.driver import DRIVER, DriverProcess
-from dra_driver.testing.kubelet import ClaimName, KubeletSide
-from dra_driver.testing.objects import create_node, load_client, request
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.objects import create_node, load_client, request
 
 RESULTS = Path(__file__).parent / "results"
 NODE = "bench-node"

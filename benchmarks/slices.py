@@ -23,9 +23,9 @@ from typing import Any
 
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
-from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.driver import DRIVER, spawn_dra_driver
-from dra_driver.testing.objects import create_node, load_client, request
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import DRIVER, spawn_dra_driver
+from tests.harness.objects import create_node, load_client, request
 
 RESULTS = Path(__file__).parent / "results"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 from hwutil import Recorder, container_absent_reason, gpu_absent_reason
 
-from dra_driver.testing import container
+from tests.harness import container
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

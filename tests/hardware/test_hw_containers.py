@@ -2,7 +2,7 @@
 container made from that spec alone running nvidia-smi and CUDA; the same for the static
 spec of `dra-driver cdi generate`.
 
-The container (dra_driver.testing.container) is the host's filesystem minus every driver
+The container (tests.harness.container) is the host's filesystem minus every driver
 file outside the spec: the driver root is hidden and the host's copies under /lib are
 masked, so what the workload loads can only come from the spec's mounts. That is checked,
 not assumed: the libcuda the CUDA process mapped must be the driver root's file (same
@@ -35,7 +35,7 @@ from hwworkloads import CUDA_PROBE, NVIDIA_SMI_L, last_json
 from dra_driver import cdi
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
-from dra_driver.testing import container as ctr
+from tests.harness import container as ctr
 
 pytestmark = [pytest.mark.hardware, pytest.mark.container]
 

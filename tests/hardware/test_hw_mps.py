@@ -19,7 +19,7 @@ from hwworkloads import MPS_CLIENT, last_json
 
 from dra_driver.mps import MpsControl, default_root
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.testing import container as ctr
+from tests.harness import container as ctr
 
 pytestmark = [pytest.mark.hardware, pytest.mark.container]
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.objects import load_client, request
+from tests.harness.cluster import ControlPlane
+from tests.harness.objects import load_client, request
 
 pytestmark = pytest.mark.integration
 

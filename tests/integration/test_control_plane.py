@@ -15,8 +15,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.objects import create_device_class, create_node, request, wait_for
+from tests.harness.cluster import ControlPlane
+from tests.harness.objects import create_device_class, create_node, request, wait_for
 
 DRIVER = "foundation.test.example.com"
 BIG_ENOUGH = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
@@ -129,7 +129,7 @@ def test_no_process_survives_a_killed_launcher(control_plane: ControlPlane, tmp_
     """A launcher killed with SIGKILL (an interrupted test run) takes its components with it."""
     script = (
         "import sys, pathlib\n"
-        "from dra_driver.testing.cluster import ControlPlane\n"
+        "from tests.harness.cluster import ControlPlane\n"
         f"cp = ControlPlane.start(work_dir=pathlib.Path({str(tmp_path / 'c')!r}),"
         f" bin_dir=pathlib.Path({str(control_plane.bin_dir)!r}))\n"
         "print(' '.join(str(p.pid) for p in cp.processes.values()), flush=True)\n"

@@ -23,7 +23,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from controller.attributes import CAPACITIES, VOCABULARY
-from dra_driver.demo import (
+from demo.report import quantity_bytes
+from demo.run import (
     DEMO_NODES,
     DRIVER,
     EXTENDED_RESOURCE_CLAIM,
@@ -47,13 +48,12 @@ from dra_driver.demo import (
     stop_drivers,
     wait_for_slices,
 )
-from dra_driver.demo_report import quantity_bytes
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import GpuInfo, Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
-from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.kubelet import ClaimName, KubeletSide
-from dra_driver.testing.objects import load_client, load_yaml_documents, request, wait_for
+from tests.harness.cluster import ControlPlane
+from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.objects import load_client, load_yaml_documents, request, wait_for
 
 pytestmark = pytest.mark.integration
 

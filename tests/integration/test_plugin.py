@@ -23,10 +23,10 @@ import pytest
 from kubernetes import client
 
 from dra_driver.plugin.checkpoint import checkpoint_path, load, read_boot_id
-from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.driver import DRIVER, DriverProcess
-from dra_driver.testing.kubelet import ClaimName, KubeletSide
-from dra_driver.testing.objects import create_device_class, create_node, request, wait_for
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.objects import create_device_class, create_node, request, wait_for
 
 PROFILE = "a100-pcie-bridged"  # 4 GPUs: gpu-0..gpu-3
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"

@@ -19,9 +19,9 @@ from controller.publisher import slice_controller
 from dra_driver import kube
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, profile_names
-from dra_driver.testing.cluster import ControlPlane
-from dra_driver.testing.driver import DRIVER, spawn_dra_driver
-from dra_driver.testing.objects import create_node, create_object, load_yaml_documents, request, wait_for
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import DRIVER, spawn_dra_driver
+from tests.harness.objects import create_node, create_object, load_yaml_documents, request, wait_for
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""`python -m dra_driver.demo [--keep]` (`make demo`): the driver end to end on a real control plane.
+"""`python -m demo.run [--keep]` (`make demo`): the driver end to end on a real control plane.
 
 Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler (built by
 hack/cluster), creates three Nodes and runs one `dra-driver kubelet-plugin` process per
@@ -11,7 +11,7 @@ Pending (unstarted) after binding, and nothing runs.
 
 The node/driver helpers here (`DEMO_NODES`, `DriverProcess`, `wait_for_slices`,
 `apply_documents`...) are also what tests/integration/test_examples.py builds on.
-The report's layout lives apart, in `dra_driver.demo_report`.
+The report's layout lives apart, in `demo.report`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import structlog
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from dra_driver import log
-from dra_driver.demo_report import (
+from demo.report import (
     ClaimView,
     DemoReport,
     DeviceView,
@@ -43,10 +42,11 @@ from dra_driver.demo_report import (
     describe_excerpt,
     render,
 )
-from dra_driver.testing.cluster import REPO_ROOT, ControlPlane, build_binaries
-from dra_driver.testing.driver import DRIVER, DriverProcess
-from dra_driver.testing.kubelet import ClaimName, KubeletSide
-from dra_driver.testing.objects import create_node, create_object, load_client, load_yaml_documents, request
+from dra_driver import log
+from tests.harness.cluster import REPO_ROOT, ControlPlane, build_binaries
+from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.objects import create_node, create_object, load_client, load_yaml_documents, request
 
 logger = structlog.get_logger(__name__)
 
@@ -67,10 +67,8 @@ class SimulatedNode:
 
 
 DEMO_NODES: tuple[SimulatedNode, ...] = (
-    SimulatedNode("dgx1-v100", "dgx1-v100",
-                  "hybrid cube-mesh: each GPU has NVLink to 4 of the 7 others"),
-    SimulatedNode("a100-pcie", "a100-pcie-bridged",
-                  "PCIe cards, NVLink bridges join only 0-1 and 2-3"),
+    SimulatedNode("dgx1-v100", "dgx1-v100", "hybrid cube-mesh: each GPU has NVLink to 4 of the 7 others"),
+    SimulatedNode("a100-pcie", "a100-pcie-bridged", "PCIe cards, NVLink bridges join only 0-1 and 2-3"),
     SimulatedNode("hgx-h200", "hgx-h200", "NVSwitch: every GPU linked to every other"),
 )
 
@@ -123,8 +121,11 @@ def api_error(e: ApiException) -> str:
 
 
 def start_node_drivers(
-    api: client.ApiClient, kubeconfig: Path, base: Path,
-    nodes: Sequence[SimulatedNode] = DEMO_NODES, detach: bool = False,
+    api: client.ApiClient,
+    kubeconfig: Path,
+    base: Path,
+    nodes: Sequence[SimulatedNode] = DEMO_NODES,
+    detach: bool = False,
 ) -> list[DriverProcess]:
     """Create each Node object and start its driver, with its own kubelet and CDI dirs under `base`."""
     drivers: list[DriverProcess] = []
@@ -146,20 +147,23 @@ def stop_drivers(drivers: Iterable[DriverProcess]) -> None:
 
 def published_devices(api: client.ApiClient) -> DeviceMap:
     """Every device of our driver's slices, by (pool, device name)."""
-    slices = request(api, "GET", f"{RESOURCE_API}/resourceslices",
-                     query={"fieldSelector": f"spec.driver={DRIVER}"})["items"]
+    slices = request(
+        api, "GET", f"{RESOURCE_API}/resourceslices", query={"fieldSelector": f"spec.driver={DRIVER}"}
+    )["items"]
     return {(s["spec"]["pool"]["name"], d["name"]): d for s in slices for d in s["spec"].get("devices", [])}
 
 
-def wait_for_slices(api: client.ApiClient, drivers: Sequence[DriverProcess],
-                    timeout: float = 60.0) -> DeviceMap:
+def wait_for_slices(
+    api: client.ApiClient, drivers: Sequence[DriverProcess], timeout: float = 60.0
+) -> DeviceMap:
     """Wait until every node's pool is complete (all `resourceSliceCount` slices of its newest generation)."""
     deadline = time.monotonic() + timeout
     while True:
         for driver in drivers:
             driver.check_alive()
-        slices = request(api, "GET", f"{RESOURCE_API}/resourceslices",
-                         query={"fieldSelector": f"spec.driver={DRIVER}"})["items"]
+        slices = request(
+            api, "GET", f"{RESOURCE_API}/resourceslices", query={"fieldSelector": f"spec.driver={DRIVER}"}
+        )["items"]
         if all(_pool_complete(slices, d.node) for d in drivers):
             return published_devices(api)
         if time.monotonic() > deadline:
@@ -189,8 +193,11 @@ class Applied:
     problems: tuple[str, ...]
 
     def pods(self, namespace: str) -> list[tuple[str, str]]:
-        return [(o["metadata"].get("namespace", namespace), o["metadata"]["name"])
-                for o in self.created if o.get("kind") == "Pod"]
+        return [
+            (o["metadata"].get("namespace", namespace), o["metadata"]["name"])
+            for o in self.created
+            if o.get("kind") == "Pod"
+        ]
 
 
 def apply_documents(api: client.ApiClient, path: Path, namespace: str) -> Applied:
@@ -250,8 +257,12 @@ def scheduler_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
     """Why a pod is not bound: its newest FailedScheduling event, else its PodScheduled
     condition, else its newest Warning event from another component (a missing claim
     template stops a pod before the scheduler ever tries it)."""
-    events = request(api, "GET", f"/api/v1/namespaces/{namespace}/events",
-                     query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"})["items"]
+    events = request(
+        api,
+        "GET",
+        f"/api/v1/namespaces/{namespace}/events",
+        query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
+    )["items"]
     failed = [e for e in events if e.get("reason") == "FailedScheduling"]
     if failed:
         return _event_text(max(failed, key=_event_order))
@@ -355,16 +366,23 @@ def _peers(device: JSON) -> tuple[int, ...]:
 
 def device_view(result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = ()) -> DeviceView:
     device = device or {}
-    groups = sorted((int(k.removeprefix("nvlinkGroup")), str(_attribute(device, k)))
-                    for k in device.get("attributes", {}) if k.startswith("nvlinkGroup"))
+    groups = sorted(
+        (int(k.removeprefix("nvlinkGroup")), str(_attribute(device, k)))
+        for k in device.get("attributes", {})
+        if k.startswith("nvlinkGroup")
+    )
     index = _attribute(device, "index")
     return DeviceView(
-        request=result["request"], pool=result["pool"], device=result["device"],
+        request=result["request"],
+        pool=result["pool"],
+        device=result["device"],
         product=str(_attribute(device, "productName") or "?"),
         memory=str(device.get("capacity", {}).get("memory", {}).get("value", "?")),
         index=int(index) if index is not None else None,
-        nvlink_groups=tuple(g for _, g in groups), nvlink_peers=_peers(device),
-        admin_access=bool(result.get("adminAccess")), in_use_by=in_use_by,
+        nvlink_groups=tuple(g for _, g in groups),
+        nvlink_peers=_peers(device),
+        admin_access=bool(result.get("adminAccess")),
+        in_use_by=in_use_by,
     )
 
 
@@ -451,8 +469,12 @@ def in_use_map(g: Gathered) -> dict[tuple[str, str], tuple[str, ...]]:
 
 
 def pod_view(
-    key: tuple[str, str], g: Gathered, devices: DeviceMap,
-    prepared: dict[str, Prepared], reason: str, in_use: dict[tuple[str, str], tuple[str, ...]],
+    key: tuple[str, str],
+    g: Gathered,
+    devices: DeviceMap,
+    prepared: dict[str, Prepared],
+    reason: str,
+    in_use: dict[tuple[str, str], tuple[str, ...]],
 ) -> PodView:
     pod = g.pods[key]
     containers = tuple(c["name"] for c in pod["spec"].get("containers", []))
@@ -464,17 +486,24 @@ def pod_view(
         claim = g.claims[uid]
         ns = claim["metadata"]["namespace"]
         outcome = prepared.get(uid)
-        claims.append(ClaimView(
-            name=claim["metadata"]["name"], origin=origin,
-            devices=tuple(
-                device_view(r, devices.get((r["pool"], r["device"])),
-                            in_use.get((r["pool"], r["device"]), ()) if r.get("adminAccess") else ())
-                for r in allocation_results(claim)),
-            cdi_ids=outcome.cdi_ids if outcome else (),
-            prepared_for=outcome.for_pod if outcome else "",
-            prepare_error=outcome.error if outcome else "",
-            used_by=tuple(f"{ns}/{r['name']}" for r in claim.get("status", {}).get("reservedFor", [])),
-        ))
+        claims.append(
+            ClaimView(
+                name=claim["metadata"]["name"],
+                origin=origin,
+                devices=tuple(
+                    device_view(
+                        r,
+                        devices.get((r["pool"], r["device"])),
+                        in_use.get((r["pool"], r["device"]), ()) if r.get("adminAccess") else (),
+                    )
+                    for r in allocation_results(claim)
+                ),
+                cdi_ids=outcome.cdi_ids if outcome else (),
+                prepared_for=outcome.for_pod if outcome else "",
+                prepare_error=outcome.error if outcome else "",
+                used_by=tuple(f"{ns}/{r['name']}" for r in claim.get("status", {}).get("reservedFor", [])),
+            )
+        )
     return PodView(key[0], key[1], node, containers, tuple(claims))
 
 
@@ -490,8 +519,13 @@ def node_views(drivers: Sequence[DriverProcess], devices: DeviceMap) -> tuple[No
 
 def slice_excerpt(cp: ControlPlane, node: str) -> tuple[str, str]:
     """(slice name, excerpt of `kubectl describe resourceslice`) for the first slice of a node."""
-    name = cp.kubectl("get", "resourceslices", f"--field-selector=spec.nodeName={node}",
-                      "-o", "jsonpath={.items[0].metadata.name}").stdout.strip()
+    name = cp.kubectl(
+        "get",
+        "resourceslices",
+        f"--field-selector=spec.nodeName={node}",
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ).stdout.strip()
     return name, describe_excerpt(cp.kubectl("describe", "resourceslice", name).stdout)
 
 
@@ -515,20 +549,42 @@ class Progress:
 def too_big_pod() -> list[JSON]:
     """A claim no node can satisfy (200Gi on one GPU): shows the scheduler's reason, harms nothing."""
     template = {
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
         "metadata": {"name": "gpu-200gi"},
-        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": DRIVER,
-            "selectors": [{"cel": {"expression":
-                f'device.capacity["{DRIVER}"].memory.compareTo(quantity("200Gi")) >= 0'}}],
-        }}]}}},
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": DRIVER,
+                                "selectors": [
+                                    {
+                                        "cel": {
+                                            "expression": f'device.capacity["{DRIVER}"].memory.compareTo(quantity("200Gi")) >= 0'
+                                        }
+                                    }
+                                ],
+                            },
+                        }
+                    ]
+                }
+            }
+        },
     }
     pod = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "too-big-200gi"},
-        "spec": {"automountServiceAccountToken": False,
-                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-200gi"}],
-                 "containers": [{"name": "main", "image": "busybox:1.37",
-                                 "resources": {"claims": [{"name": "gpu"}]}}]},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "too-big-200gi"},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-200gi"}],
+            "containers": [
+                {"name": "main", "image": "busybox:1.37", "resources": {"claims": [{"name": "gpu"}]}}
+            ],
+        },
     }
     return [template, pod]
 
@@ -553,8 +609,10 @@ def apply_examples(api: client.ApiClient, progress: Progress) -> list[tuple[str,
         # A pod whose claim template was rejected is never tried by the scheduler.
         wait_settled(api, pods, timeout=5.0 if result.problems else 30.0)
         applied.append((first_comment_line(path), result))
-        progress(f"{path.name}: {_summarise_pods(api, pods)}"
-                 + (f"; {len(result.problems)} objects rejected" if result.problems else ""))
+        progress(
+            f"{path.name}: {_summarise_pods(api, pods)}"
+            + (f"; {len(result.problems)} objects rejected" if result.problems else "")
+        )
     too_big = create_documents(api, too_big_pod(), DEMO_NAMESPACE, "extra (not an example file)")
     wait_settled(api, too_big.pods(DEMO_NAMESPACE))
     applied.append(("a GPU with 200Gi: no node has one, so the pod stays pending, on purpose", too_big))
@@ -562,8 +620,13 @@ def apply_examples(api: client.ApiClient, progress: Progress) -> list[tuple[str,
     return sorted(applied, key=lambda a: a[1].title)
 
 
-def example_views(api: client.ApiClient, applied: Sequence[tuple[str, Applied]], g: Gathered,
-                  devices: DeviceMap, prepared: dict[str, Prepared]) -> list[ExampleView]:
+def example_views(
+    api: client.ApiClient,
+    applied: Sequence[tuple[str, Applied]],
+    g: Gathered,
+    devices: DeviceMap,
+    prepared: dict[str, Prepared],
+) -> list[ExampleView]:
     in_use = in_use_map(g)
     views: list[ExampleView] = []
     for summary, result in applied:
@@ -591,32 +654,45 @@ def run_demo(keep: bool) -> int:
         api = load_client(str(cp.kubeconfig))
 
         drivers = start_node_drivers(api, cp.kubeconfig, base / "nodes", detach=keep)
-        progress("nodes created, one driver each: "
-                 + ", ".join(f"{d.node} ({d.profile}, pid {d.pid})" for d in drivers))
+        progress(
+            "nodes created, one driver each: "
+            + ", ".join(f"{d.node} ({d.profile}, pid {d.pid})" for d in drivers)
+        )
         devices = wait_for_slices(api, drivers)
         progress(f"ResourceSlices published: {len(devices)} devices on {len(drivers)} nodes")
 
-        class_problems = [problem for path in device_class_files()
-                          for problem in apply_documents(api, path, "default").problems]
-        progress(f"DeviceClasses applied: {', '.join(p.name for p in device_class_files())}"
-                 + (f" ({len(class_problems)} rejected)" if class_problems else ""))
+        class_problems = [
+            problem
+            for path in device_class_files()
+            for problem in apply_documents(api, path, "default").problems
+        ]
+        progress(
+            f"DeviceClasses applied: {', '.join(p.name for p in device_class_files())}"
+            + (f" ({len(class_problems)} rejected)" if class_problems else "")
+        )
 
         create_namespace(api, DEMO_NAMESPACE)
         applied = apply_examples(api, progress)
         g = gather(api, [p for _, a in applied for p in a.pods(DEMO_NAMESPACE)])
         prepared = prepare_like_kubelet(g, drivers)
         failures = sum(1 for p in prepared.values() if p.error)
-        progress(f"prepared {len(prepared)} claims through the plugin sockets, as the kubelet would"
-                 + (f" ({failures} failed)" if failures else ""))
+        progress(
+            f"prepared {len(prepared)} claims through the plugin sockets, as the kubelet would"
+            + (f" ({failures} failed)" if failures else "")
+        )
 
         examples = example_views(api, applied, g, devices, prepared)
         if class_problems:
             examples.insert(0, ExampleView("deviceclasses", "DeviceClasses", (), tuple(class_problems)))
         excerpt_name, excerpt = slice_excerpt(cp, DEMO_NODES[0].name)
         report = DemoReport(
-            kubernetes_version=version, nodes=node_views(drivers, devices), examples=tuple(examples),
-            slice_excerpt=excerpt, slice_excerpt_name=excerpt_name,
-            cdi_spec_files=len(cdi_spec_files(drivers)), elapsed_s=progress.elapsed,
+            kubernetes_version=version,
+            nodes=node_views(drivers, devices),
+            examples=tuple(examples),
+            slice_excerpt=excerpt,
+            slice_excerpt_name=excerpt_name,
+            cdi_spec_files=len(cdi_spec_files(drivers)),
+            elapsed_s=progress.elapsed,
         )
         progress("report:")
         print(render(report), flush=True)
@@ -644,14 +720,17 @@ def _print_keep_hints(cp: ControlPlane, drivers: Sequence[DriverProcess], base: 
     print(f"  driver logs: {base / 'nodes'}/<node>/plugin.log")
     print("To stop everything:")
     print(f"  kill -TERM {pids}")
-    print(f"  {sys.executable} -m dra_driver.testing.cluster down --state-dir {cp.work_dir}")
+    print(f"  {sys.executable} -m tests.harness.cluster down --state-dir {cp.work_dir}")
     print(f"  rm -rf {base}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dra_driver.demo", description=DESCRIPTION)
-    parser.add_argument("--keep", action="store_true",
-                        help="leave the cluster and the drivers running; print how to reach and stop them")
+    parser = argparse.ArgumentParser(prog="python -m demo.run", description=DESCRIPTION)
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the cluster and the drivers running; print how to reach and stop them",
+    )
     args = parser.parse_args(argv)
     # The report explains itself; the components' own chatter goes to their log files.
     log.configure("warning", "console")

@@ -1,6 +1,6 @@
 """The demo's report, as plain text a person reads at a glance (pure: data in, str out).
 
-`dra_driver.demo` gathers what happened on the cluster into the frozen dataclasses
+`demo.run` gathers what happened on the cluster into the frozen dataclasses
 below; `render(report)` lays it out. Nothing here talks to the API server, the plugin
 or the file system, so the layout can be tested and changed on its own.
 """
@@ -214,9 +214,11 @@ def _counts(examples: Iterable[ExampleView]) -> tuple[int, int, int, int]:
 
 def render(report: DemoReport) -> str:
     gpus = sum(n.gpus for n in report.nodes)
-    lines = [f"GPU DRA driver demo: {len(report.nodes)} simulated nodes, {gpus} GPUs, "
-             f"real control plane {report.kubernetes_version} (no kubelets: the demo calls the plugin "
-             "as the kubelet would)"]
+    lines = [
+        f"GPU DRA driver demo: {len(report.nodes)} simulated nodes, {gpus} GPUs, "
+        f"real control plane {report.kubernetes_version} (no kubelets: the demo calls the plugin "
+        "as the kubelet would)"
+    ]
     lines += _section("Nodes")
     width = max((len(n.name) for n in report.nodes), default=0)
     lines += [f"{n.name:<{width}}  {n.gpus}x {n.product:<24} {n.description}" for n in report.nodes]
@@ -233,12 +235,14 @@ def render(report: DemoReport) -> str:
     pending_pods = [p.ref for e in report.examples for p in e.pods if p.node is None]
     problems = sum(len(e.problems) for e in report.examples)
     lines += _section("Summary")
-    lines.append(f"{bound} pods bound, {pending} pending"
-                 + (f" ({', '.join(pending_pods)})" if pending_pods else "")
-                 + f"; {prepared} claims prepared through the plugin"
-                 + (f", {failed} failed" if failed else "")
-                 + f"; {report.cdi_spec_files} CDI spec files written; "
-                 + (f"{problems} problems" if problems else "no problems")
-                 + f"; {report.elapsed_s:.1f}s")
+    lines.append(
+        f"{bound} pods bound, {pending} pending"
+        + (f" ({', '.join(pending_pods)})" if pending_pods else "")
+        + f"; {prepared} claims prepared through the plugin"
+        + (f", {failed} failed" if failed else "")
+        + f"; {report.cdi_spec_files} CDI spec files written; "
+        + (f"{problems} problems" if problems else "no problems")
+        + f"; {report.elapsed_s:.1f}s"
+    )
     lines += list(report.notes)
     return "\n".join(lines) + "\n"

@@ -9,7 +9,7 @@ processes also die with their parent (PR_SET_PDEATHSIG), so an interrupted test
 run cannot leak an etcd.
 
 Used as a library (`ControlPlane.start()`) and as a command:
-    python -m dra_driver.testing.cluster up|down|status [--state-dir D]
+    python -m tests.harness.cluster up|down|status [--state-dir D]
 """
 
 from __future__ import annotations
@@ -422,7 +422,7 @@ def running(**kwargs: object) -> Iterator[ControlPlane]:
 def _cli(argv: Sequence[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dra_driver.testing.cluster")
+    parser = argparse.ArgumentParser(prog="python -m tests.harness.cluster")
     parser.add_argument("command", choices=["up", "down", "build"])
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     args = parser.parse_args(argv)

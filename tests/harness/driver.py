@@ -20,8 +20,8 @@ import grpc
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
-from dra_driver.testing.cluster import die_with_parent
-from dra_driver.testing.kubelet import find_registration_socket
+from tests.harness.cluster import die_with_parent
+from tests.harness.kubelet import find_registration_socket
 
 DRIVER = DEFAULT_DRIVER_NAME
 

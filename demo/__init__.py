@@ -1,0 +1,1 @@
+"""`make demo`: the driver end to end on a real control plane (run: `python -m demo.run`)."""

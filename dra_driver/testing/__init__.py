@@ -1,1 +1,0 @@
-"""Test harness shipped with the driver: a real control plane and a kubelet-side gRPC client."""

@@ -1,0 +1,1 @@
+"""Project tests; `tests.harness` is the shared plumbing (control plane, nodes, kubelet-side client)."""
