@@ -55,6 +55,7 @@ DESCRIPTION = "The GPU DRA driver end to end on a real control plane, with three
 JSON = dict[str, Any]
 DeviceMap = dict[tuple[str, str], JSON]  # (pool, device name) -> the device in its ResourceSlice
 DEMO_NAMESPACE = "gpu-demo"
+TOO_BIG_SELECTOR = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("200Gi")) >= 0'
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 EXTENDED_RESOURCE_CLAIM = "resource.kubernetes.io/extended-resource-claim"
 
@@ -562,9 +563,7 @@ def too_big_pod() -> list[JSON]:
                                 "deviceClassName": DRIVER,
                                 "selectors": [
                                     {
-                                        "cel": {
-                                            "expression": f'device.capacity["{DRIVER}"].memory.compareTo(quantity("200Gi")) >= 0'
-                                        }
+                                        "cel": {"expression": TOO_BIG_SELECTOR}
                                     }
                                 ],
                             },
