@@ -1,0 +1,184 @@
+"""CDI specs on disk: the JSON form, the file names, and the atomic writer.
+
+* `spec_to_dict`, `spec_to_json`: a `CdiSpec` as the CDI JSON schema spells it, with its
+  minimum `cdiVersion`;
+* `claim_spec_filename`, `static_spec_filename`: the CDI library's naming, so that its
+  tools and ours agree on which file belongs to which claim;
+* `write_spec`, `remove_claim_spec`, `claim_uids_in`: the only I/O of the CDI package
+  (atomic writes come from `dra_driver.atomic`).
+
+It must NOT decide what a spec contains (`dra_driver.cdi.builders`) or hold state: every
+function takes the directory it works on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Final
+
+import structlog
+
+from dra_driver.atomic import fsync_dir, write_file_atomic
+from dra_driver.cdi.spec import (
+    CDI_CLASS,
+    DEFAULT_VENDOR,
+    CdiSpec,
+    ContainerEdits,
+    DeviceNode,
+    Hook,
+    Mount,
+    is_claim_uid,
+    validate_claim_uid,
+    validate_vendor,
+)
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_CDI_DIR: Final = "/var/run/cdi"
+STATIC_CDI_DIR: Final = "/etc/cdi"
+SPEC_EXTENSION: Final = ".json"
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def _edits_to_dict(e: ContainerEdits) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if e.env:
+        out["env"] = list(e.env)
+    if e.device_nodes:
+        out["deviceNodes"] = [_node_to_dict(n) for n in e.device_nodes]
+    if e.mounts:
+        out["mounts"] = [_mount_to_dict(m) for m in e.mounts]
+    if e.hooks:
+        out["hooks"] = [_hook_to_dict(h) for h in e.hooks]
+    if e.additional_gids:
+        out["additionalGids"] = list(e.additional_gids)
+    return out
+
+
+def _node_to_dict(n: DeviceNode) -> dict[str, Any]:
+    out: dict[str, Any] = {"path": n.path}
+    for key, value in (
+        ("hostPath", n.host_path),
+        ("type", n.type),
+        ("major", n.major),
+        ("minor", n.minor),
+        ("fileMode", n.file_mode),
+        ("permissions", n.permissions),
+        ("uid", n.uid),
+        ("gid", n.gid),
+    ):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _mount_to_dict(m: Mount) -> dict[str, Any]:
+    out: dict[str, Any] = {"hostPath": m.host_path, "containerPath": m.container_path}
+    if m.options:
+        out["options"] = list(m.options)
+    if m.type:
+        out["type"] = m.type
+    return out
+
+
+def _hook_to_dict(h: Hook) -> dict[str, Any]:
+    out: dict[str, Any] = {"hookName": h.hook_name, "path": h.path}
+    if h.args:
+        out["args"] = list(h.args)
+    if h.env:
+        out["env"] = list(h.env)
+    if h.timeout is not None:
+        out["timeout"] = h.timeout
+    return out
+
+
+def spec_to_dict(spec: CdiSpec) -> dict[str, Any]:
+    """The spec as CDI's JSON object, with its minimum cdiVersion."""
+    out: dict[str, Any] = {"cdiVersion": spec.cdi_version, "kind": spec.kind}
+    if spec.annotations:
+        out["annotations"] = dict(spec.annotations)
+    devices: list[dict[str, Any]] = []
+    for d in spec.devices:
+        dev: dict[str, Any] = {"name": d.name}
+        if d.annotations:
+            dev["annotations"] = dict(d.annotations)
+        dev["containerEdits"] = _edits_to_dict(d.container_edits)
+        devices.append(dev)
+    out["devices"] = devices
+    if not spec.container_edits.is_empty():
+        out["containerEdits"] = _edits_to_dict(spec.container_edits)
+    return out
+
+
+def spec_to_json(spec: CdiSpec) -> str:
+    return json.dumps(spec_to_dict(spec), indent=2) + "\n"
+
+
+# --------------------------------------------------------------------------- files (I/O)
+
+
+def claim_spec_filename(vendor: str, claim_uid: str) -> str:
+    """`<vendor>-<class>_<claimUID>.json`, the CDI library's transient-spec naming."""
+    validate_vendor(vendor)
+    validate_claim_uid(claim_uid)
+    return f"{vendor}-{CDI_CLASS}_{claim_uid}{SPEC_EXTENSION}"
+
+
+def static_spec_filename(vendor: str = DEFAULT_VENDOR) -> str:
+    validate_vendor(vendor)
+    return f"{vendor}-{CDI_CLASS}{SPEC_EXTENSION}"
+
+
+def claim_spec_path(cdi_dir: Path, vendor: str, claim_uid: str) -> Path:
+    return Path(cdi_dir) / claim_spec_filename(vendor, claim_uid)
+
+
+def write_spec_file(path: Path, spec: CdiSpec) -> None:
+    """Write `spec` to exactly `path`, atomically."""
+    write_file_atomic(path, spec_to_json(spec).encode())
+
+
+def write_spec(cdi_dir: Path, spec: CdiSpec) -> Path:
+    """Write `spec` atomically into `cdi_dir` under its standard name (the claim's
+    transient name if it has a claim UID, else the static name); returns the path."""
+    if spec.claim_uid is not None:
+        path = claim_spec_path(cdi_dir, spec.vendor, spec.claim_uid)
+    else:
+        path = Path(cdi_dir) / static_spec_filename(spec.vendor)
+    write_spec_file(path, spec)
+    log.debug("CDI spec written", path=str(path), devices=list(spec.qualified_ids()))
+    return path
+
+
+def remove_claim_spec(cdi_dir: Path, vendor: str, claim_uid: str) -> bool:
+    """Remove a claim's spec; True if there was one. Removing a missing spec is not an error."""
+    path = claim_spec_path(cdi_dir, vendor, claim_uid)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    fsync_dir(path.parent)
+    log.debug("CDI spec removed", path=str(path))
+    return True
+
+
+def claim_uids_in(cdi_dir: Path, vendor: str) -> frozenset[str]:
+    """Claim UIDs that have a transient spec of this vendor in `cdi_dir` (for reconciling
+    after a crash: specs whose claim is not in the checkpoint are leftovers)."""
+    validate_vendor(vendor)
+    prefix = f"{vendor}-{CDI_CLASS}_"
+    try:
+        names = os.listdir(cdi_dir)
+    except FileNotFoundError:
+        return frozenset()
+    uids = set()
+    for name in names:
+        if name.startswith(prefix) and name.endswith(SPEC_EXTENSION):
+            uid = name[len(prefix) : -len(SPEC_EXTENSION)]
+            if is_claim_uid(uid):
+                uids.add(uid)
+    return frozenset(uids)
