@@ -15,7 +15,6 @@ deterministic) and each device stays within the per-device limits.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from controller.attributes import DeviceAttributes, NvlinkFacts, device_attribut
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.topology import nvlink_topology
+from dra_driver.names import is_dns_label, is_dns_subdomain
 
 JSON = dict[str, Any]
 
@@ -34,24 +34,12 @@ MAX_DRIVER_NAME_LENGTH = 63
 MAX_POOL_NAME_LENGTH = 253
 MAX_DEVICE_NAME_LENGTH = 63
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
 
 @dataclass(frozen=True)
 class SliceFeatures:
     """What the API server supports, decided once at start."""
 
     list_attributes: bool = False  # DRAListTypeAttributes: ints/strings/... attribute values
-
-
-def is_dns_label(name: str) -> bool:
-    return len(name) <= MAX_DEVICE_NAME_LENGTH and bool(_DNS_LABEL.match(name))
-
-
-def is_dns_subdomain(name: str, max_length: int = 253) -> bool:
-    return 0 < len(name) <= max_length and all(
-        len(part) <= 63 and _DNS_LABEL.match(part) for part in name.split(".")
-    )
 
 
 def _device_order(device: NodeDevice) -> tuple[int, int]:
@@ -97,7 +85,7 @@ def desired_slices(
         for d in devices
     ]
     for d in devices:
-        if not is_dns_label(d.name):
+        if not is_dns_label(d.name, MAX_DEVICE_NAME_LENGTH):
             raise ValueError(f"device name {d.name!r} is not a DNS label")
 
     restricted = any(a.uses_list_attributes for a in described)

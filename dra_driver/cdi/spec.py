@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from dra_driver import DEFAULT_DRIVER_NAME
+from dra_driver.names import MAX_SUBDOMAIN_LENGTH, is_dns_subdomain
 
 DEFAULT_VENDOR: Final = DEFAULT_DRIVER_NAME
 CDI_CLASS: Final = "gpu"
@@ -179,7 +180,6 @@ def minimum_version(spec: CdiSpec) -> str:
 
 # --------------------------------------------------------------------------- names
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _CLAIM_UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,126}[A-Za-z0-9])?")
 
 
@@ -198,13 +198,12 @@ def _check_vendor_or_class(what: str, name: str) -> None:
 def validate_vendor(vendor: str) -> None:
     """A CDI vendor that is also a DNS subdomain (the driver name is one)."""
     _check_vendor_or_class("vendor", vendor)
-    if len(vendor) > 253:
-        raise CdiNameError(f"CDI vendor {vendor!r} is longer than 253 characters")
-    for label in vendor.split("."):
-        if len(label) > 63 or not _DNS_LABEL.fullmatch(label):
-            raise CdiNameError(
-                f"CDI vendor {vendor!r} is not a DNS subdomain (lower-case labels of a-z, 0-9, '-')"
-            )
+    if len(vendor) > MAX_SUBDOMAIN_LENGTH:
+        raise CdiNameError(f"CDI vendor {vendor!r} is longer than {MAX_SUBDOMAIN_LENGTH} characters")
+    if not is_dns_subdomain(vendor):
+        raise CdiNameError(
+            f"CDI vendor {vendor!r} is not a DNS subdomain (lower-case labels of a-z, 0-9, '-')"
+        )
 
 
 def validate_class(cdi_class: str) -> None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dra_driver.devices import NodeDevice
+from dra_driver.names import is_dns_subdomain
 
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _UID = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
 
@@ -49,7 +49,7 @@ def check_ref(ref: ClaimRef) -> None:
     for what, value in (("namespace", ref.namespace), ("name", ref.name)):
         if not value:
             raise ClaimRejected(f"claim {what} is empty: the kubelet must name the claim it wants prepared")
-        if not _DNS_SUBDOMAIN.match(value) or ".." in value:
+        if not is_dns_subdomain(value):
             raise ClaimRejected(
                 f"claim {what} {value!r} is not a valid Kubernetes name (lower-case DNS subdomain, "
                 "no '/' or '..')"

@@ -38,6 +38,7 @@ from dra_driver.gpu.model import (
     MigDevice,
     NvLink,
 )
+from dra_driver.names import is_dns_label, is_dns_subdomain
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-1"
@@ -459,8 +460,6 @@ def test_no_list_attribute_in_any_profile_without_the_feature(name: str) -> None
 # ---------------------------------------------------------------- JSON shape and API limits
 
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SEMVER = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)$")
 
 
@@ -469,7 +468,7 @@ def check_qualified_name(name: str) -> None:
     domain, _, ident = name.rpartition("/")
     assert _C_IDENTIFIER.match(ident) and len(ident) <= 32, name
     if domain:
-        assert _DNS_SUBDOMAIN.match(domain) and len(domain) <= 63, name
+        assert is_dns_subdomain(domain, 63), name
 
 
 def check_limits(specs: tuple[dict[str, Any], ...], features: SliceFeatures) -> None:
@@ -481,7 +480,7 @@ def check_limits(specs: tuple[dict[str, Any], ...], features: SliceFeatures) -> 
         restricted = any(list_kinds((spec,)))
         assert len(devices) <= (MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE)
         for dev in devices:
-            assert _DNS_LABEL.match(dev["name"]) and len(dev["name"]) <= 63, dev["name"]
+            assert is_dns_label(dev["name"]), dev["name"]
             attrs, caps = dev.get("attributes", {}), dev.get("capacity", {})
             assert len(attrs) + len(caps) <= 32, (dev["name"], len(attrs) + len(caps))
             values = sum(len(v) if isinstance(v, list) else 1 for a in attrs.values() for v in a.values())
