@@ -7,16 +7,14 @@ or the file system, so the layout can be tested and changed on its own.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
-_BINARY_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-_DECIMAL_SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15}
+from dra_driver.config import quantity_value
+
 _CDI_IDS_SHOWN = 2
 _TITLE_WIDTH = 100
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([A-Za-z]*)$")
 
 
 @dataclass(frozen=True)
@@ -91,14 +89,8 @@ class DemoReport:
 
 def quantity_bytes(quantity: str) -> int | None:
     """Bytes in a Kubernetes quantity string ("80Gi", "143771Mi", "40G"); None if unreadable."""
-    match = _QUANTITY.match(quantity.strip())
-    if not match:
-        return None
-    number, suffix = match.groups()
-    scale = _BINARY_SUFFIXES.get(suffix) or _DECIMAL_SUFFIXES.get(suffix)
-    if scale is None:
-        return None
-    return int(float(number) * scale)
+    value = quantity_value(quantity)
+    return None if value is None else int(value)
 
 
 def gib(quantity: str) -> str:

@@ -33,19 +33,19 @@ import enum
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, Final
+
+from kubernetes.utils import parse_quantity as _kubernetes_quantity
 
 API_VERSION: Final = "v1alpha1"
 KIND: Final = "GpuConfig"
 DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
 
-# Kubernetes resource.Quantity suffixes (binary, decimal SI) as multipliers.
-_BINARY_SUFFIXES: Final = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL_SUFFIXES: Final = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-_QUANTITY = re.compile(
-    r"^([+-]?[0-9]*\.?[0-9]+|[+-]?[0-9]+\.)(?:(Ki|Mi|Gi|Ti|Pi|Ei|[kMGTPE])|[eE]([+-]?[0-9]+))?$"
-)
+# The syntax of a Kubernetes resource.Quantity without the sub-unit suffixes (m, u, n):
+# what this project reads are byte counts. The client's parser is lenient (it takes
+# "NaN" and "1e3Gi"), so it is only asked for the value of what passes this.
+_QUANTITY = re.compile(r"[+-]?([0-9]*\.?[0-9]+|[0-9]+\.)((Ki|Mi|Gi|Ti|Pi|Ei|[kMGTPE])|[eE][+-]?[0-9]+)?")
 
 
 class ConfigError(ValueError):
@@ -88,30 +88,26 @@ DEFAULT_CONFIG: Final = GpuConfig()
 # --------------------------------------------------------------------------- quantities
 
 
+def quantity_value(text: str) -> Decimal | None:
+    """The value of a Kubernetes quantity ("10Gi", "143771Mi", "40G", "1e9"); None if `text`
+    is not one, or has a sub-unit suffix (m, u, n). The one quantity parser of the project:
+    `kubernetes.utils.parse_quantity` underneath."""
+    text = text.strip()
+    if not _QUANTITY.fullmatch(text):
+        return None
+    return Decimal(_kubernetes_quantity(text))
+
+
 def parse_quantity(value: object, where: str) -> int:
     """A Kubernetes quantity of bytes ("10Gi", "512Mi", "1e9", 1073741824) as a positive int."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigError(f'{where}: {value!r} is not a quantity; write a string such as "10Gi" or "512Mi"')
-    if isinstance(value, int):
-        number, multiplier = Decimal(value), 1
-    else:
-        m = _QUANTITY.match(value.strip())
-        if not m:
-            raise ConfigError(
-                f"{where}: {value!r} is not a Kubernetes quantity; write a number with an optional suffix "
-                '(Ki, Mi, Gi, Ti or k, M, G, T), e.g. "10Gi"'
-            )
-        digits, suffix, exponent = m.group(1), m.group(2) or "", m.group(3)
-        try:
-            number = Decimal(digits)
-        except InvalidOperation as err:  # the regex admits only decimal numbers; kept as a guard
-            raise ConfigError(f"{where}: {value!r} is not a number") from err
-        if exponent is not None:
-            number = number.scaleb(int(exponent))
-            multiplier = 1
-        else:
-            multiplier = _BINARY_SUFFIXES.get(suffix) or _DECIMAL_SUFFIXES[suffix]
-    total = number * multiplier
+    total = Decimal(value) if isinstance(value, int) else quantity_value(value)
+    if total is None:
+        raise ConfigError(
+            f"{where}: {value!r} is not a Kubernetes quantity; write a number with an optional suffix "
+            '(Ki, Mi, Gi, Ti or k, M, G, T), e.g. "10Gi"'
+        )
     if total <= 0:
         raise ConfigError(f"{where}: {value!r} must be greater than zero")
     if total != total.to_integral_value():

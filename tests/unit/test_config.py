@@ -66,6 +66,8 @@ def test_quantities(text: Any, expected: int) -> None:
         ("ten", "not a Kubernetes quantity"),
         ("10gi", "not a Kubernetes quantity"),
         ("500m", "not a Kubernetes quantity"),
+        ("NaN", "not a Kubernetes quantity"),  # the client's parser alone would take these two
+        ("1e3Gi", "not a Kubernetes quantity"),
         ("0", "greater than zero"),
         ("-1Gi", "greater than zero"),
         ("0.5", "whole number of bytes"),

@@ -28,6 +28,7 @@ from controller.slices import (
     SliceFeatures,
     desired_slices,
 )
+from dra_driver.config import quantity_value
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, profile_names
 from dra_driver.gpu.model import (
@@ -286,14 +287,12 @@ def test_binary_quantity_is_the_servers_canonical_form(n: int, text: str) -> Non
     assert A.binary_quantity(n) == text
 
 
-_SUFFIX = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
 def parse_quantity(text: str) -> int:
-    m = re.fullmatch(r"(\d+)([kMGTPE]i?|Ki)?", text)
-    assert m, text
-    return int(m.group(1)) * _SUFFIX[m.group(2) or ""]
+    """The value of a quantity in canonical form (digits and at most a suffix, as the server writes it)."""
+    assert re.fullmatch(r"\d+([kMGTPE]i?|Ki)?", text), text
+    value = quantity_value(text)
+    assert value is not None and value == int(value), text
+    return int(value)
 
 
 @given(st.integers(min_value=0, max_value=2**62))
