@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dra_driver import log
+from dra_driver import __version__, log
 from dra_driver.commands.cdi import cdi
 from dra_driver.commands.controller import controller
 from dra_driver.commands.inventory import inventory
@@ -22,6 +22,7 @@ from dra_driver.commands.kubelet_plugin import kubelet_plugin
     type=click.Choice(["auto", "json", "console"]),
     help="auto: console on a terminal, JSON otherwise (in a pod).",
 )
+@click.version_option(__version__, prog_name="dra-driver")
 def main(log_level: str, log_format: log.LogFormat) -> None:
     """GPU driver for Kubernetes Dynamic Resource Allocation."""
     log.configure(log_level, log_format)

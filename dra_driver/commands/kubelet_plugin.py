@@ -1,15 +1,57 @@
-"""`dra-driver kubelet-plugin`: run the node daemon (kubelet plugin + slice controller)."""
+"""`dra-driver kubelet-plugin`: the node daemon, both halves in one process, and its wiring.
+
+Start order matters to the kubelet: discover the hardware, recover the prepared-claim
+state, serve the DRA socket, and only then create the registration socket (the kubelet
+calls GetInfo and connects as soon as it appears). The slice publisher runs beside the
+servers, in the one instance that holds the node's publisher lease (during a rolling
+update the new pod takes over when the old one exits). On SIGTERM the registration socket
+goes first (the kubelet stops sending calls), then the DRA server drains. Slices are left
+in place: the kubelet removes them if no plugin comes back, and a restarting plugin must
+not make the pool vanish.
+
+This is the only place that joins the kubelet plugin (`dra_driver.plugin`) to the slice
+publisher (`controller`); it holds wiring, not logic.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Final, Literal
 
 import click
+import grpc
+import structlog
+from kubernetes.aio import client
 
-from controller.publisher import ListAttributesMode
+from controller.publisher import ListAttributesMode, slice_controller
+from dra_driver import kube
 from dra_driver.commands.options import cluster_options, driver_files_options
-from dra_driver.plugin.daemon import PluginOptions, run_plugin
+from dra_driver.devices import node_devices
+from dra_driver.driver_root import scan_driver_files
+from dra_driver.gpu import discover
+from dra_driver.gpu.model import Inventory
+from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.claim_source import ClaimReader
+from dra_driver.plugin.health import DeviceHealthBoard
+from dra_driver.plugin.lock import Lease
+from dra_driver.plugin.registration import RegistrationService, add_registration
+from dra_driver.plugin.service import add_services
+from dra_driver.plugin.sockets import PluginPaths, plugin_paths, prepare_socket_path, restrict_socket
+from dra_driver.plugin.state import NodePreparer
+from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps import default_root as mps_default_root
+from dra_driver.sharing.policy import Sharing
 from dra_driver.signals import run_until_signalled
+
+log = structlog.get_logger(__name__)
+
+PUBLISHER_LEASE: Final = "publisher.lock"
+LEASE_POLL_SECONDS: Final = 1.0
 
 
 @click.command("kubelet-plugin")
@@ -80,4 +122,112 @@ def kubelet_plugin(
         list_attributes=list_attributes,
         publish_slices=publish_slices,
     )
-    run_until_signalled(run_plugin(opts))
+    try:
+        run_until_signalled(run_plugin(opts))
+    except ckpt.CheckpointFromNewerVersion as e:
+        log.error("refusing to start", error=str(e))
+        raise click.ClickException(str(e)) from None
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    node_name: str
+    driver: str
+    kubelet_dir: Path
+    cdi_dir: Path
+    driver_root: Path | None  # None: / on a GPU node, no driver files for simulated GPUs
+    dev_root: Path
+    host_driver_root: Path | None
+    simulate: str | None
+    kubeconfig: str | None
+    mps_root: Path | None = None
+    rolling_update_uid: str | None = None
+    list_attributes: Literal["auto", "on", "off"] = "auto"
+    publish_slices: bool = True
+
+
+async def _serve(socket: Path, register: Callable[[grpc.aio.Server], None], name: str) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    register(server)
+    prepare_socket_path(socket)
+    server.add_insecure_port(f"unix://{socket}")
+    restrict_socket(socket)
+    await server.start()
+    log.info("serving", server=name, socket=str(socket))
+    return server
+
+
+async def run_plugin(opts: PluginOptions) -> None:
+    inventory = await asyncio.to_thread(discover, opts.simulate)
+    devices = node_devices(inventory)
+    driver_files = await asyncio.to_thread(
+        functools.partial(
+            scan_driver_files,
+            opts.driver_root,
+            opts.dev_root,
+            opts.simulate is not None,
+            host_driver_root=opts.host_driver_root,
+            gpu_minors=[g.minor for g in inventory.gpus],
+        )
+    )
+    log.info(
+        "hardware discovered", gpus=len(inventory.gpus), devices=sorted(devices), source=inventory.source
+    )
+    paths: PluginPaths = plugin_paths(opts.kubelet_dir, opts.driver, opts.rolling_update_uid)
+    paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+
+    api = await kube.load_client(opts.kubeconfig)
+    mps = MpsControl(opts.mps_root or mps_default_root(opts.driver), opts.driver_root or Path("/"))
+    preparer = NodePreparer(
+        driver=opts.driver,
+        pool=opts.node_name,
+        devices=devices,
+        claims=ClaimReader(api),
+        driver_files=driver_files,
+        cdi_dir=opts.cdi_dir,
+        data_dir=paths.data_dir,
+        sharing=Sharing(opts.driver, opts.node_name, mps),
+    )
+    board = DeviceHealthBoard(opts.node_name, devices)
+    lease = Lease(paths.data_dir / PUBLISHER_LEASE)
+
+    tasks: list[asyncio.Task[None]] = []
+    dra_server = reg_server = None
+    try:
+        await preparer.recover()
+        if opts.publish_slices:
+            tasks.append(asyncio.create_task(_publish(api, opts, inventory, lease), name="slice-publisher"))
+        dra_server = await _serve(paths.dra_socket, lambda s: add_services(s, preparer, board), "dra")
+        registration = RegistrationService(opts.driver, str(paths.dra_socket))
+        reg_server = await _serve(
+            paths.registration_socket, lambda s: add_registration(s, registration), "registration"
+        )
+        await asyncio.Event().wait()
+    finally:
+        if reg_server is not None:
+            await reg_server.stop(grace=None)
+        if dra_server is not None:
+            await dra_server.stop(grace=5)
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        lease.release()
+        await api.close()
+        log.info("stopped")
+
+
+async def _publish(api: client.ApiClient, opts: PluginOptions, inventory: Inventory, lease: Lease) -> None:
+    """Publish this node's slices while holding the lease; during a rolling update the
+    instance that comes second waits until the first one exits, then takes over."""
+    waiting_logged = False
+    while not lease.try_acquire():
+        if not waiting_logged:
+            log.info(
+                "another instance publishes this node's slices; waiting to take over", lease=str(lease.path)
+            )
+            waiting_logged = True
+        await asyncio.sleep(LEASE_POLL_SECONDS)
+    log.info("publishing this node's ResourceSlices", lease=str(lease.path))
+    ctl = await slice_controller(api, opts.driver, {opts.node_name: inventory}, opts.list_attributes)
+    await ctl.run()

@@ -6,13 +6,20 @@ claim as `started` before it touches the node (CDI spec, sharing daemons) and as
 `completed` after, so a crash in between leaves a record of what may need cleaning up.
 
 The file is `<data dir>/checkpoint.json`, written atomically (temp, fsync, rename, fsync
-dir), with a format version, the boot id of the boot that wrote it, and a SHA-256 of its
-payload so that a torn or edited file is detected rather than trusted. A checkpoint from
-an earlier boot is discarded: the tmpfs CDI specs and any daemons it describes died with
-that boot.
+dir), with a format version, the build that wrote it, the boot id of the boot that wrote
+it, and a SHA-256 of its payload so that a torn or edited file is detected rather than
+trusted. A checkpoint from an earlier boot is discarded: the tmpfs CDI specs and any
+daemons it describes died with that boot.
+
+Two kinds of unreadable file are told apart, because they call for opposite actions:
+`CheckpointUnreadable` (not a file, not JSON, wrong shape, wrong checksum: move it aside and
+rebuild), and `CheckpointFromNewerVersion` (a newer build wrote it: stop, never rewrite it,
+since a rollback to that build must find it intact).
 
 `Checkpoint` is immutable and the transitions (`with_started`, `with_completed`,
-`without`) are pure; only `load`, `save`, `read_boot_id` and `quarantine` do I/O.
+`without`) are pure; only `load`, `save`, `read_boot_id` and `quarantine` do I/O. This
+module takes no locks: the prepare transaction (`dra_driver.plugin.state`) holds the lock
+around every load-modify-save.
 """
 
 from __future__ import annotations
@@ -29,23 +36,41 @@ from typing import Any, Final
 
 import structlog
 
+from dra_driver import __version__
 from dra_driver.atomic import write_file_atomic
 from dra_driver.plugin.prepared import PreparedDevice
 
 log = structlog.get_logger(__name__)
 
 FORMAT_VERSION: Final = 1
+WRITTEN_BY: Final = f"gpu-dra-driver {__version__}"
 CHECKPOINT_FILE: Final = "checkpoint.json"
 BOOT_ID_PATH: Final = Path("/proc/sys/kernel/random/boot_id")
 
 
-class CheckpointCorrupt(Exception):
-    """The checkpoint file exists but cannot be trusted (unparsable, bad checksum, bad shape)."""
+class CheckpointUnreadable(Exception):
+    """Something is at the checkpoint path but cannot be trusted: not a regular file,
+    unreadable, not JSON, wrong shape or wrong checksum."""
 
     def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(f"checkpoint {path} is corrupt: {problem}")
+        super().__init__(f"checkpoint {path} cannot be read: {problem}")
         self.path = path
         self.problem = problem
+
+
+class CheckpointFromNewerVersion(Exception):
+    """The checkpoint was written by a newer build in a format this build does not know."""
+
+    def __init__(self, path: Path, version: int, written_by: str | None) -> None:
+        super().__init__(
+            f"checkpoint {path} has format version {version}, written by "
+            f"{written_by or 'a newer dra-driver'}; this build ({WRITTEN_BY}) reads format {FORMAT_VERSION} "
+            "only. Run that version (or newer) of the driver on this node; the file is left untouched so "
+            "that it keeps every prepared claim"
+        )
+        self.path = path
+        self.version = version
+        self.written_by = written_by
 
 
 class ClaimPhase(enum.StrEnum):
@@ -58,39 +83,6 @@ COMPLETED: Final = ClaimPhase.COMPLETED
 
 
 @dataclass(frozen=True)
-class PreparedRecord:
-    """One device of a prepared claim: what was answered to the kubelet, plus whether it
-    was granted with adminAccess (such a device may be in several claims at once)."""
-
-    pool: str
-    device: str
-    request_names: tuple[str, ...]
-    cdi_device_ids: tuple[str, ...]
-    share_id: str | None = None
-    admin_access: bool = False
-
-    @classmethod
-    def of(cls, prepared: PreparedDevice, admin_access: bool = False) -> PreparedRecord:
-        return cls(
-            pool=prepared.pool,
-            device=prepared.device,
-            request_names=tuple(prepared.request_names),
-            cdi_device_ids=tuple(prepared.cdi_device_ids),
-            share_id=prepared.share_id,
-            admin_access=admin_access,
-        )
-
-    def to_prepared(self) -> PreparedDevice:
-        return PreparedDevice(
-            request_names=self.request_names,
-            pool=self.pool,
-            device=self.device,
-            cdi_device_ids=self.cdi_device_ids,
-            share_id=self.share_id,
-        )
-
-
-@dataclass(frozen=True)
 class ClaimEntry:
     """One claim this node has prepared (or is preparing)."""
 
@@ -98,7 +90,7 @@ class ClaimEntry:
     namespace: str
     name: str
     phase: ClaimPhase
-    devices: tuple[PreparedRecord, ...]
+    devices: tuple[PreparedDevice, ...]
     updated_at: datetime  # when this entry was last written, UTC
 
 
@@ -141,7 +133,7 @@ def with_started(
     namespace: str,
     name: str,
     uid: str,
-    devices: Sequence[PreparedRecord],
+    devices: Sequence[PreparedDevice],
     *,
     now: datetime | None = None,
 ) -> Checkpoint:
@@ -163,7 +155,7 @@ def with_completed(
     uid: str,
     *,
     now: datetime | None = None,
-    devices: Sequence[PreparedRecord] | None = None,
+    devices: Sequence[PreparedDevice] | None = None,
 ) -> Checkpoint:
     """The started claim `uid` is prepared; `devices` replaces the recorded ones if given."""
     current = cp.claims.get(uid)
@@ -194,7 +186,7 @@ def _timestamp(t: datetime) -> str:
     return t.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _device_to_dict(d: PreparedRecord) -> dict[str, Any]:
+def _device_to_dict(d: PreparedDevice) -> dict[str, Any]:
     out: dict[str, Any] = {
         "pool": d.pool,
         "device": d.device,
@@ -231,10 +223,16 @@ def _checksum(payload: Any) -> str:
 
 
 def encode(cp: Checkpoint) -> bytes:
-    """The file's bytes: {version, checksum, payload}."""
+    """The file's bytes: {version, writtenBy, checksum, payload}."""
     payload = _payload(cp)
-    doc = {"version": FORMAT_VERSION, "checksum": _checksum(payload), "payload": payload}
-    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+    doc = {
+        "version": FORMAT_VERSION,
+        "writtenBy": WRITTEN_BY,
+        "checksum": _checksum(payload),
+        "payload": payload,
+    }
+    # compact: the file is rewritten on every transaction and may hold thousands of claims
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
 class _Shape(Exception):
@@ -279,13 +277,13 @@ def _decode_payload(payload: Any) -> Checkpoint:
             claim_phase = ClaimPhase(phase)
         except ValueError:
             raise _Shape(f"{where}.phase: unknown phase {phase!r}") from None
-        devices: list[PreparedRecord] = []
+        devices: list[PreparedDevice] = []
         for j, d in enumerate(_field(c, "devices", list, where)):
             dw = f"{where}.devices[{j}]"
             share = _optional(d, "shareId", str, dw)
             admin = _optional(d, "adminAccess", bool, dw)
             devices.append(
-                PreparedRecord(
+                PreparedDevice(
                     pool=_field(d, "pool", str, dw),
                     device=_field(d, "device", str, dw),
                     request_names=_strings(d, "requestNames", dw),
@@ -313,27 +311,32 @@ def _decode_payload(payload: Any) -> Checkpoint:
 
 
 def decode(data: bytes, path: Path) -> Checkpoint:
-    """Parse and verify a checkpoint file's bytes; CheckpointCorrupt names what is wrong."""
+    """Parse and verify a checkpoint file's bytes; the exception names what is wrong."""
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointCorrupt(path, f"not valid JSON ({e})") from e
+        raise CheckpointUnreadable(path, f"not valid JSON ({e})") from e
     if not isinstance(doc, dict):
-        raise CheckpointCorrupt(path, "top level is not a JSON object")
+        raise CheckpointUnreadable(path, "top level is not a JSON object")
     version = doc.get("version")
-    if version != FORMAT_VERSION:
-        raise CheckpointCorrupt(
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        written_by = doc.get("writtenBy")
+        raise CheckpointFromNewerVersion(path, version, written_by if isinstance(written_by, str) else None)
+    if type(version) is not int or version != FORMAT_VERSION:  # `true == 1` in Python
+        raise CheckpointUnreadable(
             path, f"format version {version!r} is not supported (this build reads {FORMAT_VERSION})"
         )
     if "payload" not in doc or not isinstance(doc.get("checksum"), str):
-        raise CheckpointCorrupt(path, "missing payload or checksum")
+        raise CheckpointUnreadable(path, "missing payload or checksum")
     actual = _checksum(doc["payload"])
     if actual != doc["checksum"]:
-        raise CheckpointCorrupt(path, f"checksum mismatch (file says {doc['checksum']}, content is {actual})")
+        raise CheckpointUnreadable(
+            path, f"checksum mismatch (file says {doc['checksum']}, content is {actual})"
+        )
     try:
         return _decode_payload(doc["payload"])
     except _Shape as e:
-        raise CheckpointCorrupt(path, f"unexpected shape: {e}") from e
+        raise CheckpointUnreadable(path, f"unexpected shape: {e}") from e
 
 
 # --------------------------------------------------------------------------- I/O
@@ -355,11 +358,14 @@ def load(path: Path, boot_id: str) -> LoadResult:
     """The checkpoint at `path` for this boot.
 
     Missing file: empty. Written in another boot: empty, status STALE_BOOT, the old one
-    in `discarded`. Unreadable or unverifiable: CheckpointCorrupt (see `quarantine`)."""
+    in `discarded`. Anything at the path that cannot be trusted: CheckpointUnreadable (see
+    `quarantine`); written by a newer build: CheckpointFromNewerVersion."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.MISSING)
+    except OSError as e:  # a directory, a dangling mount, no permission...
+        raise CheckpointUnreadable(path, f"{e.strerror or e} ({type(e).__name__})") from e
     cp = decode(data, path)
     if cp.boot_id != boot_id:
         log.warning(
@@ -379,7 +385,8 @@ def save(path: Path, cp: Checkpoint) -> None:
 
 
 def quarantine(path: Path, now: datetime | None = None) -> Path:
-    """Move a corrupt checkpoint aside to `<name>.corrupt-<UTC timestamp>`; returns the new path."""
+    """Move an unreadable checkpoint (file or whatever else is there) aside to
+    `<name>.corrupt-<UTC timestamp>`, for a person to look at; returns the new path."""
     stamp = (now or datetime.now(UTC)).astimezone(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     target = path.with_name(f"{path.name}.corrupt-{stamp}")
     n = 1
@@ -387,5 +394,5 @@ def quarantine(path: Path, now: datetime | None = None) -> Path:
         target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
         n += 1
     os.replace(path, target)
-    log.error("corrupt checkpoint moved aside", path=str(path), moved_to=str(target))
+    log.error("unreadable checkpoint moved aside", path=str(path), moved_to=str(target))
     return target

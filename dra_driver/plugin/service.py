@@ -1,15 +1,15 @@
 """The kubelet-facing gRPC services: DRA v1 and v1beta1, health v1 and v1alpha1.
 
 Translation only: protobuf in, domain calls, protobuf out. Each claim of a request is
-answered on its own (one bad claim never fails its neighbours), and every log line
-about a claim carries its namespace, name and UID. The work itself is done by a
+answered on its own (one bad claim never fails its neighbours; a failure of the whole
+batch is still answered claim by claim), and every log line about a claim carries its
+namespace, name and UID. The work itself is done by a
 `ClaimPreparer`; this module holds no state of its own.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -24,21 +24,18 @@ from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as health_v1
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.health import DeviceHealthBoard
 from dra_driver.plugin.prepared import PreparedDevice
+from dra_driver.plugin.state import ClaimResult, claim_fields, describe
 
 log = structlog.get_logger(__name__)
 
 
 class ClaimPreparer(Protocol):
-    async def prepare(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]: ...
+    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]: ...
 
-    async def unprepare(self, ref: ClaimRef) -> None: ...
-
-
-def _claim_context(ref: ClaimRef) -> dict[str, str]:
-    return {"claim_namespace": ref.namespace, "claim_name": ref.name, "claim_uid": ref.uid}
+    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]: ...
 
 
 class _DraService:
@@ -51,25 +48,20 @@ class _DraService:
 
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
-        answers = await asyncio.gather(*(self._prepare_one(ref) for ref in refs))
-        return self._pb.NodePrepareResourcesResponse(
-            claims=dict(zip((r.uid for r in refs), answers, strict=True))
-        )
-
-    async def _prepare_one(self, ref: ClaimRef) -> Any:
-        with structlog.contextvars.bound_contextvars(**_claim_context(ref)):
-            try:
-                prepared = await self._preparer.prepare(ref)
-            except ClaimRejected as e:
-                log.warning("prepare refused", error=str(e))
-                return self._pb.NodePrepareResourceResponse(error=str(e))
-            except Exception as e:
-                log.exception("prepare failed")
-                return self._pb.NodePrepareResourceResponse(
-                    error=f"internal error preparing claim {ref}: {e}"
-                )
-            log.info("prepared", devices=[d.device for d in prepared])
-            return self._pb.NodePrepareResourceResponse(devices=[self._device(d) for d in prepared])
+        results = await _answer_all(self._preparer.prepare, refs, "preparing")
+        claims = {}
+        for ref in refs:
+            result = results[ref.uid]
+            with structlog.contextvars.bound_contextvars(**claim_fields(ref)):
+                if result.error is not None:
+                    log.warning("prepare refused", error=result.error)
+                    claims[ref.uid] = self._pb.NodePrepareResourceResponse(error=result.error)
+                else:
+                    log.info("prepared", devices=[d.device for d in result.devices])
+                    claims[ref.uid] = self._pb.NodePrepareResourceResponse(
+                        devices=[self._device(d) for d in result.devices]
+                    )
+        return self._pb.NodePrepareResourcesResponse(claims=claims)
 
     def _device(self, d: PreparedDevice) -> Any:
         fields: dict[str, Any] = {
@@ -84,25 +76,37 @@ class _DraService:
 
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
-        answers = await asyncio.gather(*(self._unprepare_one(ref) for ref in refs))
-        return self._pb.NodeUnprepareResourcesResponse(
-            claims=dict(zip((r.uid for r in refs), answers, strict=True))
-        )
+        results = await _answer_all(self._preparer.unprepare, refs, "unpreparing")
+        claims = {}
+        for ref in refs:
+            result = results[ref.uid]
+            with structlog.contextvars.bound_contextvars(**claim_fields(ref)):
+                if result.error is not None:
+                    log.warning("unprepare refused", error=result.error)
+                    claims[ref.uid] = self._pb.NodeUnprepareResourceResponse(error=result.error)
+                else:
+                    log.info("unprepared")
+                    claims[ref.uid] = self._pb.NodeUnprepareResourceResponse()
+        return self._pb.NodeUnprepareResourcesResponse(claims=claims)
 
-    async def _unprepare_one(self, ref: ClaimRef) -> Any:
-        with structlog.contextvars.bound_contextvars(**_claim_context(ref)):
-            try:
-                await self._preparer.unprepare(ref)
-            except ClaimRejected as e:
-                log.warning("unprepare refused", error=str(e))
-                return self._pb.NodeUnprepareResourceResponse(error=str(e))
-            except Exception as e:
-                log.exception("unprepare failed")
-                return self._pb.NodeUnprepareResourceResponse(
-                    error=f"internal error unpreparing claim {ref}: {e}"
-                )
-            log.info("unprepared")
-            return self._pb.NodeUnprepareResourceResponse()
+
+async def _answer_all(
+    call: Callable[[Sequence[ClaimRef]], Awaitable[dict[str, ClaimResult]]], refs: list[ClaimRef], doing: str
+) -> dict[str, ClaimResult]:
+    """Every claim gets an answer, even if the preparer itself failed (the kubelet retries
+    claims that are missing from the map, but a user reads the error)."""
+    try:
+        results = await call(refs)
+    except Exception as e:
+        log.exception(f"{doing} claims failed", claims=len(refs))
+        results = {}
+        failure = describe(e)
+    else:
+        failure = "no answer for this claim"
+    return {
+        r.uid: results.get(r.uid) or ClaimResult(error=f"internal error {doing} claim {r}: {failure}")
+        for r in refs
+    }
 
 
 class DraV1Service(_DraService, dra_v1_grpc.DRAPluginServicer):  # type: ignore[misc]

@@ -1,50 +1,59 @@
-"""Prepare and unprepare claims on this node, crash-safely.
+"""The prepare/unprepare transaction: crash-safe, and safe against a second plugin instance.
 
-The checkpoint is the source of truth. Prepare runs in two phases, each made durable
-before the next step: `started` (the devices we are about to hand out) -> CDI spec
-written -> `completed`. A crash anywhere leaves a state that `recover()` (at start)
-or the next call repairs: a `started` entry is rolled back and redone, a spec without
-an entry is removed, an entry whose spec vanished gets it rewritten. All changes to
-the checkpoint happen under one asyncio lock; the API read of a claim happens before
-it, so a slow API server never blocks other claims' bookkeeping.
+The checkpoint on disk is the only source of truth. Every Prepare, Unprepare and start-up
+recovery is ONE synchronous function that holds an exclusive file lock
+(`<data dir>/serialize.lock`), reads the checkpoint inside it and writes it back before it
+lets go; nothing is kept across calls. So two plugin instances on one node (a rolling
+update: the kubelet may call either) take turns on the same files and never undo each
+other's work. The async face (`prepare`, `unprepare`, `recover`) reads from the API server
+outside the lock (a slow API server never holds up other claims' bookkeeping) and reaches
+the locked section with one hop, `asyncio.to_thread`.
 
-`DRA_DRIVER_FAULT=<point>` makes the process die (as kill -9 would) at a named point,
-for the crash-safety tests: prepare-after-started, prepare-after-cdi,
-prepare-after-completed, unprepare-after-cdi-removed, unprepare-after-entry-removed.
+Prepare runs in two phases, each durable before the next step: `started` (the devices we
+are about to hand out) -> sharing set up, CDI spec written -> `completed`. The claims of one
+kubelet call share a transaction (one lock, one `started` write, one `completed` write) in
+chunks of `CHUNK`, which also bounds the memory a huge call holds. A crash anywhere leaves
+a state that the next locked section repairs: a `started` entry is a dead transaction's
+(a live one holds the lock), so it is rolled back; at start a spec without an entry is
+removed and an entry whose spec vanished gets it rewritten.
 
-Sharing: the claim's configuration for this driver (`dra_driver.config`) is read with the
-claim, before the lock. If it asks for MPS, the claim's MPS control daemon
-(`dra_driver.mps`) is started after `started` is durable and before the CDI spec is
-written, and its client edits go into the spec; every rollback (unprepare, a redone or
-interrupted prepare) stops it. The daemon's settings live in its own directory, so
-`recover()` restarts a daemon that died with the plugin, rebuilds the spec with its
-edits, and stops daemons of claims the checkpoint does not know.
+A checkpoint that cannot be read never costs a running pod its devices: it is moved aside,
+and the specs on disk of claims that the API server says are allocated to this node are
+adopted into a new checkpoint; only specs of claims that are gone are removed, and none at
+all if the API server cannot say. A checkpoint from a newer build stops the plugin.
+
+`DRA_DRIVER_FAULT=<point>` makes the process die (as kill -9 would) at a named point, for
+the crash-safety tests: prepare-after-started, prepare-after-cdi, prepare-after-completed,
+unprepare-after-cdi-removed, unprepare-after-entry-removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Protocol
 
 import structlog
 
 from dra_driver import cdi
-from dra_driver.config import ConfigError, device_configs
 from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DriverFiles
-from dra_driver.mps import MpsControl, MpsError, MpsSettings, settings_for_claim
-from dra_driver.mps import default_root as mps_default_root
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import AllocatedDevice, ClaimRef, ClaimRejected, allocated_devices, check_ref
+from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.prepared import PreparedDevice
+from dra_driver.sharing.policy import ConfigError, Sharing, SharingError, SharingPlan
 
 log = structlog.get_logger(__name__)
 
-FAULT_ENV = "DRA_DRIVER_FAULT"
+FAULT_ENV: Final = "DRA_DRIVER_FAULT"
+LOCK_FILE: Final = "serialize.lock"
+CHUNK: Final = 256  # claims per transaction; bounds what one huge kubelet call holds at once
+
+JSON = dict[str, Any]
 
 
 def _fault(point: str) -> None:
@@ -53,171 +62,161 @@ def _fault(point: str) -> None:
         os._exit(137)
 
 
-@dataclass
+def claim_fields(ref: ClaimRef) -> dict[str, str]:
+    """The fields every log line about a claim carries."""
+    return {"claim_namespace": ref.namespace, "claim_name": ref.name, "claim_uid": ref.uid}
+
+
+def describe(e: BaseException) -> str:
+    """An unexpected exception as a person reads it; never empty (str(TimeoutError()) is)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+class ClaimSource(Protocol):
+    """Where claims come from (the API server; a dict in unit tests)."""
+
+    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, JSON | ClaimRejected]: ...
+
+    async def allocated_here(self, driver: str, pool: str) -> list[JSON] | None: ...
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """One claim's answer to the kubelet: its devices, or an error the user can act on."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What preparing one claim means on this node, decided before the lock."""
+
+    ref: ClaimRef
+    devices: tuple[PreparedDevice, ...]  # in allocation order, as answered
+    hardware: tuple[NodeDevice, ...]  # each device once, for the CDI spec
+    sharing: SharingPlan | None
+
+
 class NodePreparer:
-    driver: str
-    pool: str
-    devices: dict[str, NodeDevice]
-    fetch_claim: Callable[[ClaimRef], Awaitable[dict[str, Any]]]
-    driver_files: DriverFiles
-    cdi_dir: Path
-    data_dir: Path
-    boot_id: str | None = None
-    # MPS daemons; default: claim directories under /run/<driver>/mps (short, because MPS
-    # binds UNIX sockets there; searchable, because servers run as the client's user),
-    # tools from the driver root.
-    mps: MpsControl | None = None
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _checkpoint: ckpt.Checkpoint | None = None
+    """Prepares and unprepares the claims of one driver on one node."""
 
-    def __post_init__(self) -> None:
-        if self.mps is None:
-            self.mps = MpsControl(mps_default_root(self.driver), self.driver_files.driver_root)
-
-    @property
-    def _mps(self) -> MpsControl:
-        assert self.mps is not None
-        return self.mps
+    def __init__(
+        self,
+        *,
+        driver: str,
+        pool: str,
+        devices: dict[str, NodeDevice],
+        claims: ClaimSource,
+        driver_files: DriverFiles,
+        cdi_dir: Path,
+        data_dir: Path,
+        sharing: Sharing,
+        boot_id: str | None = None,
+    ) -> None:
+        self.driver = driver
+        self.pool = pool
+        self.devices = devices
+        self.claims = claims
+        self.driver_files = driver_files
+        self.cdi_dir = cdi_dir
+        self.data_dir = data_dir
+        self.sharing = sharing
+        self.boot_id = boot_id or ckpt.read_boot_id()
 
     @property
     def checkpoint_path(self) -> Path:
-        return self.data_dir / "checkpoint.json"
+        return ckpt.checkpoint_path(self.data_dir)
 
     @property
-    def checkpoint(self) -> ckpt.Checkpoint:
-        assert self._checkpoint is not None, "call recover() first"
-        return self._checkpoint
+    def lock_path(self) -> Path:
+        return self.data_dir / LOCK_FILE
 
-    async def _save(self, new: ckpt.Checkpoint) -> None:
-        await asyncio.to_thread(ckpt.save, self.checkpoint_path, new)
-        self._checkpoint = new
+    def read_checkpoint(self) -> ckpt.Checkpoint:
+        """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
+        return ckpt.load(self.checkpoint_path, self.boot_id).checkpoint
 
-    # -- start-up --------------------------------------------------------------------
+    # -- the async face ----------------------------------------------------------------
+
+    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+        """Prepare every claim; each gets its own answer (one bad claim never fails the rest)."""
+        results: dict[str, ClaimResult] = {}
+        for chunk in _chunks(refs, CHUNK):
+            results.update(await self._prepare_chunk(chunk))
+        return results
+
+    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+        results: dict[str, ClaimResult] = {}
+        for chunk in _chunks(refs, CHUNK):
+            checked = _checked(chunk, results)
+            results.update(await self._locked(self._unprepare_locked, checked))
+        return results
 
     async def recover(self) -> None:
-        """Load the checkpoint and make CDI specs and entries agree again."""
-        boot_id = self.boot_id or ckpt.read_boot_id()
+        """Make checkpoint, CDI specs and sharing state agree again (at start)."""
+        listed: list[JSON] | None = None
+        if await asyncio.to_thread(self._needs_adoption):
+            log.error("checkpoint unreadable: asking the API server which claims are allocated to this node")
+            listed = await self.claims.allocated_here(self.driver, self.pool)
+        await asyncio.to_thread(self._recover_locked, listed)
+
+    async def _prepare_chunk(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+        results: dict[str, ClaimResult] = {}
+        checked = _checked(refs, results)
+        done = await asyncio.to_thread(self._completed_now)
+        for ref in checked:
+            if ref.uid in done:  # the kubelet asks again after a restart: no API read needed
+                results[ref.uid] = ClaimResult(done[ref.uid])
+        wanted = [r for r in checked if r.uid not in results]
+        fetched = await self.claims.read(wanted) if wanted else {}
+        plans: list[_Plan] = []
+        for ref in wanted:
+            claim = fetched[ref.uid]
+            try:
+                if isinstance(claim, ClaimRejected):
+                    raise claim
+                plans.append(self._plan(ref, claim))
+            except ClaimRejected as e:
+                results[ref.uid] = ClaimResult(error=str(e))
+        del fetched
+        if plans:
+            results.update(await self._locked(self._prepare_locked, plans))
+        return results
+
+    async def _locked(
+        self, section: Any, work: Sequence[_Plan] | Sequence[ClaimRef]
+    ) -> dict[str, ClaimResult]:
+        """Run a locked section; a checkpoint found unreadable mid-life is repaired like at
+        start, then the section runs once more. A newer instance's checkpoint (this one is
+        the old pod of an update) refuses the calls: the kubelet turns to the newer one."""
         try:
-            result = await asyncio.to_thread(ckpt.load, self.checkpoint_path, boot_id)
-            loaded = result.checkpoint
-            if result.discarded:
-                log.warning(
-                    "checkpoint from an earlier boot discarded (its CDI specs are gone with the tmpfs)",
-                    claims=len(result.discarded.claims),
-                )
-        except ckpt.CheckpointCorrupt as e:
-            moved = await asyncio.to_thread(ckpt.quarantine, self.checkpoint_path)
-            log.error("checkpoint is corrupt; moved aside, starting empty; claims are re-prepared on demand",
-                      error=str(e), moved_to=str(moved))
-            loaded = ckpt.Checkpoint.empty(boot_id)
-        self._checkpoint = loaded
-        async with self._lock:
-            for entry in list(self.checkpoint.claims.values()):
-                ref = ClaimRef(entry.namespace, entry.name, entry.uid)
-                if entry.phase != ckpt.COMPLETED:
-                    await self._roll_back(ref, "interrupted prepare found at start")
-                elif not cdi.claim_spec_path(self.cdi_dir, self.driver, entry.uid).exists():
-                    await self._rewrite_spec(entry)
-            known = set(self.checkpoint.claims)
-            for uid in cdi.claim_uids_in(self.cdi_dir, self.driver) - known:
-                log.warning("removing CDI spec of a claim that is not in the checkpoint", claim_uid=uid)
-                await asyncio.to_thread(cdi.remove_claim_spec, self.cdi_dir, self.driver, uid)
-            await self._recover_mps()
-        log.info("prepared-claim state recovered", claims=len(self.checkpoint.claims))
+            try:
+                result: dict[str, ClaimResult] = await asyncio.to_thread(section, work)
+            except ckpt.CheckpointUnreadable:
+                await self.recover()
+                result = await asyncio.to_thread(section, work)
+        except ckpt.CheckpointFromNewerVersion as e:
+            uids = [w.ref.uid if isinstance(w, _Plan) else w.uid for w in work]
+            return {uid: ClaimResult(error=str(e)) for uid in uids}
+        return result
 
-    async def _rewrite_spec(self, entry: ckpt.ClaimEntry) -> None:
-        missing = [d.device for d in entry.devices if d.device not in self.devices]
-        ref = ClaimRef(entry.namespace, entry.name, entry.uid)
-        if missing:
-            log.error("prepared claim refers to devices this node no longer has; dropping it",
-                      claim_namespace=ref.namespace, claim_name=ref.name, claim_uid=ref.uid, devices=missing)
-            await self._roll_back(ref, "devices gone")
-            return
-        settings = await asyncio.to_thread(self._mps.saved_settings, entry.uid)
-        spec = self._spec(entry.uid, _unique([self.devices[d.device] for d in entry.devices]), settings)
-        await asyncio.to_thread(cdi.write_spec, self.cdi_dir, spec)
-        log.warning("rewrote a missing CDI spec", claim_namespace=ref.namespace, claim_name=ref.name,
-                    claim_uid=ref.uid)
-
-    async def _recover_mps(self) -> None:
-        """Daemons of completed claims run again; daemons of unknown claims are stopped."""
-        for uid in await asyncio.to_thread(self._mps.claim_uids):
-            entry = self.checkpoint.claims.get(uid)
-            settings = await asyncio.to_thread(self._mps.saved_settings, uid)
-            if entry is None or entry.phase != ckpt.COMPLETED or settings is None:
-                log.warning("stopping an MPS daemon of a claim that is not prepared", claim_uid=uid)
-                await asyncio.to_thread(self._mps.stop, uid)
-            elif not await asyncio.to_thread(self._mps.is_running, uid):
-                log.warning("MPS daemon of a prepared claim is not running; restarting it", claim_uid=uid)
-                try:
-                    await asyncio.to_thread(self._mps.start, settings)
-                except MpsError as e:  # its pods fail to connect and are restarted; the claim stays
-                    log.error("could not restart an MPS daemon", claim_uid=uid, error=str(e))
-
-    # -- prepare ---------------------------------------------------------------------
-
-    def _spec(self, uid: str, devices: list[NodeDevice], mps: MpsSettings | None = None) -> cdi.CdiSpec:
-        extra: dict[str, cdi.ContainerEdits] = {}
-        if mps is not None:
-            served = {d.uuid for d in mps.devices}
-            edits = self._mps.container_edits(mps)
-            extra = {d.name: edits for d in devices if d.uuid in served}
-        return cdi.build_claim_spec(self.driver, uid, devices, self.driver_files, extra_edits=extra)
-
-    def _mps_settings(
-        self, ref: ClaimRef, claim: dict[str, Any], devices: list[NodeDevice]
-    ) -> MpsSettings | None:
-        """The claim's MPS daemon settings, or None if it does not ask for MPS."""
+    def _completed_now(self) -> dict[str, tuple[PreparedDevice, ...]]:
         try:
-            configs = device_configs(claim, self.driver, self.pool)
-            mps = [d for d in devices if configs[d.name].uses_mps]
-            if not mps:
-                return None
-            if len(mps) != len(devices):
-                raise ConfigError(
-                    "MPS must be configured for all devices of a claim or for none (an MPS client sees "
-                    f"only the daemon's GPUs); MPS is set for {', '.join(d.name for d in mps)} only"
-                )
-            return settings_for_claim(
-                ref.uid, [(d.uuid, mps_config) for d in mps if (mps_config := configs[d.name].sharing.mps)]
-            )
+            cp = self.read_checkpoint()
+        except (ckpt.CheckpointUnreadable, ckpt.CheckpointFromNewerVersion):
+            return {}  # the locked section decides what to do about it
+        return {uid: e.devices for uid, e in cp.claims.items() if e.phase == ckpt.COMPLETED}
+
+    # -- pure planning -----------------------------------------------------------------
+
+    def _plan(self, ref: ClaimRef, claim: JSON) -> _Plan:
+        allocated = allocated_devices(ref, claim, self.driver, self.pool, self.devices)
+        hardware = tuple({a.device.name: a.device for a in allocated}.values())
+        try:
+            sharing = self.sharing.plan(ref.uid, claim, hardware)
         except ConfigError as e:
             raise ClaimRejected(f"claim {ref}: invalid configuration for driver {self.driver}: {e}") from e
-
-    async def prepare(self, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
-        check_ref(ref)
-        done = self.checkpoint.claims.get(ref.uid)
-        if done is not None and done.phase == ckpt.COMPLETED:
-            return tuple(d.to_prepared() for d in done.devices)
-        claim = await self.fetch_claim(ref)
-        allocated = allocated_devices(ref, claim, self.driver, self.pool, self.devices)
-        unique = _unique([a.device for a in allocated])
-        mps = self._mps_settings(ref, claim, unique)
-        async with self._lock:
-            entry = self.checkpoint.claims.get(ref.uid)
-            if entry is not None and entry.phase == ckpt.COMPLETED:  # a concurrent call finished it
-                return tuple(d.to_prepared() for d in entry.devices)
-            if entry is not None:
-                await self._roll_back(ref, "redoing an interrupted prepare")
-            self._refuse_conflicts(ref, allocated)
-            prepared = tuple(self._prepared(ref, a) for a in allocated)
-            await self._save(ckpt.with_started(self.checkpoint, ref.namespace, ref.name, ref.uid,
-                                               [ckpt.PreparedRecord.of(p, a.admin_access) for p, a in
-                                                zip(prepared, allocated, strict=True)]))
-            _fault("prepare-after-started")
-            if mps is not None:
-                try:
-                    await asyncio.to_thread(self._mps.start, mps)
-                except MpsError as e:
-                    await self._roll_back(ref, "MPS daemon did not start")
-                    raise ClaimRejected(
-                        f"claim {ref}: MPS sharing could not be set up on this node: {e}"
-                    ) from e
-            await asyncio.to_thread(cdi.write_spec, self.cdi_dir, self._spec(ref.uid, unique, mps))
-            _fault("prepare-after-cdi")
-            await self._save(ckpt.with_completed(self.checkpoint, ref.uid))
-            _fault("prepare-after-completed")
-            return prepared
+        return _Plan(ref, tuple(self._prepared(ref, a) for a in allocated), hardware, sharing)
 
     def _prepared(self, ref: ClaimRef, a: AllocatedDevice) -> PreparedDevice:
         return PreparedDevice(
@@ -226,44 +225,241 @@ class NodePreparer:
             device=a.device.name,
             cdi_device_ids=(cdi.claim_device_id(self.driver, ref.uid, a.device.name),),
             share_id=a.share_id,
+            admin_access=a.admin_access,
         )
 
-    def _refuse_conflicts(self, ref: ClaimRef, allocated: tuple[AllocatedDevice, ...]) -> None:
-        """The last line of defence against a double allocation (a stale or edited claim)."""
-        for a in allocated:
-            if a.admin_access or a.share_id:
-                continue
-            for other in self.checkpoint.claims.values():
-                if other.uid == ref.uid:
+    def _spec(self, uid: str, hardware: Sequence[NodeDevice], sharing: SharingPlan | None) -> cdi.CdiSpec:
+        extra = self.sharing.edits(sharing, hardware)
+        return cdi.build_claim_spec(self.driver, uid, list(hardware), self.driver_files, extra_edits=extra)
+
+    # -- locked sections (blocking; run in a worker thread) ------------------------------
+
+    def _load_locked(self) -> ckpt.Checkpoint:
+        result = ckpt.load(self.checkpoint_path, self.boot_id)
+        if result.discarded is not None:
+            log.warning(
+                "checkpoint from an earlier boot discarded (its CDI specs died with the tmpfs)",
+                claims=len(result.discarded.claims),
+            )
+        return result.checkpoint
+
+    def _prepare_locked(self, plans: Sequence[_Plan]) -> dict[str, ClaimResult]:
+        results: dict[str, ClaimResult] = {}
+        with exclusive(self.lock_path):
+            cp = before = self._load_locked()
+            todo: list[_Plan] = []
+            for plan in plans:
+                entry = cp.claims.get(plan.ref.uid)
+                if entry is not None and entry.phase == ckpt.COMPLETED:  # the other instance, or a retry
+                    results[plan.ref.uid] = ClaimResult(entry.devices)
                     continue
-                for d in other.devices:
-                    if d.device == a.device.name and not (d.admin_access or d.share_id):
-                        raise ClaimRejected(
-                            f"device {a.device.name} is already prepared for claim "
-                            f"{other.namespace}/{other.name} (uid {other.uid}); delete that pod first, "
-                            "or use a shared claim or adminAccess"
-                        )
+                if entry is not None:
+                    cp = self._roll_back(cp, plan.ref, "redoing an interrupted prepare")
+                conflict = _conflict(cp, plan)
+                if conflict:
+                    results[plan.ref.uid] = ClaimResult(error=conflict)
+                    continue
+                todo.append(plan)
+                cp = ckpt.with_started(cp, plan.ref.namespace, plan.ref.name, plan.ref.uid, plan.devices)
+            if cp is not before:
+                ckpt.save(self.checkpoint_path, cp)
+            _fault("prepare-after-started")
+            completed: list[_Plan] = []
+            for plan in todo:
+                error = self._set_up(plan)
+                if error is None:
+                    completed.append(plan)
+                else:
+                    cp = self._roll_back(cp, plan.ref, "set-up failed")
+                    results[plan.ref.uid] = ClaimResult(error=error)
+            _fault("prepare-after-cdi")
+            for plan in completed:
+                cp = ckpt.with_completed(cp, plan.ref.uid)
+                results[plan.ref.uid] = ClaimResult(plan.devices)
+            if todo:
+                ckpt.save(self.checkpoint_path, cp)
+            _fault("prepare-after-completed")
+        return results
 
-    # -- unprepare -------------------------------------------------------------------
+    def _set_up(self, plan: _Plan) -> str | None:
+        """Sharing, then the CDI spec, for one claim already recorded as started; the error
+        text for the kubelet if that failed (the caller rolls back)."""
+        ref = plan.ref
+        try:
+            self.sharing.apply(plan.sharing)
+        except SharingError as e:
+            return f"claim {ref}: GPU sharing could not be set up on this node: {e}"
+        try:
+            cdi.write_spec(self.cdi_dir, self._spec(ref.uid, plan.hardware, plan.sharing))
+        except OSError as e:
+            log.exception("writing the CDI spec failed", **claim_fields(ref))
+            return f"internal error preparing claim {ref}: writing its CDI spec failed: {describe(e)}"
+        return None
 
-    async def unprepare(self, ref: ClaimRef) -> None:
-        check_ref(ref)
-        async with self._lock:
-            await self._roll_back(ref, "unprepare")
+    def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+        results: dict[str, ClaimResult] = {}
+        with exclusive(self.lock_path):
+            cp = before = self._load_locked()
+            for ref in refs:
+                try:
+                    cp = self._roll_back(cp, ref, "unprepare")
+                    results[ref.uid] = ClaimResult()
+                except SharingError as e:  # the entry stays, so the kubelet's retry tries again
+                    results[ref.uid] = ClaimResult(error=f"claim {ref}: stopping its GPU sharing failed: {e}")
+            if cp is not before:
+                ckpt.save(self.checkpoint_path, cp)
+            _fault("unprepare-after-entry-removed")
+        return results
 
-    async def _roll_back(self, ref: ClaimRef, why: str) -> None:
-        """Remove the claim's CDI spec, stop its MPS daemon if any, then remove its entry;
-        every step is idempotent, and the entry goes last so a failed step is retried."""
-        await asyncio.to_thread(cdi.remove_claim_spec, self.cdi_dir, self.driver, ref.uid)
+    def _roll_back(self, cp: ckpt.Checkpoint, ref: ClaimRef, why: str) -> ckpt.Checkpoint:
+        """Remove the claim's CDI spec and sharing; the checkpoint without it, for the caller
+        to save. Each step is idempotent and the entry goes last, so a crash repeats them."""
+        cdi.remove_claim_spec(self.cdi_dir, self.driver, ref.uid)
         _fault("unprepare-after-cdi-removed")
-        await asyncio.to_thread(self._mps.stop, ref.uid)
-        if ref.uid in self.checkpoint.claims:
-            await self._save(ckpt.without(self.checkpoint, ref.uid))
-            log.info("claim state removed", reason=why, claim_namespace=ref.namespace, claim_name=ref.name,
-                     claim_uid=ref.uid)
-        _fault("unprepare-after-entry-removed")
+        self.sharing.release(ref.uid)
+        if ref.uid in cp.claims:
+            log.info("claim state removed", reason=why, **claim_fields(ref))
+        return ckpt.without(cp, ref.uid)
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def _needs_adoption(self) -> bool:
+        try:
+            self.read_checkpoint()
+        except ckpt.CheckpointUnreadable:
+            return True
+        return False  # a newer version is raised by the locked section, with the lock held
+
+    def _recover_locked(self, listed: list[JSON] | None) -> None:
+        with exclusive(self.lock_path):
+            keep: frozenset[str] = frozenset()
+            try:
+                cp = before = self._load_locked()
+            except ckpt.CheckpointUnreadable as e:
+                moved = ckpt.quarantine(self.checkpoint_path)
+                log.error("checkpoint unreadable; moved aside", error=str(e), moved_to=str(moved))
+                before = None
+                cp, keep = self._adopt(listed)
+            for entry in list(cp.claims.values()):
+                ref = ClaimRef(entry.namespace, entry.name, entry.uid)
+                if entry.phase != ckpt.COMPLETED:
+                    cp = self._roll_back(cp, ref, "interrupted prepare found at start")
+                elif not cdi.claim_spec_path(self.cdi_dir, self.driver, entry.uid).exists():
+                    cp = self._rewrite_spec(cp, entry)
+            known = set(cp.claims) | keep
+            for uid in cdi.claim_uids_in(self.cdi_dir, self.driver) - known:
+                log.warning("removing the CDI spec of a claim that is not prepared here", claim_uid=uid)
+                cdi.remove_claim_spec(self.cdi_dir, self.driver, uid)
+            self._recover_sharing(cp, keep)
+            if cp is not before:
+                ckpt.save(self.checkpoint_path, cp)
+            log.info("prepared-claim state recovered", claims=len(cp.claims), kept_unknown=len(keep))
+
+    def _adopt(self, listed: list[JSON] | None) -> tuple[ckpt.Checkpoint, frozenset[str]]:
+        """A new checkpoint from the claims the API server says are allocated here, for the
+        specs and sharing state found on disk; and the UIDs to keep although not adopted."""
+        on_disk = cdi.claim_uids_in(self.cdi_dir, self.driver) | self.sharing.claims_with_state()
+        cp = ckpt.Checkpoint.empty(self.boot_id)
+        if listed is None:
+            log.error(
+                "the API server could not say which claims are allocated here: keeping every CDI spec "
+                "and sharing daemon; the kubelet's Unprepare calls remove them",
+                claims=len(on_disk),
+            )
+            return cp, on_disk
+        keep: set[str] = set()
+        for claim in listed:
+            meta = claim.get("metadata") or {}
+            ref = ClaimRef(
+                str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", ""))
+            )
+            if ref.uid not in on_disk:
+                continue
+            try:
+                plan = self._plan(ref, claim)
+            except ClaimRejected as e:
+                log.error(
+                    "cannot adopt a claim allocated here; keeping its files",
+                    error=str(e),
+                    **claim_fields(ref),
+                )
+                keep.add(ref.uid)
+                continue
+            cp = ckpt.with_completed(
+                ckpt.with_started(cp, ref.namespace, ref.name, ref.uid, plan.devices), ref.uid
+            )
+            if plan.sharing is not None and self.sharing.saved_plan(ref.uid) is None:
+                keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
+            log.warning("adopted a prepared claim into the new checkpoint", **claim_fields(ref))
+        return cp, frozenset(keep)
+
+    def _rewrite_spec(self, cp: ckpt.Checkpoint, entry: ckpt.ClaimEntry) -> ckpt.Checkpoint:
+        ref = ClaimRef(entry.namespace, entry.name, entry.uid)
+        missing = [d.device for d in entry.devices if d.device not in self.devices]
+        if missing:
+            log.error(
+                "prepared claim refers to devices this node no longer has; dropping it",
+                devices=missing,
+                **claim_fields(ref),
+            )
+            return self._roll_back(cp, ref, "devices gone")
+        hardware = list({d.device: self.devices[d.device] for d in entry.devices}.values())
+        cdi.write_spec(self.cdi_dir, self._spec(entry.uid, hardware, self.sharing.saved_plan(entry.uid)))
+        log.warning("rewrote a missing CDI spec", **claim_fields(ref))
+        return cp
+
+    def _recover_sharing(self, cp: ckpt.Checkpoint, keep: frozenset[str]) -> None:
+        """Sharing of prepared claims runs again; sharing of unknown claims is torn down."""
+        for uid in self.sharing.claims_with_state():
+            entry = cp.claims.get(uid)
+            if entry is None or self.sharing.saved_plan(uid) is None:
+                if uid in keep:
+                    continue
+                log.warning("stopping the GPU sharing of a claim that is not prepared", claim_uid=uid)
+                self.sharing.release(uid)
+                continue
+            try:
+                self.sharing.ensure_running(uid)
+            except SharingError as e:  # its pods fail to connect and are restarted; the claim stays
+                log.error(
+                    "could not restart a claim's GPU sharing",
+                    error=str(e),
+                    **claim_fields(ClaimRef(entry.namespace, entry.name, uid)),
+                )
 
 
-def _unique(devices: list[NodeDevice]) -> list[NodeDevice]:
-    """Each device once (one device may serve several requests of a claim), in claim order."""
-    return list({d.name: d for d in devices}.values())
+def _conflict(cp: ckpt.Checkpoint, plan: _Plan) -> str | None:
+    """The last line of defence against a double allocation (a stale or edited claim)."""
+    for mine in plan.devices:
+        if mine.admin_access or mine.share_id:
+            continue
+        for other in cp.claims.values():
+            if other.uid == plan.ref.uid:
+                continue
+            for d in other.devices:
+                if d.device == mine.device and not (d.admin_access or d.share_id):
+                    return (
+                        f"device {mine.device} is already prepared for claim {other.namespace}/{other.name} "
+                        f"(uid {other.uid}); delete that pod first, or use a shared claim or adminAccess"
+                    )
+    return None
+
+
+def _checked(refs: Sequence[ClaimRef], results: dict[str, ClaimResult]) -> list[ClaimRef]:
+    """The refs that could come from the API server; the others get their error in `results`."""
+    good = []
+    for ref in refs:
+        try:
+            check_ref(ref)
+            good.append(ref)
+        except ClaimRejected as e:
+            results[ref.uid] = ClaimResult(error=str(e))
+    return good
+
+
+def _chunks(items: Sequence[ClaimRef], size: int) -> Iterator[Sequence[ClaimRef]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+__all__ = ["ClaimResult", "ClaimSource", "NodePreparer", "claim_fields", "describe"]

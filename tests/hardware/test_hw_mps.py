@@ -17,7 +17,7 @@ import pytest
 from hwutil import DRIVER, WORKLOAD_PYTHON, Recorder, claim_object, make_preparer, run, smi
 from hwworkloads import MPS_CLIENT, last_json
 
-from dra_driver.mps import MpsControl, default_root
+from dra_driver.sharing.mps import MpsControl, default_root
 from dra_driver.plugin.claims import ClaimRef
 from tests.harness import container as ctr
 

@@ -21,8 +21,8 @@ UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
 UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
 
 
-def record(device: str = "gpu-0", share_id: str | None = None, admin: bool = False) -> ckpt.PreparedRecord:
-    return ckpt.PreparedRecord(
+def record(device: str = "gpu-0", share_id: str | None = None, admin: bool = False) -> PreparedDevice:
+    return PreparedDevice(
         pool="node-1",
         device=device,
         request_names=("gpu",),
@@ -85,15 +85,6 @@ def test_default_timestamp_is_now_in_utc() -> None:
     before = datetime.now(UTC)
     cp = ckpt.with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [])
     assert before <= cp.claims[UID_A].updated_at <= datetime.now(UTC)
-
-
-def test_record_converts_to_and_from_the_kubelet_answer() -> None:
-    p = PreparedDevice(
-        request_names=("gpu",), pool="n", device="gpu-0", cdi_device_ids=("v/c=x",), share_id="s"
-    )
-    r = ckpt.PreparedRecord.of(p, admin_access=True)
-    assert r.admin_access and r.share_id == "s"
-    assert r.to_prepared() == p
 
 
 # --------------------------------------------------------------------------- round trip
@@ -177,10 +168,10 @@ def test_read_boot_id_of_this_host() -> None:
 # --------------------------------------------------------------------------- corruption
 
 
-def corrupt(tmp_path: Path, data: bytes) -> ckpt.CheckpointCorrupt:
+def corrupt(tmp_path: Path, data: bytes) -> ckpt.CheckpointUnreadable:
     path = tmp_path / "checkpoint.json"
     path.write_bytes(data)
-    with pytest.raises(ckpt.CheckpointCorrupt) as info:
+    with pytest.raises(ckpt.CheckpointUnreadable) as info:
         ckpt.load(path, BOOT)
     assert info.value.path == path
     assert str(path) in str(info.value)
@@ -222,10 +213,39 @@ def test_a_single_flipped_byte_is_detected(tmp_path: Path) -> None:
     assert "checksum" in corrupt(tmp_path, bytes(data)).problem
 
 
-def test_unknown_format_version(tmp_path: Path) -> None:
+def test_a_newer_format_is_not_taken_for_corruption(tmp_path: Path) -> None:
     doc = json.loads(valid_bytes())
-    doc["version"] = 2
-    assert "format version 2" in corrupt(tmp_path, json.dumps(doc).encode()).problem
+    doc["version"] = ckpt.FORMAT_VERSION + 1
+    doc["writtenBy"] = "gpu-dra-driver 9.9.9"
+    path = tmp_path / "checkpoint.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ckpt.CheckpointFromNewerVersion) as info:
+        ckpt.load(path, BOOT)
+    assert "gpu-dra-driver 9.9.9" in str(info.value) and f"format version {ckpt.FORMAT_VERSION + 1}" in str(
+        info.value
+    )
+    assert info.value.written_by == "gpu-dra-driver 9.9.9"
+
+
+@pytest.mark.parametrize("version", [0, "1", None, True])
+def test_an_unknown_older_or_odd_format_version_is_unreadable(tmp_path: Path, version: object) -> None:
+    doc = json.loads(valid_bytes())
+    doc["version"] = version
+    assert "format version" in corrupt(tmp_path, json.dumps(doc).encode()).problem
+
+
+def test_a_directory_in_place_of_the_file_is_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    path.mkdir()
+    with pytest.raises(ckpt.CheckpointUnreadable, match="IsADirectoryError"):
+        ckpt.load(path, BOOT)
+    moved = ckpt.quarantine(path)
+    assert moved.is_dir() and not path.exists()
+
+
+def test_the_file_names_the_build_that_wrote_it(tmp_path: Path) -> None:
+    ckpt.save(tmp_path / "cp.json", sample())
+    assert json.loads((tmp_path / "cp.json").read_text())["writtenBy"] == ckpt.WRITTEN_BY
 
 
 def test_missing_checksum(tmp_path: Path) -> None:

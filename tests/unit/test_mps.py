@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,10 @@ from dra_driver.config import ConfigError, MpsConfig
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
-from dra_driver.mps import (
+from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.state import NodePreparer
+from dra_driver.sharing.mps import (
     CLAIM_MARKER_ENV,
     CONTAINER_PIPE_DIR,
     MpsControl,
@@ -39,9 +43,7 @@ from dra_driver.mps import (
     find_control_binary,
     settings_for_claim,
 )
-from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
-from dra_driver.plugin.state import NodePreparer
+from dra_driver.sharing.policy import Sharing
 
 GI = 2**30
 UID = "1c9e7d3a-1111-4222-8333-444455556666"
@@ -338,25 +340,41 @@ def make_preparer(tmp_path: Path, mps: MpsControl) -> Any:
     files = scan_driver_files(None, "/dev", True, gpu_minors=[g.minor for g in inventory.gpus])
 
     def make(claim: dict[str, Any]) -> NodePreparer:
-        async def fetch(ref: ClaimRef) -> dict[str, Any]:
-            return claim
-
+        (tmp_path / "data").mkdir(exist_ok=True)
         return NodePreparer(
             driver=DRIVER,
             pool=POOL,
             devices=node_devices(inventory),
-            fetch_claim=fetch,
+            claims=OneClaim(claim),
             driver_files=files,
             cdi_dir=tmp_path / "cdi",
             data_dir=tmp_path / "data",
+            sharing=Sharing(DRIVER, POOL, mps),
             boot_id="boot-1",
-            mps=mps,
         )
 
     return make
 
 
 REF = ClaimRef("default", "shared", UID)
+
+
+class OneClaim:
+    """The API server, for a node that knows one claim."""
+
+    def __init__(self, claim: dict[str, Any]) -> None:
+        self.claim = claim
+
+    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
+        return {r.uid: self.claim for r in refs}
+
+    async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
+        return [self.claim]
+
+
+def prepare(preparer: NodePreparer) -> str | None:
+    """Prepare REF; the plugin's error text, or None."""
+    return asyncio.run(preparer.prepare([REF]))[UID].error
 
 
 def spec_of(preparer: NodePreparer) -> dict[str, Any]:
@@ -369,11 +387,8 @@ def test_prepare_starts_the_daemon_and_puts_its_edits_in_the_spec(
 ) -> None:
     preparer = make_preparer(mps_claim(MPS_PARAMS))
 
-    async def go() -> None:
-        await preparer.recover()
-        await preparer.prepare(REF)
-
-    asyncio.run(go())
+    asyncio.run(preparer.recover())
+    assert prepare(preparer) is None
     assert mps.is_running(UID)
     edits = spec_of(preparer)["devices"][0]["containerEdits"]
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G" in edits["env"]
@@ -382,9 +397,9 @@ def test_prepare_starts_the_daemon_and_puts_its_edits_in_the_spec(
         "containerPath": "/tmp/nvidia-mps",
         "options": ["rw", "nosuid", "nodev", "bind"],
     } in edits["mounts"]
-    assert preparer.checkpoint.claims[UID].phase == ckpt.COMPLETED
+    assert preparer.read_checkpoint().claims[UID].phase == ckpt.COMPLETED
 
-    asyncio.run(preparer.unprepare(REF))
+    asyncio.run(preparer.unprepare([REF]))
     assert not mps.is_running(UID)
     assert not mps.dirs(UID).base.exists()
     assert not list(preparer.cdi_dir.glob("*.json"))
@@ -393,7 +408,7 @@ def test_prepare_starts_the_daemon_and_puts_its_edits_in_the_spec(
 def test_a_claim_without_mps_starts_nothing(make_preparer: Any, mps: MpsControl) -> None:
     preparer = make_preparer(mps_claim({**MPS_PARAMS, "sharing": {"strategy": "TimeSlicing"}}))
     asyncio.run(preparer.recover())
-    asyncio.run(preparer.prepare(REF))
+    prepare(preparer)
     assert not mps.claim_uids()
     assert not any(e.startswith("CUDA_MPS") for e in spec_of(preparer)["devices"][0]["containerEdits"]["env"])
 
@@ -402,9 +417,8 @@ def test_an_invalid_config_is_refused_before_anything_is_touched(make_preparer: 
     bad = {**MPS_PARAMS, "sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "10GB"}}}
     preparer = make_preparer(mps_claim(bad))
     asyncio.run(preparer.recover())
-    with pytest.raises(ClaimRejected, match=r"invalid configuration for driver gpu.dra-driver.dev: .*10GB"):
-        asyncio.run(preparer.prepare(REF))
-    assert UID not in preparer.checkpoint.claims
+    assert re.search(r"invalid configuration for driver gpu.dra-driver.dev: .*10GB", str(prepare(preparer)))
+    assert UID not in preparer.read_checkpoint().claims
     assert not mps.claim_uids()
 
 
@@ -414,9 +428,8 @@ def test_a_daemon_that_cannot_start_rolls_the_claim_back(
     set_mode(fake_bin, fail=True)
     preparer = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(preparer.recover())
-    with pytest.raises(ClaimRejected, match="MPS sharing could not be set up on this node"):
-        asyncio.run(preparer.prepare(REF))
-    assert UID not in preparer.checkpoint.claims
+    assert "GPU sharing could not be set up on this node" in str(prepare(preparer))
+    assert UID not in preparer.read_checkpoint().claims
     assert not list(preparer.cdi_dir.glob("*.json"))
     assert not mps.claim_uids()
 
@@ -426,7 +439,7 @@ def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec_with_its_edits(
 ) -> None:
     preparer = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(preparer.recover())
-    asyncio.run(preparer.prepare(REF))
+    prepare(preparer)
     # the plugin's container restarts: the daemon dies with it, the tmpfs spec is gone too
     for pid in mps.daemon_pids(UID):
         os.kill(pid, 9)
@@ -454,9 +467,9 @@ def test_recover_stops_daemons_of_unknown_claims(make_preparer: Any, mps: MpsCon
 def test_an_interrupted_prepare_is_rolled_back_with_its_daemon(make_preparer: Any, mps: MpsControl) -> None:
     preparer = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(preparer.recover())
-    asyncio.run(preparer.prepare(REF))
+    prepare(preparer)
     # as if the plugin died after `started` and the daemon's start: mark the entry started again
-    cp = preparer.checkpoint
+    cp = preparer.read_checkpoint()
     entry = cp.claims[UID]
     ckpt.save(
         preparer.checkpoint_path,
@@ -464,5 +477,5 @@ def test_an_interrupted_prepare_is_rolled_back_with_its_daemon(make_preparer: An
     )
     restarted = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(restarted.recover())
-    assert UID not in restarted.checkpoint.claims
+    assert UID not in restarted.read_checkpoint().claims
     assert not mps.is_running(UID)

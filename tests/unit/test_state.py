@@ -1,8 +1,11 @@
-"""NodePreparer without an API server: recovery after crashes and corruption, idempotency, conflicts."""
+"""NodePreparer without an API server: recovery after crashes and unreadable state, idempotency,
+conflicts, batches, and two instances over one data dir."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +15,11 @@ from dra_driver import cdi
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import simulated_driver_files
 from dra_driver.gpu import discover
-from dra_driver.mps import MpsControl
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
-from dra_driver.plugin.state import NodePreparer
+from dra_driver.plugin.state import ClaimResult, NodePreparer
+from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.policy import Sharing
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
@@ -40,22 +44,30 @@ class Node:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.claims: dict[str, dict[str, Any]] = {}
+        self.api_up = True
+        self.reads = 0
         self.inventory = discover("l4x4")
 
-    def preparer(self) -> NodePreparer:
-        async def fetch(ref: ClaimRef) -> dict[str, Any]:
-            return self.claims[ref.uid]
+    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
+        self.reads += len(refs)
+        return {
+            r.uid: self.claims.get(r.uid) or ClaimRejected(f"claim {r.name} does not exist") for r in refs
+        }
 
+    async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
+        return list(self.claims.values()) if self.api_up else None
+
+    def preparer(self) -> NodePreparer:
         return NodePreparer(
             driver=DRIVER,
             pool=NODE,
             devices=node_devices(self.inventory),
-            fetch_claim=fetch,
+            claims=self,
             driver_files=simulated_driver_files([g.minor for g in self.inventory.gpus]),
             cdi_dir=self.root / "cdi",
             data_dir=self.root / "data",
+            sharing=Sharing(DRIVER, NODE, MpsControl(self.root / "mps", "/nonexistent-driver-root")),
             boot_id=BOOT,
-            mps=MpsControl(self.root / "mps", "/nonexistent-driver-root"),
         )
 
     def add(self, name: str, device: str, config: list[dict[str, Any]] | None = None) -> ClaimRef:
@@ -68,9 +80,23 @@ class Node:
 
 
 async def _started(node: Node) -> NodePreparer:
+    (node.root / "data").mkdir(parents=True, exist_ok=True)
     p = node.preparer()
     await p.recover()
     return p
+
+
+async def prepared(p: NodePreparer, ref: ClaimRef) -> list[str]:
+    """The devices prepared for `ref`; fails the test with the plugin's error otherwise."""
+    result = (await p.prepare([ref]))[ref.uid]
+    assert result.error is None, result.error
+    return [d.device for d in result.devices]
+
+
+async def refused(p: NodePreparer, ref: ClaimRef) -> str:
+    result = (await p.prepare([ref]))[ref.uid]
+    assert result.error is not None and not result.devices
+    return result.error
 
 
 def test_prepare_is_idempotent_and_unprepare_cleans_up(tmp_path: Path) -> None:
@@ -78,13 +104,15 @@ def test_prepare_is_idempotent_and_unprepare_cleans_up(tmp_path: Path) -> None:
         node = Node(tmp_path)
         p = await _started(node)
         ref = node.add("a", "gpu-2")
-        first = await p.prepare(ref)
-        assert [d.device for d in first] == ["gpu-2"]
-        assert await p.prepare(ref) == first
+        first = await p.prepare([ref])
+        assert [d.device for d in first[ref.uid].devices] == ["gpu-2"]
+        reads = node.reads
+        assert await p.prepare([ref]) == first
+        assert node.reads == reads, "a prepared claim is answered from the checkpoint, without an API read"
         assert node.specs() == {ref.uid}
-        await p.unprepare(ref)
-        await p.unprepare(ref)
-        assert node.specs() == set() and p.checkpoint.claims == {}
+        assert await p.unprepare([ref]) == {ref.uid: ClaimResult()}
+        assert await p.unprepare([ref]) == {ref.uid: ClaimResult()}
+        assert node.specs() == set() and p.read_checkpoint().claims == {}
 
     asyncio.run(run())
 
@@ -98,35 +126,102 @@ def test_restart_recovers_every_half_done_state(tmp_path: Path) -> None:
             node.add("gone", "gpu-1"),
             node.add("half", "gpu-2"),
         )
-        await p.prepare(done)
-        await p.prepare(gone_spec)
+        await prepared(p, done)
+        await prepared(p, gone_spec)
         cdi.remove_claim_spec(tmp_path / "cdi", DRIVER, gone_spec.uid)  # e.g. someone cleaned /var/run/cdi
-        cp = ckpt.with_started(p.checkpoint, "ns", "half", interrupted.uid, [])
+        cp = ckpt.with_started(p.read_checkpoint(), "ns", "half", interrupted.uid, [])
         ckpt.save(p.checkpoint_path, cp)  # crash after `started`
         orphan = cdi.build_claim_spec(DRIVER, "uid-orphan", [p.devices["gpu-3"]], p.driver_files)
-        cdi.write_spec(tmp_path / "cdi", orphan)  # crash after the spec of an entry never saved
+        cdi.write_spec(tmp_path / "cdi", orphan)  # a spec whose claim this node never recorded
 
         restarted = await _started(node)
-        assert set(restarted.checkpoint.claims) == {done.uid, gone_spec.uid}
+        assert set(restarted.read_checkpoint().claims) == {done.uid, gone_spec.uid}
         assert node.specs() == {done.uid, gone_spec.uid}
-        assert await restarted.prepare(interrupted)  # redone from scratch
+        assert await prepared(restarted, interrupted) == ["gpu-2"]  # redone from scratch
         assert node.specs() == {done.uid, gone_spec.uid, interrupted.uid}
 
     asyncio.run(run())
 
 
-def test_a_corrupt_checkpoint_is_moved_aside_and_serving_goes_on(tmp_path: Path) -> None:
+def _valid_doc(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
+WRONG_SHAPE = {"bootId": BOOT, "claims": "none"}
+UNREADABLE = {
+    "a directory": lambda path: (path.unlink(), path.mkdir()),
+    "truncated": lambda path: path.write_bytes(path.read_bytes()[:40]),
+    "empty object": lambda path: path.write_text("{}"),
+    "not JSON": lambda path: path.write_bytes(b"\x00\xff garbage"),
+    "wrong checksum": lambda path: path.write_text(path.read_text().replace('"gpu-0"', '"gpu-3"')),
+    "wrong shape": lambda path: path.write_text(
+        json.dumps({**_valid_doc(path), "payload": WRONG_SHAPE, "checksum": ckpt._checksum(WRONG_SHAPE)})
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(UNREADABLE))
+def test_an_unreadable_checkpoint_keeps_what_running_pods_use(tmp_path: Path, damage: str) -> None:
+    """Moved aside; specs of claims still allocated here are adopted, only those of gone claims go."""
+
     async def run() -> None:
         node = Node(tmp_path)
         p = await _started(node)
-        await p.prepare(node.add("a", "gpu-0"))
-        p.checkpoint_path.write_text('{"version": 1, "checksum": "sha256:00", "payload": {}}')
+        running, finished = node.add("running", "gpu-0"), node.add("finished", "gpu-1")
+        await prepared(p, running)
+        await prepared(p, finished)
+        del node.claims[finished.uid]  # deleted while this plugin was down
+        UNREADABLE[damage](p.checkpoint_path)
+
         restarted = await _started(node)
-        assert restarted.checkpoint.claims == {}
-        assert list((tmp_path / "data").glob("checkpoint.json.corrupt-*"))
-        assert node.specs() == set(), "a spec without an entry is removed, so no stale device stays visible"
-        again = await restarted.prepare(ClaimRef("ns", "a", "uid-a"))
-        assert [d.device for d in again] == ["gpu-0"]
+        assert list((tmp_path / "data").glob("checkpoint.json.corrupt-*")), "moved aside for a person to read"
+        assert node.specs() == {running.uid}, "the running pod keeps its spec; the gone claim's is removed"
+        entry = restarted.read_checkpoint().claims[running.uid]
+        assert entry.phase == ckpt.COMPLETED and [d.device for d in entry.devices] == ["gpu-0"]
+        reads = node.reads
+        assert await prepared(restarted, running) == ["gpu-0"]
+        assert node.reads == reads, "adopted: answered from the new checkpoint"
+        error = await refused(restarted, node.add("thief", "gpu-0"))
+        assert "already prepared for claim ns/running" in error, "the double-allocation guard knows it again"
+
+    asyncio.run(run())
+
+
+def test_an_unreadable_checkpoint_and_no_api_server_removes_nothing(tmp_path: Path) -> None:
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        a, b = node.add("a", "gpu-0"), node.add("b", "gpu-1")
+        await prepared(p, a)
+        await prepared(p, b)
+        p.checkpoint_path.write_text("{}")
+        node.api_up = False
+        restarted = await _started(node)
+        assert node.specs() == {a.uid, b.uid}, "when nobody can say a claim is gone, nothing is removed"
+        assert await restarted.unprepare([b]) == {b.uid: ClaimResult()}  # the kubelet's call still cleans up
+        assert node.specs() == {a.uid}
+
+    asyncio.run(run())
+
+
+def test_a_checkpoint_from_a_newer_build_stops_start_and_is_left_intact(tmp_path: Path) -> None:
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        ref = node.add("a", "gpu-0")
+        await prepared(p, ref)
+        doc = _valid_doc(p.checkpoint_path)
+        doc.update(version=ckpt.FORMAT_VERSION + 1, writtenBy="gpu-dra-driver 2.0.0")
+        p.checkpoint_path.write_text(json.dumps(doc))
+        before = p.checkpoint_path.read_bytes()
+        with pytest.raises(ckpt.CheckpointFromNewerVersion, match=r"gpu-dra-driver 2\.0\.0"):
+            await _started(node)
+        assert p.checkpoint_path.read_bytes() == before and node.specs() == {ref.uid}
+        assert not list((tmp_path / "data").glob("checkpoint.json.corrupt-*"))
+        # the old instance of an update keeps serving, but refuses to touch the newer state
+        assert "gpu-dra-driver 2.0.0" in await refused(p, node.add("b", "gpu-1"))
+        assert p.checkpoint_path.read_bytes() == before
 
     asyncio.run(run())
 
@@ -135,10 +230,44 @@ def test_a_device_prepared_for_one_claim_is_refused_to_another(tmp_path: Path) -
     async def run() -> None:
         node = Node(tmp_path)
         p = await _started(node)
-        await p.prepare(node.add("first", "gpu-1"))
-        with pytest.raises(ClaimRejected, match="already prepared for claim ns/first"):
-            await p.prepare(node.add("second", "gpu-1"))
+        await prepared(p, node.add("first", "gpu-1"))
+        assert "already prepared for claim ns/first" in await refused(p, node.add("second", "gpu-1"))
         assert node.specs() == {"uid-first"}
+
+    asyncio.run(run())
+
+
+def test_one_call_answers_each_claim_on_its_own(tmp_path: Path) -> None:
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        a, b, same = node.add("a", "gpu-0"), node.add("b", "gpu-1"), node.add("same", "gpu-0")
+        missing, bad = ClaimRef("ns", "missing", "uid-missing"), ClaimRef("ns", "../x", "uid-bad")
+        results = await p.prepare([a, b, same, missing, bad])
+        assert [d.device for d in results[a.uid].devices] == ["gpu-0"]
+        assert [d.device for d in results[b.uid].devices] == ["gpu-1"]
+        assert "already prepared for claim ns/a" in str(results[same.uid].error)
+        assert "does not exist" in str(results[missing.uid].error)
+        assert "not a valid Kubernetes name" in str(results[bad.uid].error)
+        assert node.specs() == {a.uid, b.uid}
+
+    asyncio.run(run())
+
+
+def test_two_instances_on_one_data_dir_see_each_others_work(tmp_path: Path) -> None:
+    """Nothing is cached across calls: what one instance did, the other knows at its next call."""
+
+    async def run() -> None:
+        node = Node(tmp_path)
+        old, new = await _started(node), await _started(node)
+        a, b = node.add("a", "gpu-0"), node.add("b", "gpu-1")
+        await prepared(old, a)
+        await prepared(new, b)
+        assert "already prepared for claim ns/a" in await refused(new, node.add("c", "gpu-0"))
+        assert await new.unprepare([a]) == {a.uid: ClaimResult()}
+        assert set(old.read_checkpoint().claims) == {b.uid}
+        await old.recover()  # e.g. the old pod restarted: it must not undo the new one's claim
+        assert node.specs() == {b.uid} and set(new.read_checkpoint().claims) == {b.uid}
 
     asyncio.run(run())
 
@@ -161,8 +290,7 @@ def test_an_invalid_sharing_config_is_refused_with_what_to_fix(tmp_path: Path) -
                 },
             }
         ]
-        with pytest.raises(ClaimRejected, match="Teleport"):
-            await p.prepare(node.add("bad", "gpu-0", config))
-        assert node.specs() == set() and p.checkpoint.claims == {}
+        assert "Teleport" in await refused(p, node.add("bad", "gpu-0", config))
+        assert node.specs() == set() and p.read_checkpoint().claims == {}
 
     asyncio.run(run())

@@ -1,0 +1,104 @@
+"""Read the ResourceClaims that the kubelet asks about, from the API server, within a deadline.
+
+The kubelet gives each NodePrepareResources call 45 s. Every claim of a call is read
+with at most `concurrency` GETs in flight (a call may name thousands of claims; each read
+holds its answer in memory until used), and all of them share one deadline: a hung API
+server gives each waiting claim a clear error ("timed out after N s reading
+ResourceClaim ns/name from the API server") well before the kubelet gives up, never an
+empty one. The answers are plain JSON, checked by `dra_driver.plugin.claims`.
+
+`allocated_here` lists the claims allocated to this node's pool, for re-adopting the CDI
+specs of running pods after the checkpoint was lost. This module never touches node
+state and holds nothing across calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+from kubernetes.aio import client
+
+from dra_driver import kube
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+
+log = structlog.get_logger(__name__)
+
+CLAIMS_API = "/apis/resource.k8s.io/v1"
+DEFAULT_TIMEOUT_SECONDS = 30.0  # the kubelet's own call timeout is 45 s
+DEFAULT_CONCURRENCY = 16
+LIST_PAGE = 500
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as a person reads it; never empty (str(TimeoutError()) is)."""
+    if isinstance(e, kube.ApiException):
+        return f"HTTP {e.status} {e.reason or ''}".strip() + (f": {str(e.body)[:300]}" if e.body else "")
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class ClaimReader:
+    """GETs claims for Prepare; lists this node's allocated claims for recovery."""
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        self._api = api
+        self.timeout = timeout
+        self._concurrency = concurrency
+
+    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, kube.JSON | ClaimRejected]:
+        """Each claim by UID, or the reason it could not be read; all within `timeout`."""
+        gate = asyncio.Semaphore(self._concurrency)
+
+        async def one(ref: ClaimRef) -> kube.JSON:
+            async with gate:
+                path = f"{CLAIMS_API}/namespaces/{ref.namespace}/resourceclaims/{ref.name}"
+                return await kube.request(self._api, "GET", path, timeout=self.timeout)
+
+        async def guarded(ref: ClaimRef) -> kube.JSON | ClaimRejected:
+            try:
+                return await asyncio.wait_for(one(ref), self.timeout)
+            except TimeoutError:
+                return ClaimRejected(
+                    f"timed out after {self.timeout:g} s reading ResourceClaim {ref.namespace}/{ref.name} "
+                    "from the API server; the kubelet will retry"
+                )
+            except kube.TRANSIENT_ERRORS as e:
+                if isinstance(e, kube.ApiException) and e.status == 404:
+                    return ClaimRejected(f"claim {ref.namespace}/{ref.name} does not exist (any more)")
+                where = f"ResourceClaim {ref.namespace}/{ref.name}"
+                return ClaimRejected(f"reading {where} from the API server failed: {_describe(e)}")
+
+        answers = await asyncio.gather(*(guarded(r) for r in refs))
+        return {r.uid: a for r, a in zip(refs, answers, strict=True)}
+
+    async def allocated_here(self, driver: str, pool: str) -> list[kube.JSON] | None:
+        """Every claim with a device of `driver` allocated in `pool`; None if the API server
+        could not be asked (then nobody may conclude that a claim is gone)."""
+        found: list[kube.JSON] = []
+        query = {"limit": str(LIST_PAGE)}
+        try:
+            while True:
+                page = await kube.request(
+                    self._api, "GET", f"{CLAIMS_API}/resourceclaims", query=query, timeout=self.timeout
+                )
+                found.extend(c for c in page.get("items", []) if allocated_in(c, driver, pool))
+                token = (page.get("metadata") or {}).get("continue")
+                if not token:
+                    return found
+                query = {"limit": str(LIST_PAGE), "continue": token}
+        except kube.TRANSIENT_ERRORS as e:
+            log.error("could not list ResourceClaims from the API server", error=_describe(e))
+            return None
+
+
+def allocated_in(claim: kube.JSON, driver: str, pool: str) -> bool:
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    results = (allocation.get("devices") or {}).get("results") or []
+    return any(r.get("driver") == driver and r.get("pool") == pool for r in results)
