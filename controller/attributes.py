@@ -19,12 +19,10 @@ import hashlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from dra_driver.devices import NodeDevice
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
-
-JSON = dict[str, Any]
+from dra_driver.jsontypes import JSON
 
 # --- API limits (resource.k8s.io/v1, see reference/dra-protocol.md §1.3 and §1.7) ---
 MAX_ATTRIBUTES_AND_CAPACITIES = 32  # per device, attributes + capacities together

@@ -25,7 +25,8 @@ import structlog
 from kubernetes.aio import client
 
 from dra_driver import kube
-from dra_driver.kube import JSON, ApiException
+from dra_driver.jsontypes import JSON
+from dra_driver.kube import ApiException
 
 log = structlog.get_logger(__name__)
 

@@ -16,15 +16,13 @@ deterministic) and each device stays within the per-device limits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from controller.attributes import DeviceAttributes, NvlinkFacts, device_attributes
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.topology import nvlink_topology
+from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label, is_dns_subdomain
-
-JSON = dict[str, Any]
 
 # resource.k8s.io/v1 limits (reference/dra-protocol.md §1.3, §1.7).
 MAX_DEVICES_PER_SLICE = 128

@@ -43,6 +43,7 @@ from demo.report import (
     render,
 )
 from dra_driver import log
+from dra_driver.jsontypes import JSON
 from tests.harness.cluster import REPO_ROOT, ControlPlane, build_binaries
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
@@ -52,7 +53,6 @@ logger = structlog.get_logger(__name__)
 
 DESCRIPTION = "The GPU DRA driver end to end on a real control plane, with three simulated GPU nodes."
 
-JSON = dict[str, Any]
 DeviceMap = dict[tuple[str, str], JSON]  # (pool, device name) -> the device in its ResourceSlice
 DEMO_NAMESPACE = "gpu-demo"
 TOO_BIG_SELECTOR = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("200Gi")) >= 0'

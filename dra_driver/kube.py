@@ -18,7 +18,7 @@ import aiohttp
 from kubernetes.aio import client, config
 from kubernetes.client.exceptions import ApiException
 
-JSON = dict[str, Any]
+from dra_driver.jsontypes import JSON
 
 # What a request or a watch raises when the API server is slow, down or restarting.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (

@@ -16,8 +16,9 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from dra_driver.jsontypes import JSON
+
 T = TypeVar("T")
-JSON = dict[str, Any]
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.2) -> T:

@@ -16,7 +16,6 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 from kubernetes import client
@@ -51,13 +50,13 @@ from demo.run import (
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import GpuInfo, Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
+from dra_driver.jsontypes import JSON
 from tests.harness.cluster import ControlPlane
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import load_client, load_yaml_documents, request, wait_for
 
 pytestmark = pytest.mark.integration
 
-JSON = dict[str, Any]
 V100, A100, H200 = (n.name for n in DEMO_NODES)
 EXAMPLES = {p.name: p for p in example_files()}
 GI = 2**30
