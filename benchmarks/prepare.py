@@ -28,7 +28,7 @@ import yaml
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
-from tests.harness.objects import create_node, load_client, request
+from tests.harness.objects import create_node, sync_client, sync_request
 
 RESULTS = Path(__file__).parent / "results"
 NODE = "bench-node"
@@ -91,9 +91,9 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dra-bench-", dir="/tmp"))
     cp = ControlPlane.start(work_dir=work / "cluster")
     try:
-        api = load_client(str(cp.kubeconfig))
+        api = sync_client(str(cp.kubeconfig))
         create_node(api, NODE)
-        request(
+        sync_request(
             api,
             "POST",
             "/api/v1/namespaces",
@@ -101,7 +101,7 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
         )
         claims: list[ClaimName] = []
         for i in range(GPUS):
-            claim = request(
+            claim = sync_request(
                 api,
                 "POST",
                 "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims",
@@ -121,7 +121,7 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
                     }
                 }
             }
-            claim = request(
+            claim = sync_request(
                 api, "PUT", f"/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims/c{i}/status", claim
             )
             claims.append(ClaimName("bench", f"c{i}", claim["metadata"]["uid"]))

@@ -25,7 +25,7 @@ from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, spawn_dra_driver
-from tests.harness.objects import create_node, load_client, request
+from tests.harness.objects import create_node, sync_client, sync_request
 
 RESULTS = Path(__file__).parent / "results"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -41,7 +41,7 @@ def _requests_total(cp: ControlPlane) -> int:
 
 
 def _devices_published(api: Any, node_prefix: str) -> int:
-    items = request(api, "GET", SLICES)["items"]
+    items = sync_request(api, "GET", SLICES)["items"]
     return sum(
         len(s["spec"].get("devices", []))
         for s in items
@@ -101,7 +101,7 @@ def run(fleets: tuple[int, ...] = (100, 1000)) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dra-bench-slices-", dir="/tmp"))
     cp = ControlPlane.start(work_dir=work / "cluster")
     try:
-        api = load_client(str(cp.kubeconfig))
+        api = sync_client(str(cp.kubeconfig))
         cases = [_case(cp, api, "hgx-h200", 1, work), _case(cp, api, "a100-mig", 1, work)]
         cases += [_case(cp, api, "hgx-h200", n, work) for n in fleets]
         return {"driver": DRIVER, "cases": cases}

@@ -47,7 +47,7 @@ from dra_driver.jsontypes import JSON
 from tests.harness.cluster import REPO_ROOT, ControlPlane, build_binaries
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
-from tests.harness.objects import create_node, create_object, load_client, load_yaml_documents, request
+from tests.harness.objects import create_node, create_object, load_yaml_documents, sync_client, sync_request
 
 logger = structlog.get_logger(__name__)
 
@@ -148,7 +148,7 @@ def stop_drivers(drivers: Iterable[DriverProcess]) -> None:
 
 def published_devices(api: client.ApiClient) -> DeviceMap:
     """Every device of our driver's slices, by (pool, device name)."""
-    slices = request(
+    slices = sync_request(
         api, "GET", f"{RESOURCE_API}/resourceslices", query={"fieldSelector": f"spec.driver={DRIVER}"}
     )["items"]
     return {(s["spec"]["pool"]["name"], d["name"]): d for s in slices for d in s["spec"].get("devices", [])}
@@ -162,7 +162,7 @@ def wait_for_slices(
     while True:
         for driver in drivers:
             driver.check_alive()
-        slices = request(
+        slices = sync_request(
             api, "GET", f"{RESOURCE_API}/resourceslices", query={"fieldSelector": f"spec.driver={DRIVER}"}
         )["items"]
         if all(_pool_complete(slices, d.node) for d in drivers):
@@ -229,7 +229,7 @@ def create_documents(api: client.ApiClient, docs: Iterable[JSON], namespace: str
 def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | None = None) -> None:
     body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
     try:
-        request(api, "POST", "/api/v1/namespaces", body)
+        sync_request(api, "POST", "/api/v1/namespaces", body)
     except ApiException as e:
         if e.status != 409:
             raise
@@ -239,11 +239,11 @@ def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | 
 
 
 def get_pod(api: client.ApiClient, namespace: str, name: str) -> JSON:
-    return request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+    return sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
 
 
 def get_claim(api: client.ApiClient, namespace: str, name: str) -> JSON:
-    return request(api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}")
+    return sync_request(api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}")
 
 
 def unschedulable_message(pod: JSON) -> str | None:
@@ -258,7 +258,7 @@ def scheduler_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
     """Why a pod is not bound: its newest FailedScheduling event, else its PodScheduled
     condition, else its newest Warning event from another component (a missing claim
     template stops a pod before the scheduler ever tries it)."""
-    events = request(
+    events = sync_request(
         api,
         "GET",
         f"/api/v1/namespaces/{namespace}/events",
@@ -650,7 +650,7 @@ def run_demo(keep: bool) -> int:
         cp = ControlPlane.start(work_dir=base / "cluster", bin_dir=bin_dir, detach=keep)
         version = str(json.loads(cp.get("/version")[1]).get("gitVersion", "?"))
         progress(f"control plane {version} up at {cp.server}")
-        api = load_client(str(cp.kubeconfig))
+        api = sync_client(str(cp.kubeconfig))
 
         drivers = start_node_drivers(api, cp.kubeconfig, base / "nodes", detach=keep)
         progress(

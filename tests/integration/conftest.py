@@ -14,7 +14,7 @@ import pytest
 from kubernetes import client
 
 from tests.harness.cluster import ControlPlane
-from tests.harness.objects import load_client, request
+from tests.harness.objects import sync_client, sync_request
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +32,13 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
 
 @pytest.fixture(scope="session")
 def api(control_plane: ControlPlane) -> client.ApiClient:
-    return load_client(str(control_plane.kubeconfig))
+    return sync_client(str(control_plane.kubeconfig))
 
 
 @pytest.fixture
 def namespace(api: client.ApiClient) -> Iterator[str]:
     name = f"t{next(_counter)}-{uuid.uuid4().hex[:6]}"
-    request(
+    sync_request(
         api,
         "POST",
         "/api/v1/namespaces",
@@ -47,8 +47,8 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
     yield name
     # Without a kubelet, a bound pod's graceful deletion never finishes and its claims
     # keep their devices: delete pods at once so later tests get the GPUs back.
-    request(api, "DELETE", f"/api/v1/namespaces/{name}/pods", query={"gracePeriodSeconds": "0"})
-    request(api, "DELETE", f"/api/v1/namespaces/{name}")
+    sync_request(api, "DELETE", f"/api/v1/namespaces/{name}/pods", query={"gracePeriodSeconds": "0"})
+    sync_request(api, "DELETE", f"/api/v1/namespaces/{name}")
 
 
 @pytest.fixture

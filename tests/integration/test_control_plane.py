@@ -16,7 +16,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tests.harness.cluster import ControlPlane
-from tests.harness.objects import create_device_class, create_node, request, wait_for
+from tests.harness.objects import create_device_class, create_node, sync_request, wait_for
 
 DRIVER = "foundation.test.example.com"
 BIG_ENOUGH = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("80Gi")) >= 0'
@@ -44,10 +44,10 @@ def test_scheduler_allocates_the_device_with_enough_memory(
 ) -> None:
     node = f"node-{unique}"
     create_node(api, node)
-    request(api, "POST", "/apis/resource.k8s.io/v1/resourceslices", _slice(node, unique))
+    sync_request(api, "POST", "/apis/resource.k8s.io/v1/resourceslices", _slice(node, unique))
     cls = f"foundation-{unique}"
     create_device_class(api, cls, f'device.driver == "{DRIVER}"')
-    request(
+    sync_request(
         api,
         "POST",
         f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
@@ -72,7 +72,7 @@ def test_scheduler_allocates_the_device_with_enough_memory(
             },
         },
     )
-    request(
+    sync_request(
         api,
         "POST",
         f"/api/v1/namespaces/{namespace}/pods",
@@ -89,11 +89,12 @@ def test_scheduler_allocates_the_device_with_enough_memory(
     )
 
     def bound() -> str | None:
-        pod = request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/p")
+        pod = sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/p")
         return pod["spec"].get("nodeName")
 
     assert wait_for("pod bound", bound, timeout=60) == node
-    claims = request(api, "GET", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims")["items"]
+    claims_path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims"
+    claims = sync_request(api, "GET", claims_path)["items"]
     assert len(claims) == 1, "the resourceclaim controller creates exactly one claim from the template"
     claim = claims[0]
     assert claim["metadata"]["name"].startswith("p-gpu-")
@@ -116,7 +117,7 @@ def test_kubectl_lists_and_describes_slices(
     control_plane: ControlPlane, api: client.ApiClient, unique: str
 ) -> None:
     node = f"kubectl-{unique}"
-    request(api, "POST", "/apis/resource.k8s.io/v1/resourceslices", _slice(node, unique))
+    sync_request(api, "POST", "/apis/resource.k8s.io/v1/resourceslices", _slice(node, unique))
     out = control_plane.kubectl("get", "resourceslices", "-o", "wide").stdout
     assert f"{node}-{unique}" in out and DRIVER in out
     described = control_plane.kubectl("describe", "resourceslice", f"{node}-{unique}").stdout

@@ -53,7 +53,7 @@ from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import ControlPlane
 from tests.harness.kubelet import ClaimName, KubeletSide
-from tests.harness.objects import load_client, load_yaml_documents, request, wait_for
+from tests.harness.objects import load_yaml_documents, sync_client, sync_request, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     drivers: list[DriverProcess] = []
     cl: Cluster | None = None
     try:
-        api = load_client(str(cp.kubeconfig))
+        api = sync_client(str(cp.kubeconfig))
         # A short base dir: unix socket paths must stay under 108 bytes.
         drivers = start_node_drivers(api, cp.kubeconfig, tmp_path_factory.mktemp("nodes"))
         devices = wait_for_slices(api, drivers)
@@ -182,7 +182,8 @@ class Scope:
 
     def delete_pod(self, name: str) -> None:
         with_grace_zero = {"gracePeriodSeconds": "0"}
-        request(self.api, "DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{name}", query=with_grace_zero)
+        pod_path = f"/api/v1/namespaces/{self.namespace}/pods/{name}"
+        sync_request(self.api, "DELETE", pod_path, query=with_grace_zero)
 
     def cleanup(self) -> None:
         """Unprepare (as the kubelet does when the pods stop), then free every claim of the test."""
@@ -195,16 +196,18 @@ class Scope:
             except Exception as e:  # keep cleaning: the next tests need the GPUs back
                 errors.append(f"unprepare {ref.name}: {e}")
         for ns in self.namespaces:
-            request(self.api, "DELETE", f"/api/v1/namespaces/{ns}/pods", query={"gracePeriodSeconds": "0"})
-            request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims")
+            sync_request(
+                self.api, "DELETE", f"/api/v1/namespaces/{ns}/pods", query={"gracePeriodSeconds": "0"}
+            )
+            sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims")
         for ns in self.namespaces:
             path = f"{RESOURCE_API}/namespaces/{ns}/resourceclaims"
 
             def released(path: str = path) -> bool:
-                return not request(self.api, "GET", path)["items"]
+                return not sync_request(self.api, "GET", path)["items"]
 
             wait_for(f"the claims of {ns} to be released", released, timeout=60)
-            request(self.api, "DELETE", f"/api/v1/namespaces/{ns}")
+            sync_request(self.api, "DELETE", f"/api/v1/namespaces/{ns}")
         assert not errors, errors
 
 
@@ -272,7 +275,7 @@ def test_every_example_file_has_an_intent_test() -> None:
 
 
 def test_device_classes_are_served(cluster: Cluster) -> None:
-    classes = request(cluster.api, "GET", f"{RESOURCE_API}/deviceclasses")["items"]
+    classes = sync_request(cluster.api, "GET", f"{RESOURCE_API}/deviceclasses")["items"]
     by_name = {c["metadata"]["name"]: c["spec"] for c in classes}
     assert {"gpu.dra-driver.dev", "mig.gpu.dra-driver.dev", "extended.gpu.dra-driver.dev"} <= set(by_name)
     assert by_name["extended.gpu.dra-driver.dev"]["extendedResourceName"] == "nvidia.com/gpu"
@@ -383,7 +386,7 @@ def test_06_four_gpus_are_mutually_linked_on_the_cube_mesh(scope: Scope, cluster
 
 
 def _free_gpus(cluster: Cluster, node: str) -> int:
-    claims = request(cluster.api, "GET", f"{RESOURCE_API}/resourceclaims")["items"]
+    claims = sync_request(cluster.api, "GET", f"{RESOURCE_API}/resourceclaims")["items"]
     used = {(r["pool"], r["device"]) for c in claims for r in allocation_results(c)
             if r["pool"] == node and not r.get("adminAccess")}
     return sum(1 for pool, _ in cluster.devices if pool == node) - len(used)
@@ -462,7 +465,7 @@ def test_09_admin_access_needs_the_namespace_label(scope: Scope) -> None:
     template = next(d for d in docs if d["kind"] == "ResourceClaimTemplate")
     template["metadata"].pop("namespace")
     with pytest.raises(ApiException) as err:
-        request(scope.api, "POST", f"{RESOURCE_API}/namespaces/{scope.namespace}/resourceclaimtemplates",
+        sync_request(scope.api, "POST", f"{RESOURCE_API}/namespaces/{scope.namespace}/resourceclaimtemplates",
                 template)
     assert err.value.status in (403, 422)
     assert "resource.kubernetes.io/admin-access" in (err.value.body or ""), err.value.body

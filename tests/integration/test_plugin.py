@@ -26,7 +26,7 @@ from dra_driver.plugin.checkpoint import checkpoint_path, load, read_boot_id
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
-from tests.harness.objects import create_device_class, create_node, request, wait_for
+from tests.harness.objects import create_device_class, create_node, sync_request, wait_for
 
 PROFILE = "a100-pcie-bridged"  # 4 GPUs: gpu-0..gpu-3
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
@@ -89,7 +89,7 @@ def device_class(api: client.ApiClient) -> str:
 
 def _wait_slices(api: client.ApiClient, node: str) -> None:
     def published() -> bool:
-        items = request(
+        items = sync_request(
             api,
             "GET",
             "/apis/resource.k8s.io/v1/resourceslices",
@@ -104,7 +104,7 @@ def _pod_with_claim(
     api: client.ApiClient, namespace: str, pod: str, device_class: str, count: int = 1
 ) -> dict[str, Any]:
     """A pod whose claim comes from a template; returns the claim once the scheduler allocated it."""
-    request(
+    sync_request(
         api,
         "POST",
         f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
@@ -123,7 +123,7 @@ def _pod_with_claim(
             },
         },
     )
-    request(
+    sync_request(
         api,
         "POST",
         f"/api/v1/namespaces/{namespace}/pods",
@@ -140,7 +140,7 @@ def _pod_with_claim(
     )
 
     def allocated() -> dict[str, Any] | None:
-        for claim in request(api, "GET", CLAIMS.format(ns=namespace))["items"]:
+        for claim in sync_request(api, "GET", CLAIMS.format(ns=namespace))["items"]:
             owners = [o["name"] for o in claim["metadata"].get("ownerReferences", [])]
             if pod in owners and claim.get("status", {}).get("reservedFor"):
                 return claim
@@ -220,7 +220,7 @@ def _fake_allocation(
     api: client.ApiClient, namespace: str, name: str, results: list[dict[str, str]] | None, device_class: str
 ) -> dict[str, Any]:
     """A claim whose allocation an admin wrote by hand (what a buggy or hostile scheduler might do)."""
-    claim = request(
+    claim = sync_request(
         api,
         "POST",
         CLAIMS.format(ns=namespace),
@@ -238,7 +238,7 @@ def _fake_allocation(
     claim["status"] = {
         "allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, **r} for r in results]}}
     }
-    return request(api, "PUT", f"{CLAIMS.format(ns=namespace)}/{name}/status", claim)
+    return sync_request(api, "PUT", f"{CLAIMS.format(ns=namespace)}/{name}/status", claim)
 
 
 def test_bad_claims_are_refused_one_by_one(

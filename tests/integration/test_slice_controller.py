@@ -21,14 +21,14 @@ from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, profile_names
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, spawn_dra_driver
-from tests.harness.objects import create_node, create_object, load_yaml_documents, request, wait_for
+from tests.harness.objects import create_node, create_object, load_yaml_documents, sync_request, wait_for
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _slices(api: client.ApiClient, node: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = request(
+    items: list[dict[str, Any]] = sync_request(
         api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node}"}
     )["items"]
     return items
@@ -124,7 +124,7 @@ def test_deleted_or_edited_slice_is_repaired_and_no_change_means_no_write(
     (original,) = _slices(api, node)
     name = original["metadata"]["name"]
 
-    request(api, "DELETE", f"{SLICES}/{name}")
+    sync_request(api, "DELETE", f"{SLICES}/{name}")
     t0 = time.monotonic()
     wait_for(
         "deleted slice re-created",
@@ -137,7 +137,7 @@ def test_deleted_or_edited_slice_is_repaired_and_no_change_means_no_write(
     edited = current
     edited["spec"]["devices"][0]["capacity"]["memory"]["value"] = "1Gi"
     edited["spec"]["devices"][0]["attributes"]["handEdited"] = {"string": "yes"}
-    request(api, "PUT", f"{SLICES}/{name}", edited)
+    sync_request(api, "PUT", f"{SLICES}/{name}", edited)
     t0 = time.monotonic()
 
     def restored() -> bool:
@@ -174,7 +174,7 @@ def test_api_server_outage_is_survived(
         control_plane.start_component("kube-apiserver")
     assert "API server unreachable" in log.read_text()
     (name,) = [s["metadata"]["name"] for s in _slices(api, node)]
-    request(api, "DELETE", f"{SLICES}/{name}")
+    sync_request(api, "DELETE", f"{SLICES}/{name}")
     wait_for("controller catches up after the outage", lambda: _slices(api, node), timeout=30)
     assert "reachable again" in log.read_text()
     assert proc.poll() is None
@@ -192,7 +192,7 @@ def test_policy_limits_the_driver_to_its_own_node(control_plane: ControlPlane, a
                     raise
     create_node(api, "vap-node-a")
     create_node(api, "vap-node-b")
-    pod = request(
+    pod = sync_request(
         api,
         "POST",
         "/api/v1/namespaces/gpu-dra-driver/pods",
@@ -208,7 +208,7 @@ def test_policy_limits_the_driver_to_its_own_node(control_plane: ControlPlane, a
             },
         },
     )
-    token = request(
+    token = sync_request(
         api,
         "POST",
         "/api/v1/namespaces/gpu-dra-driver/serviceaccounts/gpu-dra-driver/token",
@@ -246,7 +246,7 @@ def test_policy_limits_the_driver_to_its_own_node(control_plane: ControlPlane, a
 
     def refused_for_b() -> str | None:
         try:
-            request(as_driver, "POST", SLICES, slice_for("vap-node-b"))
+            sync_request(as_driver, "POST", SLICES, slice_for("vap-node-b"))
         except ApiException as e:
             # A ValidatingAdmissionPolicy denial is 422 Invalid (RBAC would be 403).
             return (
@@ -254,11 +254,11 @@ def test_policy_limits_the_driver_to_its_own_node(control_plane: ControlPlane, a
                 if e.status == 422 and "may not write ResourceSlices of node vap-node-b" in str(e.body)
                 else None
             )
-        request(api, "DELETE", f"{SLICES}/vap-vap-node-b")  # policy not active yet: undo and retry
+        sync_request(api, "DELETE", f"{SLICES}/vap-vap-node-b")  # policy not active yet: undo and retry
         return None
 
     message = wait_for("the admission policy to refuse node B", refused_for_b, timeout=30, interval=1)
     assert "vap-node-a" in message
-    created = request(as_driver, "POST", SLICES, slice_for("vap-node-a"))
+    created = sync_request(as_driver, "POST", SLICES, slice_for("vap-node-a"))
     assert created["spec"]["nodeName"] == "vap-node-a"
-    request(as_driver, "DELETE", f"{SLICES}/vap-vap-node-a")
+    sync_request(as_driver, "DELETE", f"{SLICES}/vap-vap-node-a")
