@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup cluster-build cluster-up cluster-down demo test test-unit test-integration test-hardware lint bench protos
+.PHONY: setup cluster-build node-setup node-build cluster-up cluster-down demo test test-unit test-integration test-node test-hardware lint bench protos
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing the driver with its test extras"
@@ -18,6 +18,14 @@ setup: $(STAMP)
 
 cluster-build:
 	@bash hack/cluster/build.sh >/dev/null
+
+# A real node: Debian's runc, CNI plugins, catatonit, busybox-static (apt-get), then the
+# kubelet and containerd built into a cache outside the repository.
+node-setup:
+	@bash hack/node/setup.sh
+
+node-build: node-setup
+	@bash hack/node/build.sh >/dev/null
 
 cluster-up: setup cluster-build
 	@$(PY) -m tests.harness.cluster up
@@ -33,13 +41,16 @@ lint: setup
 	@$(VENV)/bin/mypy
 
 test: setup cluster-build lint
-	@$(VENV)/bin/pytest -q -ra tests
+	@$(VENV)/bin/pytest -q -ra tests --ignore=tests/node
 
 test-unit: setup
 	@$(VENV)/bin/pytest -q -ra tests/unit
 
 test-integration: setup cluster-build
 	@$(VENV)/bin/pytest -q -ra tests/integration
+
+test-node: setup cluster-build node-build
+	@$(VENV)/bin/pytest -q -ra tests/node
 
 test-hardware: setup
 	@$(VENV)/bin/pytest -q -ra tests/hardware

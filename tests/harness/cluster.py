@@ -98,6 +98,7 @@ class ControlPlane:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     argv: dict[str, list[str]] = field(default_factory=dict)
     detach: bool = False
+    node_lifecycle: bool = False
 
     @property
     def server(self) -> str:
@@ -120,18 +121,24 @@ class ControlPlane:
         bin_dir: Path | None = None,
         detach: bool = False,
         extra_tokens: Sequence[tuple[str, str, str]] = (),
+        node_lifecycle: bool = False,
     ) -> ControlPlane:
         """Start all four components and wait until the API server is ready.
 
         `detach` starts the processes in their own session without the parent-death
         signal, for `make cluster-up`, where the launcher exits and the cluster stays.
-        `extra_tokens` adds static (token, user, groups) identities.
+        `extra_tokens` adds static (token, user, groups) identities, e.g. a kubelet's
+        `system:node:<name>` in group `system:nodes` (tests.harness.node).
+        `node_lifecycle` runs the node-lifecycle controller, for real kubelets that
+        heartbeat: it lifts the not-ready taint once a node reports Ready. Without
+        kubelets it would taint the tests' Node objects unreachable, so it is off by default.
         """
         t0 = time.monotonic()
         bin_dir = bin_dir or build_binaries()
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="gpu-dra-cluster-"))
         work_dir.mkdir(parents=True, exist_ok=True)
-        cp = cls(bin_dir=bin_dir, work_dir=work_dir, api_port=free_port(), detach=detach)
+        cp = cls(bin_dir=bin_dir, work_dir=work_dir, api_port=free_port(), detach=detach,
+                 node_lifecycle=node_lifecycle)
         try:
             cp._write_credentials(extra_tokens)
             cp._start_etcd()
@@ -226,6 +233,8 @@ class ControlPlane:
                 "--runtime-config=api/all=true",
                 f"--feature-gates={self.feature_gates}",
                 "--allow-privileged=true",
+                # Real kubelets have no DNS name here: reach them by their node IP.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 "--enable-priority-and-fairness=false",
                 "--profiling=false",
                 "--v=1",
@@ -319,9 +328,10 @@ class ControlPlane:
                 f"--root-ca-file={self.ca_file}",
                 "--use-service-account-credentials=true",
                 "--service-cluster-ip-range=10.0.0.0/24",
-                # No kubelets: without heartbeats the node-lifecycle controller would
-                # taint every test Node unreachable.
-                "--controllers=*,-node-lifecycle-controller",
+                # Without kubelets (no heartbeats) the node-lifecycle controller would
+                # taint every test Node unreachable; with real kubelets it lifts the
+                # not-ready taint.
+                "--controllers=*" if self.node_lifecycle else "--controllers=*,-node-lifecycle-controller",
                 "--v=1",
             ],
         )
