@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from controller.plan import SLICES
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
 from tests.harness.cluster import ControlPlane
@@ -28,7 +29,6 @@ from tests.harness.driver import DRIVER, spawn_dra_driver
 from tests.harness.objects import create_node, sync_client, sync_request
 
 RESULTS = Path(__file__).parent / "results"
-SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
 def _requests_total(cp: ControlPlane) -> int:

@@ -1,36 +1,262 @@
-"""Wires inventory to the reconcile loop: what `dra-driver controller` and the plugin run.
+"""Publishes each node's ResourceSlices and keeps them so: what `dra-driver controller` and the plugin run.
 
-Decides the server's features once (list-type attributes), turns each node's
-inventory into its pool's desired slices with the pure builder, and runs the
-`SliceController` until cancelled.
+`slice_controller` decides the server's features once (`controller.probe`), turns each
+node's inventory into its pool's desired slices with the pure builder (`controller.slices`)
+and returns a `SliceController` to run until cancelled.
+
+The loop: one list + watch of the driver's slices feeds a cache; a worker compares each
+pool's desired slices with the cache (`controller.plan`) and writes only the differences
+(server-side apply with our field manager; a replace where someone else's fields must go;
+deletes with uid/resourceVersion preconditions). Anything that changes our slices behind
+our back (the kubelet wiping them at start, a `kubectl edit`, a delete) comes back through
+the watch and is repaired within a second. When the API server is unreachable the loop
+backs off (capped) and catches up when it returns.
+
+It must NOT decide what to write (that is the pure plan) nor crash on API errors: every
+failure ends in a retry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Literal
+import asyncio
+import random
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from kubernetes.aio import client
 
-from controller.reconcile import PoolSpec, SliceController, detect_list_attributes
+from controller.plan import SLICES, PoolSpec, plan_pool, up_to_date
+from controller.probe import ListAttributesMode, resolve_features
 from controller.slices import SliceFeatures, desired_slices
+from dra_driver import kube
 from dra_driver.gpu.model import Inventory
+from dra_driver.jsontypes import JSON
+from dra_driver.kube import ApiException
+
+__all__ = ["ListAttributesMode", "ReconcileStats", "SliceController", "pools_for", "slice_controller"]
 
 log = structlog.get_logger(__name__)
 
-ListAttributesMode = Literal["auto", "on", "off"]
+# After an outage the slices must come back soon (the kubelet may have wiped them), so the
+# retry interval stays short; jitter only ever shortens it.
+MAX_BACKOFF_SECONDS = 10.0
 
 
-async def resolve_features(
-    api: client.ApiClient, driver: str, list_attributes: ListAttributesMode
-) -> SliceFeatures:
-    if list_attributes == "auto":
-        enabled = await detect_list_attributes(api, driver)
-        log.info("detected list-type attribute support", enabled=enabled)
-    else:
-        enabled = list_attributes == "on"
-    return SliceFeatures(list_attributes=enabled)
+@dataclass
+class ReconcileStats:
+    """Counters for tests and benchmarks (writes are what the 'no change, no write' rule is about)."""
+
+    creates: int = 0
+    updates: int = 0
+    deletes: int = 0
+    lists: int = 0
+    errors: int = 0
+    reconciles: int = 0
+
+    @property
+    def writes(self) -> int:
+        return self.creates + self.updates + self.deletes
+
+
+@dataclass
+class SliceController:
+    """Publishes and repairs the slices of `pools` for `driver`; run with `await run()`."""
+
+    api: client.ApiClient
+    driver: str
+    pools: dict[str, PoolSpec]
+    field_manager: str = ""
+    node_selector: str | None = None  # watch only this node's slices (single-node mode)
+    concurrency: int = 16
+    stats: ReconcileStats = field(default_factory=ReconcileStats)
+    synced: asyncio.Event = field(default_factory=asyncio.Event)
+    _cache: dict[str, JSON] = field(default_factory=dict)
+    _dirty: set[str] = field(default_factory=set)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _owners: dict[str, JSON] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.field_manager = self.field_manager or self.driver
+
+    def _selector(self) -> str:
+        sel = f"spec.driver={self.driver}"
+        return sel + (f",spec.nodeName={self.node_selector}" if self.node_selector else "")
+
+    def _mark(self, pool: str) -> None:
+        self._dirty.add(pool)
+        self._wake.set()
+
+    async def run(self) -> None:
+        backoff = 0.5
+        outage = False
+        while True:
+            try:
+                resource_version = await self._list()
+                if outage:
+                    log.info("API server reachable again; catching up")
+                    outage = False
+                backoff = 0.5
+                await _first_failure(self._watch(resource_version), self._work())
+            except _WatchEnded:
+                continue
+            except kube.TRANSIENT_ERRORS as error:
+                self.stats.errors += 1
+                self.synced.clear()
+                if isinstance(error, ApiException) and error.status == 410:
+                    log.info("watch expired; listing again")
+                    continue
+                if not outage:
+                    log.warning(
+                        "API server unreachable or failing; retrying with backoff", error=str(error)[:300]
+                    )
+                    outage = True
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+
+    async def _list(self) -> str:
+        self.stats.lists += 1
+        listing = await kube.request(self.api, "GET", SLICES, query={"fieldSelector": self._selector()})
+        self._cache = {s["metadata"]["name"]: s for s in listing.get("items", [])}
+        await self._refresh_owners()
+        for pool in self.pools:
+            self._mark(pool)
+        return str(listing["metadata"]["resourceVersion"])
+
+    async def _refresh_owners(self) -> None:
+        wanted = {p.node_name for p in self.pools.values() if p.node_name}
+        if not wanted or wanted.issubset(self._owners):
+            return
+        if len(wanted) == 1:
+            (name,) = wanted
+            nodes = [await kube.request(self.api, "GET", f"/api/v1/nodes/{name}")]
+        else:
+            nodes = (await kube.request(self.api, "GET", "/api/v1/nodes"))["items"]
+        for node in nodes:
+            meta = node["metadata"]
+            self._owners[meta["name"]] = {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": meta["name"],
+                "uid": meta["uid"],
+                "controller": True,
+            }
+
+    async def _watch(self, resource_version: str) -> None:
+        async for kind, obj in kube.watch(
+            self.api, SLICES, resource_version, query={"fieldSelector": self._selector()}
+        ):
+            if kind == "BOOKMARK":
+                continue
+            name = obj["metadata"]["name"]
+            if kind == "DELETED":
+                self._cache.pop(name, None)
+            else:
+                self._cache[name] = obj
+            pool = obj.get("spec", {}).get("pool", {}).get("name")
+            if pool in self.pools:
+                self._mark(pool)
+        raise _WatchEnded
+
+    async def _work(self) -> None:
+        limit = asyncio.Semaphore(self.concurrency)
+
+        async def one(pool: str) -> None:
+            async with limit:
+                await self._reconcile(pool)
+
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            # Let a burst of watch events (our own writes echoing back) settle first.
+            await asyncio.sleep(0.05)
+            dirty, self._dirty = self._dirty, set()
+            await asyncio.gather(*(one(p) for p in sorted(dirty)))
+            if not self._dirty:
+                self.synced.set()
+
+    def _existing(self, pool: str) -> list[JSON]:
+        return [s for s in self._cache.values() if s.get("spec", {}).get("pool", {}).get("name") == pool]
+
+    async def _reconcile(self, pool_name: str) -> None:
+        pool = self.pools[pool_name]
+        self.stats.reconciles += 1
+        if pool.node_name and pool.node_name not in self._owners:
+            await self._refresh_owners()
+        owner = self._owners.get(pool.node_name) if pool.node_name else None
+        plan = plan_pool(self.driver, pool, self._existing(pool_name), owner)
+        if not (plan.apply or plan.delete):
+            return
+        log.info(
+            "publishing pool",
+            pool=pool_name,
+            generation=plan.generation,
+            apply=[o["metadata"]["name"] for o in plan.apply],
+            delete=[o["metadata"]["name"] for o in plan.delete],
+        )
+        for old in plan.delete:
+            await self._delete(old)
+        for obj in plan.apply:
+            await self._apply(obj)
+
+    async def _delete(self, obj: JSON) -> None:
+        meta = obj["metadata"]
+        body = {"preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
+        self.stats.deletes += 1
+        try:
+            await kube.request(self.api, "DELETE", f"{SLICES}/{meta['name']}", body=body)
+        except ApiException as e:
+            if e.status not in (404, 409):
+                raise
+        self._cache.pop(meta["name"], None)
+
+    async def _apply(self, obj: JSON) -> None:
+        name = obj["metadata"]["name"]
+        existed = name in self._cache
+        self.stats.updates += existed
+        self.stats.creates += not existed
+        result = await kube.request(
+            self.api,
+            "PATCH",
+            f"{SLICES}/{name}",
+            body=obj,
+            query={"fieldManager": self.field_manager, "force": "true"},
+            content_type="application/apply-patch+yaml",
+        )
+        if not up_to_date(obj, result):
+            # Fields owned by another manager (a hand edit) survive an apply: replace
+            # the object so that the slice says exactly what the hardware says.
+            self.stats.updates += 1
+            replacement = {
+                **obj,
+                "metadata": {**obj["metadata"], "resourceVersion": result["metadata"]["resourceVersion"]},
+            }
+            result = await kube.request(
+                self.api,
+                "PUT",
+                f"{SLICES}/{name}",
+                body=replacement,
+                query={"fieldManager": self.field_manager},
+            )
+        self._cache[name] = result
+
+
+async def _first_failure(*coroutines: Coroutine[Any, Any, None]) -> None:
+    """Run the coroutines together until one fails; cancel the others and re-raise."""
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _WatchEnded(Exception):
+    """The server closed the watch (timeout); list again and continue."""
 
 
 def pools_for(

@@ -15,6 +15,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from controller.plan import SLICES
 from controller.publisher import slice_controller
 from dra_driver import kube
 from dra_driver.devices import node_devices
@@ -23,7 +24,6 @@ from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, spawn_dra_driver
 from tests.harness.objects import create_node, create_object, load_yaml_documents, sync_request, wait_for
 
-SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -1,11 +1,11 @@
-"""The pure half of the slice reconcile loop: what to write for a pool, and at which generation."""
+"""The pure plan of the slice publisher (`controller.plan`): what to write for a pool, at which generation."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from controller.reconcile import PoolSpec, desired_objects, plan_pool, slice_name, up_to_date
+from controller.plan import PoolSpec, desired_objects, plan_pool, slice_name, up_to_date
 
 DRIVER = "gpu.dra-driver.dev"
 OWNER = {"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "node-uid", "controller": True}
