@@ -14,7 +14,6 @@ Run alone: `python -m benchmarks.prepare` (prints JSON; writes benchmarks/result
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -25,12 +24,12 @@ from typing import Any
 
 import yaml
 
+from benchmarks import report
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_node, sync_client, sync_request
 
-RESULTS = Path(__file__).parent / "results"
 NODE = "bench-node"
 GPUS = 16
 
@@ -182,10 +181,7 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
 
 
 def main() -> None:
-    result = run()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prepare.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    report("prepare", run())
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from controller.plan import SLICES
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, spawn_dra_driver
 from tests.harness.objects import create_node, sync_client, sync_request
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def _requests_total(cp: ControlPlane) -> int:
@@ -111,10 +110,7 @@ def run(fleets: tuple[int, ...] = (100, 1000)) -> dict[str, Any]:
 
 
 def main() -> None:
-    result = run()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "slices.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    report("slices", run())
 
 
 if __name__ == "__main__":
