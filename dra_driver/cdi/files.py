@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,74 +45,69 @@ SPEC_EXTENSION: Final = ".json"
 # --------------------------------------------------------------------------- JSON
 
 
-def _edits_to_dict(e: ContainerEdits) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if e.env:
-        out["env"] = list(e.env)
-    if e.device_nodes:
-        out["deviceNodes"] = [_node_to_dict(n) for n in e.device_nodes]
-    if e.mounts:
-        out["mounts"] = [_mount_to_dict(m) for m in e.mounts]
-    if e.hooks:
-        out["hooks"] = [_hook_to_dict(h) for h in e.hooks]
-    if e.additional_gids:
-        out["additionalGids"] = list(e.additional_gids)
+def _fields(out: dict[str, Any], fields: Iterable[tuple[str, object]]) -> dict[str, Any]:
+    """`out` plus each of `fields` that is set, in order: None and empty collections are left out
+    (0 and "" are values), tuples are written as lists."""
+    for key, value in fields:
+        if value is None or (isinstance(value, (tuple, list, dict)) and not value):
+            continue
+        out[key] = list(value) if isinstance(value, tuple) else value
     return out
+
+
+def _edits_to_dict(e: ContainerEdits) -> dict[str, Any]:
+    return _fields(
+        {},
+        (
+            ("env", e.env),
+            ("deviceNodes", [_node_to_dict(n) for n in e.device_nodes]),
+            ("mounts", [_mount_to_dict(m) for m in e.mounts]),
+            ("hooks", [_hook_to_dict(h) for h in e.hooks]),
+            ("additionalGids", e.additional_gids),
+        ),
+    )
 
 
 def _node_to_dict(n: DeviceNode) -> dict[str, Any]:
-    out: dict[str, Any] = {"path": n.path}
-    for key, value in (
-        ("hostPath", n.host_path),
-        ("type", n.type),
-        ("major", n.major),
-        ("minor", n.minor),
-        ("fileMode", n.file_mode),
-        ("permissions", n.permissions),
-        ("uid", n.uid),
-        ("gid", n.gid),
-    ):
-        if value is not None:
-            out[key] = value
-    return out
+    return _fields(
+        {"path": n.path},
+        (
+            ("hostPath", n.host_path),
+            ("type", n.type),
+            ("major", n.major),
+            ("minor", n.minor),
+            ("fileMode", n.file_mode),
+            ("permissions", n.permissions),
+            ("uid", n.uid),
+            ("gid", n.gid),
+        ),
+    )
 
 
 def _mount_to_dict(m: Mount) -> dict[str, Any]:
-    out: dict[str, Any] = {"hostPath": m.host_path, "containerPath": m.container_path}
-    if m.options:
-        out["options"] = list(m.options)
-    if m.type:
-        out["type"] = m.type
-    return out
+    return _fields(
+        {"hostPath": m.host_path, "containerPath": m.container_path},
+        (("options", m.options), ("type", m.type or None)),
+    )
 
 
 def _hook_to_dict(h: Hook) -> dict[str, Any]:
-    out: dict[str, Any] = {"hookName": h.hook_name, "path": h.path}
-    if h.args:
-        out["args"] = list(h.args)
-    if h.env:
-        out["env"] = list(h.env)
-    if h.timeout is not None:
-        out["timeout"] = h.timeout
-    return out
+    return _fields(
+        {"hookName": h.hook_name, "path": h.path},
+        (("args", h.args), ("env", h.env), ("timeout", h.timeout)),
+    )
 
 
 def spec_to_dict(spec: CdiSpec) -> dict[str, Any]:
     """The spec as CDI's JSON object, with its minimum cdiVersion."""
-    out: dict[str, Any] = {"cdiVersion": spec.cdi_version, "kind": spec.kind}
-    if spec.annotations:
-        out["annotations"] = dict(spec.annotations)
-    devices: list[dict[str, Any]] = []
-    for d in spec.devices:
-        dev: dict[str, Any] = {"name": d.name}
-        if d.annotations:
-            dev["annotations"] = dict(d.annotations)
-        dev["containerEdits"] = _edits_to_dict(d.container_edits)
-        devices.append(dev)
-    out["devices"] = devices
-    if not spec.container_edits.is_empty():
-        out["containerEdits"] = _edits_to_dict(spec.container_edits)
-    return out
+    head = {"cdiVersion": spec.cdi_version, "kind": spec.kind}
+    out = _fields(head, (("annotations", dict(spec.annotations)),))
+    out["devices"] = [
+        _fields({"name": d.name}, (("annotations", dict(d.annotations)),))
+        | {"containerEdits": _edits_to_dict(d.container_edits)}
+        for d in spec.devices
+    ]
+    return _fields(out, (("containerEdits", _edits_to_dict(spec.container_edits)),))
 
 
 def spec_to_json(spec: CdiSpec) -> str:
