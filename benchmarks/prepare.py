@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import shutil
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,8 +23,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks import report
-from tests.harness.cluster import ControlPlane
+from benchmarks import fresh_control_plane, report
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_node, sync_client, sync_request
@@ -87,9 +85,7 @@ def _rss_kib(pid: int) -> int:
 
 
 def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="dra-bench-", dir="/tmp"))
-    cp = ControlPlane.start(work_dir=work / "cluster")
-    try:
+    with fresh_control_plane("dra-bench-") as (cp, work):
         api = sync_client(str(cp.kubeconfig))
         create_node(api, NODE)
         sync_request(
@@ -175,9 +171,6 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
             f"rss_kib_after_{cycles}_cycles": rss_after,
             "rss_growth_kib": rss_after - rss_before,
         }
-    finally:
-        cp.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:

@@ -15,13 +15,11 @@ Run alone: `python -m benchmarks.slices` (prints JSON; writes benchmarks/results
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import fresh_control_plane, report
 from controller.plan import SLICES
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
@@ -97,16 +95,11 @@ def _case(cp: ControlPlane, api: Any, profile: str, nodes: int, work: Path) -> d
 
 
 def run(fleets: tuple[int, ...] = (100, 1000)) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="dra-bench-slices-", dir="/tmp"))
-    cp = ControlPlane.start(work_dir=work / "cluster")
-    try:
+    with fresh_control_plane("dra-bench-slices-") as (cp, work):
         api = sync_client(str(cp.kubeconfig))
         cases = [_case(cp, api, "hgx-h200", 1, work), _case(cp, api, "a100-mig", 1, work)]
         cases += [_case(cp, api, "hgx-h200", n, work) for n in fleets]
         return {"driver": DRIVER, "cases": cases}
-    finally:
-        cp.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:
