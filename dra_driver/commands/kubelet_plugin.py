@@ -36,7 +36,7 @@ from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import Inventory
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claim_source import ClaimReader
+from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS, ClaimReader
 from dra_driver.plugin.health import DeviceHealthBoard
 from dra_driver.plugin.lock import Lease
 from dra_driver.plugin.registration import RegistrationService, add_registration
@@ -86,6 +86,13 @@ LEASE_POLL_SECONDS: Final = 1.0
     help="Put this pod UID in the socket names, so that two instances can overlap during an update.",
 )
 @click.option(
+    "--claim-read-timeout",
+    type=click.FloatRange(min=0.1, max=44.0),
+    default=DEFAULT_TIMEOUT_SECONDS,
+    show_default=True,
+    help="Seconds a Prepare call waits for the API server to return its claims (the kubelet waits 45).",
+)
+@click.option(
     "--publish-slices/--no-publish-slices",
     default=True,
     show_default=True,
@@ -104,6 +111,7 @@ def kubelet_plugin(
     dev_root: Path,
     mps_root: Path | None,
     rolling_update_uid: str | None,
+    claim_read_timeout: float,
     publish_slices: bool,
 ) -> None:
     """Serve the kubelet's DRA plugin API on this node and publish its ResourceSlices."""
@@ -119,6 +127,7 @@ def kubelet_plugin(
         kubeconfig=kubeconfig,
         mps_root=mps_root,
         rolling_update_uid=rolling_update_uid,
+        claim_read_timeout=claim_read_timeout,
         list_attributes=list_attributes,
         publish_slices=publish_slices,
     )
@@ -142,6 +151,7 @@ class PluginOptions:
     kubeconfig: str | None
     mps_root: Path | None = None
     rolling_update_uid: str | None = None
+    claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS
     list_attributes: Literal["auto", "on", "off"] = "auto"
     publish_slices: bool = True
 
@@ -182,7 +192,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         driver=opts.driver,
         pool=opts.node_name,
         devices=devices,
-        claims=ClaimReader(api),
+        claims=ClaimReader(api, timeout=opts.claim_read_timeout),
         driver_files=driver_files,
         cdi_dir=opts.cdi_dir,
         data_dir=paths.data_dir,
