@@ -169,7 +169,7 @@ def create_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "
     return sync_request(api, "POST", _collection_path(doc, namespace), body=doc)
 
 
-# TEMPORARY: tests/harness/node.py (being written in parallel) still imports the old names.
-# Delete these two lines once it imports sync_client and sync_request.
+# TEMPORARY: work in flight still imports the old names (tests/harness/node.py, tests/node/,
+# benchmarks/node.py). Delete these two lines once they import sync_client and sync_request.
 load_client = sync_client
 request = sync_request

@@ -23,13 +23,13 @@ import pytest
 from kubernetes import client
 
 from dra_driver.plugin.checkpoint import checkpoint_path, load, read_boot_id
+from tests.harness.claims import CLAIMS, allocated_claim
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_device_class, create_node, sync_request, wait_for
 
 PROFILE = "a100-pcie-bridged"  # 4 GPUs: gpu-0..gpu-3
-CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
 
 
 @pytest.fixture(scope="module")
@@ -216,43 +216,18 @@ def test_prepare_and_unprepare_through_the_kubelet_protocol(
     kubelet.close()
 
 
-def _fake_allocation(
-    api: client.ApiClient, namespace: str, name: str, results: list[dict[str, str]] | None, device_class: str
-) -> dict[str, Any]:
-    """A claim whose allocation an admin wrote by hand (what a buggy or hostile scheduler might do)."""
-    claim = sync_request(
-        api,
-        "POST",
-        CLAIMS.format(ns=namespace),
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaim",
-            "metadata": {"name": name},
-            "spec": {
-                "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}
-            },
-        },
-    )
-    if results is None:
-        return claim
-    claim["status"] = {
-        "allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, **r} for r in results]}}
-    }
-    return sync_request(api, "PUT", f"{CLAIMS.format(ns=namespace)}/{name}/status", claim)
-
-
 def test_bad_claims_are_refused_one_by_one(
     api: client.ApiClient, plugin: DriverProcess, node: str, device_class: str, namespace: str
 ) -> None:
     _wait_slices(api, node)
     kubelet = KubeletSide(plugin.registration_socket())
     good = _pod_with_claim(api, namespace, "good", device_class)
-    replaced = _fake_allocation(api, namespace, "replaced", [{"pool": node, "device": "gpu-0"}], device_class)
-    unallocated = _fake_allocation(api, namespace, "unallocated", None, device_class)
-    elsewhere = _fake_allocation(
+    replaced = allocated_claim(api, namespace, "replaced", [{"pool": node, "device": "gpu-0"}], device_class)
+    unallocated = allocated_claim(api, namespace, "unallocated", None, device_class)
+    elsewhere = allocated_claim(
         api, namespace, "elsewhere", [{"pool": "other-node", "device": "gpu-0"}], device_class
     )
-    missing = _fake_allocation(api, namespace, "missing", [{"pool": node, "device": "gpu-9"}], device_class)
+    missing = allocated_claim(api, namespace, "missing", [{"pool": node, "device": "gpu-9"}], device_class)
     claims = {
         "uid": (ClaimName(namespace, "replaced", "0000-not-the-uid"), "re-created"),
         "unallocated": (_ref(unallocated), "not allocated"),
@@ -298,8 +273,8 @@ def test_a_device_is_never_prepared_for_two_claims(
 ) -> None:
     _wait_slices(api, node)
     kubelet = KubeletSide(plugin.registration_socket())
-    first = _fake_allocation(api, namespace, "first", [{"pool": node, "device": "gpu-3"}], device_class)
-    second = _fake_allocation(api, namespace, "second", [{"pool": node, "device": "gpu-3"}], device_class)
+    first = allocated_claim(api, namespace, "first", [{"pool": node, "device": "gpu-3"}], device_class)
+    second = allocated_claim(api, namespace, "second", [{"pool": node, "device": "gpu-3"}], device_class)
     assert kubelet.prepare(_ref(first)).claims[first["metadata"]["uid"]].error == ""
     error = kubelet.prepare(_ref(second)).claims[second["metadata"]["uid"]].error
     assert "already prepared for claim" in error and "first" in error
@@ -342,7 +317,7 @@ def test_kill_at_every_step_then_repeat(
     )
     proc.start()
     try:
-        claim = _fake_allocation(
+        claim = allocated_claim(
             api, namespace, "crashy", [{"pool": crash_node, "device": "gpu-1"}], device_class
         )
         ref, uid = _ref(claim), claim["metadata"]["uid"]
