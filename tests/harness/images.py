@@ -153,8 +153,10 @@ def _base_dirs() -> list[Entry]:
 def _accounts() -> list[Entry]:
     passwd = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"
     group = "root:x:0:\nnogroup:x:65534:\n"
-    return [Entry("etc/passwd", "file", passwd.encode(), mode=0o644),
-            Entry("etc/group", "file", group.encode(), mode=0o644)]
+    return [
+        Entry("etc/passwd", "file", passwd.encode(), mode=0o644),
+        Entry("etc/group", "file", group.encode(), mode=0o644),
+    ]
 
 
 def pause_archive(path: Path) -> Path:
