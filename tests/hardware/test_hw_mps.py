@@ -17,8 +17,8 @@ import pytest
 from hwutil import DRIVER, WORKLOAD_PYTHON, Recorder, claim_object, make_preparer, run, smi
 from hwworkloads import MPS_CLIENT, last_json
 
-from dra_driver.sharing.mps import MpsControl, default_root
 from dra_driver.plugin.claims import ClaimRef
+from dra_driver.sharing.mps import MpsControl, default_root
 from tests.harness import container as ctr
 
 pytestmark = [pytest.mark.hardware, pytest.mark.container]

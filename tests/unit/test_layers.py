@@ -22,8 +22,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("dra_driver", "controller")
 CONTROLLER_CALLERS = ("dra_driver/cli.py", "dra_driver/commands/")
-# TEMPORARY: the daemon wiring is moving into dra_driver/commands/; delete this entry then.
-TEMPORARY_CONTROLLER_CALLERS = ("dra_driver/plugin/daemon.py",)
 OUTSIDE_THE_WHEEL = ("tests", "demo", "benchmarks")
 
 
@@ -127,7 +125,7 @@ def _top(imported: str) -> str:
 
 def controller_importers(modules: Mapping[str, Module]) -> list[str]:
     """Modules of dra_driver/ outside the CLI wiring that import `controller`."""
-    allowed = CONTROLLER_CALLERS + TEMPORARY_CONTROLLER_CALLERS
+    allowed = CONTROLLER_CALLERS
     return sorted(
         m.path
         for m in modules.values()
