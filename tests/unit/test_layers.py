@@ -167,8 +167,6 @@ def test_the_checks_find_a_violation_of_each_rule(tmp_path: Path) -> None:
             "dra_driver/cli.py": "import controller\n",
             "dra_driver/commands/__init__.py": "",
             "dra_driver/commands/run.py": "from controller import plan\n",
-            "dra_driver/plugin/__init__.py": "",
-            "dra_driver/plugin/daemon.py": "from controller.publisher import slice_controller\n",
             "controller/__init__.py": "",
             "controller/plan.py": "from tests.harness import objects\n",
             "controller/publisher.py": "import benchmarks.run\nfrom controller import plan\n",
