@@ -15,9 +15,11 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+def write_file_atomic(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
     """Replace `path` with `data` so that a reader or a crash sees the old file or the new
     one, never a part: temp file in the same directory, fsync, rename, fsync the directory.
+    `durable=False` leaves out both fsyncs: readers and a crashed process still see whole
+    files (the page cache survives the process), only a crash of the machine may not.
 
     The temp name starts with '.' and ends in '.tmp', so CDI runtimes (which read only
     *.json and *.yaml) never pick it up."""
@@ -32,11 +34,13 @@ def write_file_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
             while view:
                 view = view[os.write(fd, view) :]
             os.fchmod(fd, mode)
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)

@@ -17,7 +17,8 @@ rebuild), and `CheckpointFromNewerVersion` (a newer build wrote it: stop, never 
 since a rollback to that build must find it intact).
 
 `Checkpoint` is immutable and the transitions (`with_started`, `with_completed`,
-`without`) are pure; only `load`, `save`, `read_boot_id` and `quarantine` do I/O. This
+`without`, and the entries they make, for a transaction that changes many claims at once)
+are pure; only `load`, `save`, `read_boot_id` and `quarantine` do I/O. This
 module takes no locks: the prepare transaction (`dra_driver.plugin.state`) holds the lock
 around every load-modify-save.
 """
@@ -128,6 +129,38 @@ def _now(now: datetime | None) -> datetime:
     return now if now is not None else datetime.now(UTC)
 
 
+def started_entry(
+    namespace: str,
+    name: str,
+    uid: str,
+    devices: Sequence[PreparedDevice],
+    *,
+    now: datetime | None = None,
+) -> ClaimEntry:
+    """The entry of claim `uid` while it is being prepared with `devices`.
+    `now` is the entry's timestamp (default: the current time)."""
+    return ClaimEntry(
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        phase=ClaimPhase.STARTED,
+        devices=tuple(devices),
+        updated_at=_now(now),
+    )
+
+
+def completed_entry(
+    entry: ClaimEntry, *, now: datetime | None = None, devices: Sequence[PreparedDevice] | None = None
+) -> ClaimEntry:
+    """`entry` prepared; `devices` replaces the recorded ones if given."""
+    return replace(
+        entry,
+        phase=ClaimPhase.COMPLETED,
+        devices=tuple(devices) if devices is not None else entry.devices,
+        updated_at=_now(now),
+    )
+
+
 def with_started(
     cp: Checkpoint,
     namespace: str,
@@ -137,17 +170,8 @@ def with_started(
     *,
     now: datetime | None = None,
 ) -> Checkpoint:
-    """Claim `uid` is being prepared with `devices` (replacing any earlier entry of it).
-    `now` is the entry's timestamp (default: the current time)."""
-    entry = ClaimEntry(
-        uid=uid,
-        namespace=namespace,
-        name=name,
-        phase=ClaimPhase.STARTED,
-        devices=tuple(devices),
-        updated_at=_now(now),
-    )
-    return _with(cp, entry)
+    """Claim `uid` is being prepared with `devices` (replacing any earlier entry of it)."""
+    return _with(cp, started_entry(namespace, name, uid, devices, now=now))
 
 
 def with_completed(
@@ -161,13 +185,7 @@ def with_completed(
     current = cp.claims.get(uid)
     if current is None:
         raise KeyError(f"claim {uid} is not in the checkpoint; record it as started first")
-    done = replace(
-        current,
-        phase=ClaimPhase.COMPLETED,
-        devices=tuple(devices) if devices is not None else current.devices,
-        updated_at=_now(now),
-    )
-    return _with(cp, done)
+    return _with(cp, completed_entry(current, now=now, devices=devices))
 
 
 def without(cp: Checkpoint, uid: str) -> Checkpoint:

@@ -51,7 +51,7 @@ log = structlog.get_logger(__name__)
 
 FAULT_ENV: Final = "DRA_DRIVER_FAULT"
 LOCK_FILE: Final = "serialize.lock"
-CHUNK: Final = 256  # claims per transaction; bounds what one huge kubelet call holds at once
+CHUNK: Final = 1000  # claims per transaction; bounds what one huge kubelet call holds at once
 
 JSON = dict[str, Any]
 
@@ -141,8 +141,9 @@ class NodePreparer:
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
         """Prepare every claim; each gets its own answer (one bad claim never fails the rest)."""
         results: dict[str, ClaimResult] = {}
+        done = await asyncio.to_thread(self._completed_now)
         for chunk in _chunks(refs, CHUNK):
-            results.update(await self._prepare_chunk(chunk))
+            results.update(await self._prepare_chunk(chunk, done))
         return results
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
@@ -160,10 +161,11 @@ class NodePreparer:
             listed = await self.claims.allocated_here(self.driver, self.pool)
         await asyncio.to_thread(self._recover_locked, listed)
 
-    async def _prepare_chunk(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+    async def _prepare_chunk(
+        self, refs: Sequence[ClaimRef], done: dict[str, tuple[PreparedDevice, ...]]
+    ) -> dict[str, ClaimResult]:
         results: dict[str, ClaimResult] = {}
         checked = _checked(refs, results)
-        done = await asyncio.to_thread(self._completed_now)
         for ref in checked:
             if ref.uid in done:  # the kubelet asks again after a restart: no API read needed
                 results[ref.uid] = ClaimResult(done[ref.uid])
@@ -246,40 +248,44 @@ class NodePreparer:
     def _prepare_locked(self, plans: Sequence[_Plan]) -> dict[str, ClaimResult]:
         results: dict[str, ClaimResult] = {}
         with exclusive(self.lock_path):
-            cp = before = self._load_locked()
+            claims = dict(self._load_locked().claims)  # this transaction's working copy
             todo: list[_Plan] = []
             for plan in plans:
-                entry = cp.claims.get(plan.ref.uid)
+                uid = plan.ref.uid
+                entry = claims.get(uid)
                 if entry is not None and entry.phase == ckpt.COMPLETED:  # the other instance, or a retry
-                    results[plan.ref.uid] = ClaimResult(entry.devices)
+                    results[uid] = ClaimResult(entry.devices)
                     continue
                 if entry is not None:
-                    cp = self._roll_back(cp, plan.ref, "redoing an interrupted prepare")
-                conflict = _conflict(cp, plan)
+                    self._roll_back(plan.ref, "redoing an interrupted prepare")
+                    del claims[uid]
+                conflict = _conflict(claims, plan)
                 if conflict:
-                    results[plan.ref.uid] = ClaimResult(error=conflict)
+                    results[uid] = ClaimResult(error=conflict)
                     continue
                 todo.append(plan)
-                cp = ckpt.with_started(cp, plan.ref.namespace, plan.ref.name, plan.ref.uid, plan.devices)
-            if cp is not before:
-                ckpt.save(self.checkpoint_path, cp)
+                claims[uid] = ckpt.started_entry(plan.ref.namespace, plan.ref.name, uid, plan.devices)
+            if todo:
+                self._save(claims)
             _fault("prepare-after-started")
-            completed: list[_Plan] = []
             for plan in todo:
+                uid = plan.ref.uid
                 error = self._set_up(plan)
                 if error is None:
-                    completed.append(plan)
+                    claims[uid] = ckpt.completed_entry(claims[uid])
+                    results[uid] = ClaimResult(plan.devices)
                 else:
-                    cp = self._roll_back(cp, plan.ref, "set-up failed")
-                    results[plan.ref.uid] = ClaimResult(error=error)
+                    self._roll_back(plan.ref, "set-up failed")
+                    del claims[uid]
+                    results[uid] = ClaimResult(error=error)
             _fault("prepare-after-cdi")
-            for plan in completed:
-                cp = ckpt.with_completed(cp, plan.ref.uid)
-                results[plan.ref.uid] = ClaimResult(plan.devices)
             if todo:
-                ckpt.save(self.checkpoint_path, cp)
+                self._save(claims)
             _fault("prepare-after-completed")
         return results
+
+    def _save(self, claims: dict[str, ckpt.ClaimEntry]) -> None:
+        ckpt.save(self.checkpoint_path, ckpt.Checkpoint(self.boot_id, dict(claims)))
 
     def _set_up(self, plan: _Plan) -> str | None:
         """Sharing, then the CDI spec, for one claim already recorded as started; the error
@@ -299,27 +305,28 @@ class NodePreparer:
     def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
         results: dict[str, ClaimResult] = {}
         with exclusive(self.lock_path):
-            cp = before = self._load_locked()
+            claims = dict(self._load_locked().claims)
+            changed = False
             for ref in refs:
                 try:
-                    cp = self._roll_back(cp, ref, "unprepare")
-                    results[ref.uid] = ClaimResult()
+                    self._roll_back(ref, "unprepare")
                 except SharingError as e:  # the entry stays, so the kubelet's retry tries again
                     results[ref.uid] = ClaimResult(error=f"claim {ref}: stopping its GPU sharing failed: {e}")
-            if cp is not before:
-                ckpt.save(self.checkpoint_path, cp)
+                    continue
+                changed |= claims.pop(ref.uid, None) is not None
+                results[ref.uid] = ClaimResult()
+            if changed:
+                self._save(claims)
             _fault("unprepare-after-entry-removed")
         return results
 
-    def _roll_back(self, cp: ckpt.Checkpoint, ref: ClaimRef, why: str) -> ckpt.Checkpoint:
-        """Remove the claim's CDI spec and sharing; the checkpoint without it, for the caller
-        to save. Each step is idempotent and the entry goes last, so a crash repeats them."""
+    def _roll_back(self, ref: ClaimRef, why: str) -> None:
+        """Remove the claim's CDI spec, then its sharing; the caller then drops its entry.
+        Each step is idempotent and the entry goes last, so a crash repeats them."""
         cdi.remove_claim_spec(self.cdi_dir, self.driver, ref.uid)
         _fault("unprepare-after-cdi-removed")
         self.sharing.release(ref.uid)
-        if ref.uid in cp.claims:
-            log.info("claim state removed", reason=why, **claim_fields(ref))
-        return ckpt.without(cp, ref.uid)
+        log.info("claim state removed", reason=why, **claim_fields(ref))
 
     # -- recovery ----------------------------------------------------------------------
 
@@ -334,39 +341,45 @@ class NodePreparer:
         with exclusive(self.lock_path):
             keep: frozenset[str] = frozenset()
             try:
-                cp = before = self._load_locked()
+                claims = dict(self._load_locked().claims)
+                changed = False
             except ckpt.CheckpointUnreadable as e:
                 moved = ckpt.quarantine(self.checkpoint_path)
                 log.error("checkpoint unreadable; moved aside", error=str(e), moved_to=str(moved))
-                before = None
-                cp, keep = self._adopt(listed)
-            for entry in list(cp.claims.values()):
+                claims, keep = self._adopt(listed)
+                changed = True
+            for entry in list(claims.values()):
                 ref = ClaimRef(entry.namespace, entry.name, entry.uid)
-                if entry.phase != ckpt.COMPLETED:
-                    cp = self._roll_back(cp, ref, "interrupted prepare found at start")
-                elif not cdi.claim_spec_path(self.cdi_dir, self.driver, entry.uid).exists():
-                    cp = self._rewrite_spec(cp, entry)
-            known = set(cp.claims) | keep
+                if entry.phase != ckpt.COMPLETED or not self._has_spec(entry):
+                    why = (
+                        "interrupted prepare found at start"
+                        if entry.phase != ckpt.COMPLETED
+                        else "devices gone"
+                    )
+                    self._roll_back(ref, why)
+                    del claims[entry.uid]
+                    changed = True
+            known = set(claims) | keep
             for uid in cdi.claim_uids_in(self.cdi_dir, self.driver) - known:
                 log.warning("removing the CDI spec of a claim that is not prepared here", claim_uid=uid)
                 cdi.remove_claim_spec(self.cdi_dir, self.driver, uid)
-            self._recover_sharing(cp, keep)
-            if cp is not before:
-                ckpt.save(self.checkpoint_path, cp)
-            log.info("prepared-claim state recovered", claims=len(cp.claims), kept_unknown=len(keep))
+            self._recover_sharing(claims, keep)
+            if changed:
+                self._save(claims)
+            log.info("prepared-claim state recovered", claims=len(claims), kept_unknown=len(keep))
 
-    def _adopt(self, listed: list[JSON] | None) -> tuple[ckpt.Checkpoint, frozenset[str]]:
-        """A new checkpoint from the claims the API server says are allocated here, for the
-        specs and sharing state found on disk; and the UIDs to keep although not adopted."""
+    def _adopt(self, listed: list[JSON] | None) -> tuple[dict[str, ckpt.ClaimEntry], frozenset[str]]:
+        """Entries for the specs and sharing state found on disk, from the claims the API
+        server says are allocated here; and the UIDs to keep although not adopted."""
         on_disk = cdi.claim_uids_in(self.cdi_dir, self.driver) | self.sharing.claims_with_state()
-        cp = ckpt.Checkpoint.empty(self.boot_id)
         if listed is None:
             log.error(
                 "the API server could not say which claims are allocated here: keeping every CDI spec "
                 "and sharing daemon; the kubelet's Unprepare calls remove them",
                 claims=len(on_disk),
             )
-            return cp, on_disk
+            return {}, on_disk
+        claims: dict[str, ckpt.ClaimEntry] = {}
         keep: set[str] = set()
         for claim in listed:
             meta = claim.get("metadata") or {}
@@ -385,15 +398,18 @@ class NodePreparer:
                 )
                 keep.add(ref.uid)
                 continue
-            cp = ckpt.with_completed(
-                ckpt.with_started(cp, ref.namespace, ref.name, ref.uid, plan.devices), ref.uid
-            )
+            started = ckpt.started_entry(ref.namespace, ref.name, ref.uid, plan.devices)
+            claims[ref.uid] = ckpt.completed_entry(started)
             if plan.sharing is not None and self.sharing.saved_plan(ref.uid) is None:
                 keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
             log.warning("adopted a prepared claim into the new checkpoint", **claim_fields(ref))
-        return cp, frozenset(keep)
+        return claims, frozenset(keep)
 
-    def _rewrite_spec(self, cp: ckpt.Checkpoint, entry: ckpt.ClaimEntry) -> ckpt.Checkpoint:
+    def _has_spec(self, entry: ckpt.ClaimEntry) -> bool:
+        """A completed claim's spec is there, or was rewritten (e.g. someone cleaned the CDI
+        dir); False if it cannot be, because its devices are gone from this node."""
+        if cdi.claim_spec_path(self.cdi_dir, self.driver, entry.uid).exists():
+            return True
         ref = ClaimRef(entry.namespace, entry.name, entry.uid)
         missing = [d.device for d in entry.devices if d.device not in self.devices]
         if missing:
@@ -402,16 +418,16 @@ class NodePreparer:
                 devices=missing,
                 **claim_fields(ref),
             )
-            return self._roll_back(cp, ref, "devices gone")
+            return False
         hardware = list({d.device: self.devices[d.device] for d in entry.devices}.values())
         cdi.write_spec(self.cdi_dir, self._spec(entry.uid, hardware, self.sharing.saved_plan(entry.uid)))
         log.warning("rewrote a missing CDI spec", **claim_fields(ref))
-        return cp
+        return True
 
-    def _recover_sharing(self, cp: ckpt.Checkpoint, keep: frozenset[str]) -> None:
+    def _recover_sharing(self, claims: dict[str, ckpt.ClaimEntry], keep: frozenset[str]) -> None:
         """Sharing of prepared claims runs again; sharing of unknown claims is torn down."""
         for uid in self.sharing.claims_with_state():
-            entry = cp.claims.get(uid)
+            entry = claims.get(uid)
             if entry is None or self.sharing.saved_plan(uid) is None:
                 if uid in keep:
                     continue
@@ -428,20 +444,20 @@ class NodePreparer:
                 )
 
 
-def _conflict(cp: ckpt.Checkpoint, plan: _Plan) -> str | None:
+def _conflict(claims: dict[str, ckpt.ClaimEntry], plan: _Plan) -> str | None:
     """The last line of defence against a double allocation (a stale or edited claim)."""
-    for mine in plan.devices:
-        if mine.admin_access or mine.share_id:
+    exclusive_here = {d.device for d in plan.devices if not (d.admin_access or d.share_id)}
+    if not exclusive_here:
+        return None
+    for other in claims.values():
+        if other.uid == plan.ref.uid:
             continue
-        for other in cp.claims.values():
-            if other.uid == plan.ref.uid:
-                continue
-            for d in other.devices:
-                if d.device == mine.device and not (d.admin_access or d.share_id):
-                    return (
-                        f"device {mine.device} is already prepared for claim {other.namespace}/{other.name} "
-                        f"(uid {other.uid}); delete that pod first, or use a shared claim or adminAccess"
-                    )
+        for d in other.devices:
+            if d.device in exclusive_here and not (d.admin_access or d.share_id):
+                return (
+                    f"device {d.device} is already prepared for claim {other.namespace}/{other.name} "
+                    f"(uid {other.uid}); delete that pod first, or use a shared claim or adminAccess"
+                )
     return None
 
 
