@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
-from dra_driver.config import quantity_value
+from dra_driver.sharing.config import quantity_value
 
 _CDI_IDS_SHOWN = 2
 _TITLE_WIDTH = 100

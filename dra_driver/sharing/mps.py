@@ -1,6 +1,6 @@
 """CUDA MPS (Multi-Process Service) control daemons, one per claim that asks for MPS sharing.
 
-A claim whose configuration says `sharing.strategy: MPS` (see `dra_driver.config`) gets
+A claim whose configuration says `sharing.strategy: MPS` (see `dra_driver.sharing.config`) gets
 its own `nvidia-cuda-mps-control -d`, started by the kubelet plugin during Prepare from
 the driver root's tools, with everything private to the claim under
 `<root>/<claim uid>/`:
@@ -57,8 +57,8 @@ import structlog
 
 from dra_driver import cdi
 from dra_driver.atomic import write_file_atomic
-from dra_driver.config import ConfigError, MpsConfig, format_mps_memory
 from dra_driver.driver_root import BINARY_DIRS, library_dirs, resolve_in_root
+from dra_driver.sharing.config import ConfigError, MpsConfig, format_mps_memory
 
 log = structlog.get_logger(__name__)
 

@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dra_driver import cdi
-from dra_driver.config import ConfigError, device_configs
 from dra_driver.devices import NodeDevice
+from dra_driver.sharing.config import ConfigError, device_configs
 from dra_driver.sharing.mps import MpsControl, MpsError, MpsSettings, settings_for_claim
 
 SharingPlan = MpsSettings  # what a claim's sharing needs on the node; None: nothing to share

@@ -11,8 +11,8 @@ import pytest
 from hwutil import DRIVER, NODE, Recorder, dra_driver, run, simulate_args, smi
 
 from controller.slices import SliceFeatures, desired_slices
-from dra_driver.config import parse_quantity
 from dra_driver.gpu.nvml import normalize_pci_bus_id
+from dra_driver.sharing.config import parse_quantity
 
 pytestmark = pytest.mark.hardware
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dra_driver.config import (
+from dra_driver.sharing.config import (
     DEFAULT_CONFIG,
     ConfigError,
     GpuConfig,

@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
-from dra_driver.config import ConfigError, MpsConfig
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.state import NodePreparer
+from dra_driver.sharing.config import ConfigError, MpsConfig
 from dra_driver.sharing.mps import (
     CLAIM_MARKER_ENV,
     CONTAINER_PIPE_DIR,

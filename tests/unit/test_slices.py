@@ -28,7 +28,6 @@ from controller.slices import (
     SliceFeatures,
     desired_slices,
 )
-from dra_driver.config import quantity_value
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, profile_names
 from dra_driver.gpu.model import (
@@ -40,6 +39,7 @@ from dra_driver.gpu.model import (
     NvLink,
 )
 from dra_driver.names import is_dns_label, is_dns_subdomain
+from dra_driver.sharing.config import quantity_value
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-1"

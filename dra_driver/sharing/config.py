@@ -24,7 +24,7 @@ class's; among entries of one source the later wins (the order in which the API 
 Validation is strict: an unknown field, a quantity that is not one, a percentage outside
 1..100 or an unknown strategy is an error whose message names the field and says what to
 write instead, because the kubelet shows it to the user verbatim. Pure functions and
-frozen dataclasses only: nothing here does I/O or starts anything (see `dra_driver.mps`).
+frozen dataclasses only: nothing here does I/O or starts anything (see `dra_driver.sharing.mps`).
 """
 
 from __future__ import annotations
