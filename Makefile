@@ -40,8 +40,8 @@ lint: setup
 	@$(VENV)/bin/ruff check dra_driver controller tests hack benchmarks demo
 	@$(VENV)/bin/mypy
 
-test: setup cluster-build lint
-	@$(VENV)/bin/pytest -q -ra tests --ignore=tests/node
+test: setup cluster-build node-build lint
+	@$(VENV)/bin/pytest -q -ra tests
 
 test-unit: setup
 	@$(VENV)/bin/pytest -q -ra tests/unit

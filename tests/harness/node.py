@@ -667,11 +667,19 @@ class Nodes:
                 node.import_images(images)
                 node.start_kubelet()
                 nodes._record()
+                logger.info(
+                    "node started",
+                    node=spec.name,
+                    ip=node.ip,
+                    profile=spec.profile,
+                    seconds=round(time.monotonic() - t0, 1),
+                )
             nodes.timings["processes_started_s"] = time.monotonic() - t0
             api = load_client(str(cp.kubeconfig))
             for node in nodes.nodes.values():
                 nodes.wait_node_ready(api, node)
             nodes.timings["nodes_ready_s"] = time.monotonic() - t0
+            logger.info("nodes Ready", seconds=round(nodes.timings["nodes_ready_s"], 1))
             for node in nodes.nodes.values():
                 node.start_driver(driver_kubeconfig or cp.kubeconfig)
             for node in nodes.nodes.values():
@@ -725,6 +733,10 @@ class Nodes:
         if self.state_file.exists():
             previous = json.loads(self.state_file.read_text())
         sysctls = previous.get("sysctls") or {s: _read_sysctl(s) for s in SYSCTLS}
+        # containerd puts every container's cgroup under <hierarchy>/k8s.io (its namespace).
+        new_cgroup_parents = previous.get("new_cgroup_parents")
+        if new_cgroup_parents is None:
+            new_cgroup_parents = [str(p) for p in _cgroup_parents() if not p.exists()]
         state = {
             "base": str(self.base),
             "keep_files": self.keep_files,
@@ -732,6 +744,7 @@ class Nodes:
             "links": [n.link for n in self.nodes.values()] + [n.bridge for n in self.nodes.values()],
             "sandboxes": [n.sandbox.pid for n in self.nodes.values() if n.sandbox is not None],
             "containerd_roots": [str(n.dir / "containerd" / "root") for n in self.nodes.values()],
+            "new_cgroup_parents": new_cgroup_parents,
         }
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
@@ -760,6 +773,11 @@ def _read_sysctl(name: str) -> str | None:
         return Path("/proc/sys", name).read_text().strip()
     except OSError:
         return None
+
+
+def _cgroup_parents() -> list[Path]:
+    root = Path("/sys/fs/cgroup")
+    return [h / "k8s.io" for h in sorted(root.iterdir()) if h.is_dir() and not h.is_symlink()]
 
 
 _HEX_ID = re.compile(r"^[0-9a-f]{64}$")
@@ -816,6 +834,9 @@ def reap(state_file: Path) -> None:
             with contextlib.suppress(OSError):
                 Path("/proc/sys", name).write_text(value)
     _remove_cgroups(_container_ids(state["containerd_roots"]))
+    for parent in state.get("new_cgroup_parents", []):
+        with contextlib.suppress(OSError):
+            os.rmdir(parent)  # only once empty: another user's containers keep it
     if not state.get("keep_files"):
         shutil.rmtree(base, ignore_errors=True)
 
