@@ -18,21 +18,18 @@ benchmarks/results/huge_prepare.json). N=10000 takes about N/100 s for set-up on
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks import fresh_control_plane, report
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_device_class, create_node, sync_client, sync_request
 
-RESULTS = Path(__file__).parent / "results"
 NODE = "huge-node"
 NAMESPACE = "huge"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/huge/resourceclaims"
@@ -68,8 +65,11 @@ def _admin_claim(api: Any, i: int) -> ClaimName:
 
 
 def run(count: int = 10_000) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="huge-", dir="/tmp"))
-    cp = ControlPlane.start(work_dir=work / "cluster")
+    with fresh_control_plane("huge-") as (cp, work):
+        return _measure(cp, work, count)
+
+
+def _measure(cp: ControlPlane, work: Path, count: int) -> dict[str, Any]:
     plugin: DriverProcess | None = None
     try:
         api = sync_client(str(cp.kubeconfig))
@@ -124,15 +124,10 @@ def run(count: int = 10_000) -> dict[str, Any]:
     finally:
         if plugin is not None:
             plugin.stop()
-        cp.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:
-    result = run(int(sys.argv[1]) if len(sys.argv) > 1 else 10_000)
-    print(json.dumps(result, indent=2))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "huge_prepare.json").write_text(json.dumps(result, indent=2) + "\n")
+    report("huge_prepare", run(int(sys.argv[1]) if len(sys.argv) > 1 else 10_000))
 
 
 if __name__ == "__main__":
