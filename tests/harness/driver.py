@@ -20,7 +20,6 @@ import grpc
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
-from tests.harness.cluster import die_with_parent
 from tests.harness.kubelet import find_registration_socket
 
 DRIVER = DEFAULT_DRIVER_NAME
@@ -35,16 +34,24 @@ def spawn_dra_driver(
 ) -> subprocess.Popen[bytes]:
     """`dra-driver <args>` with JSON logs appended to `log_path`; it dies with this process
     unless `detach` (the demo's --keep)."""
+    argv = [sys.executable, "-m", "dra_driver", "--log-format", "json", "--log-level", log_level, *args]
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "dra_driver", "--log-format", "json", "--log-level", log_level, *args],
+            argv if detach else with_parent_death_signal(argv),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=detach,
-            preexec_fn=None if detach else die_with_parent,
         )
+
+
+def with_parent_death_signal(argv: list[str]) -> list[str]:
+    """`argv` that is SIGKILLed when this process dies, set by `setpriv` in the child rather
+    than by a `preexec_fn`: a Python callback between fork and exec runs grpcio's fork
+    handlers, and with a gRPC channel open (every plugin test holds one) grpcio >= 1.80
+    aborts the child there (SIGABRT, "epoll_wait error: Bad file descriptor"; grpc#43055)."""
+    return ["setpriv", "--pdeathsig", "KILL", "--", *argv]
 
 
 @dataclass

@@ -51,11 +51,10 @@ def shared_root() -> Iterator[Path]:
 class Instance:
     """One plugin pod of the update: its own rolling-update UID and log, the node's shared dirs."""
 
-    def __init__(self, name: str, node: str, kubeconfig: Path, shared: Path) -> None:
+    def __init__(self, name: str, node: str, kubeconfig: Path, shared: Path, publish: bool = False) -> None:
         self.uid = f"pod-{name}"
-        self.proc = DriverProcess(
-            node, PROFILE, kubeconfig, shared, extra_args=("--rolling-update-uid", self.uid)
-        )
+        args = ("--rolling-update-uid", self.uid) + (() if publish else ("--no-publish-slices",))
+        self.proc = DriverProcess(node, PROFILE, kubeconfig, shared, extra_args=args)
         self.kubelet: KubeletSide | None = None
 
     def start(self) -> None:
@@ -182,7 +181,9 @@ def test_only_one_instance_publishes_and_the_other_takes_over(
 ) -> None:
     node = f"lease-{unique}"
     create_node(api, node)
-    old, new = (Instance(n, node, control_plane.kubeconfig, shared_root) for n in ("old", "new"))
+    old, new = (
+        Instance(n, node, control_plane.kubeconfig, shared_root, publish=True) for n in ("old", "new")
+    )
     slices = "/apis/resource.k8s.io/v1/resourceslices"
 
     def node_slices() -> list[dict[str, Any]]:
@@ -206,3 +207,7 @@ def test_only_one_instance_publishes_and_the_other_takes_over(
     finally:
         old.kill()
         new.kill()
+        # other tests' claims must not be scheduled onto this node's devices
+        for s in node_slices():
+            sync_request(api, "DELETE", f"{slices}/{s['metadata']['name']}")
+        sync_request(api, "DELETE", f"/api/v1/nodes/{node}")
