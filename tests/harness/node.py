@@ -206,7 +206,6 @@ class Node:
     driver: DriverProcess | None = None
     port: int = 10250
     healthz_port: int = 0
-    log: Any = None
 
     @property
     def name(self) -> str:
