@@ -15,6 +15,14 @@ recipe="kubelet $k8s_version; containerd $containerd_version; CGO_ENABLED=0 -tri
 key=$( (echo "$recipe"; cat "$here"/kubelet/go.mod "$here"/kubelet/go.sum "$here"/kubelet/tools/*.go) | sha256sum | cut -c1-12)
 bin="$cache_root/$k8s_version-$containerd_version-$key"
 
+# The kubelet must be the control plane's version: one k8s.io/kubernetes for both modules.
+want=$(grep -E '^\s*k8s.io/kubernetes v' "$here/../cluster/go.mod" | awk '{print $2}')
+have=$(grep -E '^\s*k8s.io/kubernetes v' "$here/kubelet/go.mod" | awk '{print $2}')
+if [ "$want" != "$have" ] || [ "$have" != "$k8s_version" ]; then
+  echo "hack/node/kubelet/go.mod has k8s.io/kubernetes $have, hack/cluster $want, this script $k8s_version: align them" >&2
+  exit 1
+fi
+
 if [ -f "$bin/.complete" ]; then
   echo "node binaries $k8s_version / containerd $containerd_version: cached in $bin" >&2
   echo "$bin"

@@ -59,7 +59,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
     )
     nodes: Nodes | None = None
     try:
-        nodes = Nodes.start(cp, SPECS)
+        # DRA_NODE_KEEP=1 keeps the nodes' files (logs, configs) under /tmp/dra-nodes-* for a look after.
+        nodes = Nodes.start(cp, SPECS, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
         api = load_client(str(cp.kubeconfig))
         devices = wait_for_slices(api, [n.driver for n in nodes.nodes.values() if n.driver])
         for path in device_class_files():
