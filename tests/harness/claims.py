@@ -24,9 +24,11 @@ def allocated_claim(
     results: list[dict[str, str]] | None,
     device_class: str,
     driver: str = DEFAULT_DRIVER_NAME,
+    parameters: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A claim for one device of `device_class`, with `results` written as its allocation
-    (each `{"pool", "device"}`, request "gpu"); unallocated if `results` is None."""
+    (each `{"pool", "device"}`, request "gpu"); unallocated if `results` is None.
+    `parameters`: the driver's opaque configuration, as the claim's allocation carries it."""
     claim: dict[str, Any] = sync_request(
         api,
         "POST",
@@ -42,8 +44,10 @@ def allocated_claim(
     )
     if results is None:
         return claim
-    claim["status"] = {
-        "allocation": {"devices": {"results": [{"request": "gpu", "driver": driver, **r} for r in results]}}
-    }
+    devices: dict[str, Any] = {"results": [{"request": "gpu", "driver": driver, **r} for r in results]}
+    if parameters is not None:
+        opaque = {"driver": driver, "parameters": parameters}
+        devices["config"] = [{"source": "FromClaim", "requests": ["gpu"], "opaque": opaque}]
+    claim["status"] = {"allocation": {"devices": devices}}
     updated: dict[str, Any] = sync_request(api, "PUT", f"{CLAIMS.format(ns=namespace)}/{name}/status", claim)
     return updated

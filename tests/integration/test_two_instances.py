@@ -7,7 +7,9 @@ A model of what the kubelet was told says which claims are prepared; afterwards 
 checkpoint, the CDI specs and the model must agree, no claim the kubelet was told is
 prepared may be lost, and no device may be prepared for two claims at once. Claims are
 allocated by hand (4 GPUs, 8 claims, two per GPU), so the double-allocation guard must hold
-ACROSS the instances.
+ACROSS the instances. Half of the claims ask for MPS, so each has an MPS control daemon (a
+stand-in for `nvidia-cuda-mps-control` in the driver root) that must run exactly while its
+claim is prepared.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ from kubernetes import client
 
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.sockets import plugin_paths
+from dra_driver.sharing.mps import MpsControl
 from tests.harness.claims import allocated_claim
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_device_class, create_node, sync_request, wait_for
 
 PROFILE = "l4x4"  # gpu-0..gpu-3
 CLAIMS = 8
+MPS = {"apiVersion": "gpu.dra-driver.dev/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "MPS"}}
 CALLS = 240
 KILLS = 8
 SEED = 20261202
@@ -44,7 +49,12 @@ SEED = 20261202
 @pytest.fixture
 def shared_root() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="dra2-", dir="/tmp"))  # socket paths must stay short
+    path.chmod(0o755)  # MPS servers run as the client's user: the MPS root must be searchable
+    install_fake_mps_control(path / "driver")
     yield path
+    mps = MpsControl(path / "mps", path / "driver")
+    for uid in mps.claim_uids():
+        mps.stop(uid)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -53,7 +63,8 @@ class Instance:
 
     def __init__(self, name: str, node: str, kubeconfig: Path, shared: Path, publish: bool = False) -> None:
         self.uid = f"pod-{name}"
-        args = ("--rolling-update-uid", self.uid) + (() if publish else ("--no-publish-slices",))
+        args = ("--rolling-update-uid", self.uid, "--driver-root", str(shared / "driver"))
+        args += () if publish else ("--no-publish-slices",)
         self.proc = DriverProcess(node, PROFILE, kubeconfig, shared, extra_args=args)
         self.kubelet: KubeletSide | None = None
 
@@ -94,9 +105,9 @@ def test_two_instances_with_random_kills_keep_one_consistent_state(
     create_device_class(api, device_class, f'device.driver == "{DRIVER}"')
     claims: list[tuple[ClaimName, str]] = []
     for i in range(CLAIMS):
-        claim = allocated_claim(
-            api, namespace, f"c{i}", [{"pool": node, "device": f"gpu-{i % 4}"}], device_class
-        )
+        results = [{"pool": node, "device": f"gpu-{i % 4}"}]
+        config = MPS if i < 4 else None
+        claim = allocated_claim(api, namespace, f"c{i}", results, device_class, parameters=config)
         m = claim["metadata"]
         claims.append((ClaimName(m["namespace"], m["name"], m["uid"]), f"gpu-{i % 4}"))
 
@@ -105,12 +116,25 @@ def test_two_instances_with_random_kills_keep_one_consistent_state(
         inst.start()
     rng = random.Random(SEED)
     prepared: dict[str, str] = {}  # claim UID -> device, as the kubelet was told
-    stats = {"prepare": 0, "unprepare": 0, "refused": 0, "failed-by-kill": 0, "kills": 0}
+    stats = {"prepare": 0, "unprepare": 0, "refused": 0, "failed-by-kill": 0, "kills": 0, "mps-checked": 0}
 
     def call(inst: Instance, op: str, ref: ClaimName) -> Any:
         assert inst.kubelet is not None
         answer = (inst.kubelet.prepare if op == "prepare" else inst.kubelet.unprepare)(ref)
         return answer.claims[ref.uid]
+
+    mps = MpsControl(shared_root / "mps", shared_root / "driver")
+    mps_claims = {r.uid for r, _ in claims[:4]}
+
+    def agree(when: str) -> None:
+        """Checkpoint, CDI specs and MPS daemons say what the kubelet was told, and nothing else."""
+        entries, specs = _state(instances[0].proc.data_dir, instances[0].proc.cdi_dir)
+        assert set(entries) == set(prepared), f"{when}: the checkpoint holds exactly the prepared claims"
+        assert all(e.phase == ckpt.COMPLETED for e in entries.values()), f"{when}: a half-done entry"
+        assert specs == set(prepared), f"{when}: a spec for each prepared claim and for no other"
+        assert mps.claim_uids() == set(prepared) & mps_claims, f"{when}: a daemon for each prepared MPS claim"
+        assert all(mps.is_running(uid) for uid in mps.claim_uids()), f"{when}: an MPS daemon died"
+        stats["mps-checked"] += len(mps.claim_uids())
 
     kill_at = sorted(rng.sample(range(10, CALLS - 10), KILLS))
     try:
@@ -134,32 +158,26 @@ def test_two_instances_with_random_kills_keep_one_consistent_state(
                     killer.join()
                 survivor = next(i for i in instances if i.kubelet is not None)
                 answer = call(survivor, op, ref)
-            if killer is not None:
-                killer.join()
-                for inst in instances:
-                    if inst.kubelet is None:
-                        inst.start()
             stats[op] += 1
+            holder = next((uid for uid, d in prepared.items() if d == device), None)
             if op == "unprepare":
                 assert answer.error == "", answer.error
                 prepared.pop(ref.uid)
-                continue
-            holder = next((uid for uid, d in prepared.items() if d == device), None)
-            if holder is None:
+            elif holder is None:
                 assert answer.error == "", answer.error
                 assert [d.device_name for d in answer.devices] == [device]
                 prepared[ref.uid] = device
             else:
                 assert "already prepared for claim" in answer.error, f"{device} given to two claims: {answer}"
                 stats["refused"] += 1
+            if killer is not None:
+                killer.join()
+                agree(f"after kill {stats['kills']}")  # the survivor alone, mid-update
+                for inst in instances:
+                    if inst.kubelet is None:
+                        inst.start()
 
-        entries, specs = _state(instances[0].proc.data_dir, instances[0].proc.cdi_dir)
-        assert {uid for uid, e in entries.items() if e.phase == ckpt.COMPLETED} == set(prepared), (
-            "the checkpoint knows exactly the claims the kubelet was told are prepared"
-        )
-        assert set(entries) == set(prepared), "no half-done entry is left behind"
-        assert specs == set(prepared), "every prepared claim has its CDI spec, and no other claim has one"
-        assert not list((shared_root / "mps").glob("*")), "no sharing daemon of a claim that is not prepared"
+        agree("at the end")
         # kill both, start one: recovery keeps every prepared claim and its spec
         for inst in instances:
             inst.kill()
@@ -169,11 +187,12 @@ def test_two_instances_with_random_kills_keep_one_consistent_state(
             ref = next(r for r, _ in claims if r.uid == uid)
             assert call(instances[1], "unprepare", ref).error == ""
         assert _state(instances[0].proc.data_dir, instances[0].proc.cdi_dir) == ({}, set())
+        assert mps.claim_uids() == set() and not any(mps.daemon_pids(uid) for uid in mps_claims)
     finally:
         for inst in instances:
             inst.kill()
     print(f"two instances: {CALLS} calls, {stats}")
-    assert stats["kills"] == KILLS and stats["refused"] > 0
+    assert stats["kills"] == KILLS and stats["refused"] > 0 and stats["mps-checked"] > 0
 
 
 def test_only_one_instance_publishes_and_the_other_takes_over(

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -44,72 +43,16 @@ from dra_driver.sharing.mps import (
     settings_for_claim,
 )
 from dra_driver.sharing.policy import Sharing
+from tests.harness.fake_mps import install_fake_mps_control, set_mode
 
 GI = 2**30
 UID = "1c9e7d3a-1111-4222-8333-444455556666"
 DRIVER = "gpu.dra-driver.dev"
 POOL = "node-a"
 
-FAKE = """#!{python}
-import json, os, sys
-here = os.path.dirname(os.path.abspath(__file__))
-try:
-    mode = json.load(open(os.path.join(here, "fake.json")))
-except OSError:
-    mode = {{}}
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-logd = os.environ["CUDA_MPS_LOG_DIRECTORY"]
-ctl = os.path.join(pipe, "control")
-
-def log(msg):
-    with open(os.path.join(logd, "control.log"), "a") as f:
-        f.write(msg + "\\n")
-
-if sys.argv[1:] == ["-d"]:
-    if mode.get("fail"):
-        print("fake: cannot start", file=sys.stderr)
-        sys.exit(3)
-    if os.fork():
-        sys.exit(0)
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    with open(os.path.join(logd, "env.json"), "w") as f:
-        json.dump(dict(os.environ), f)
-    if mode.get("shm_marker"):
-        with open("/dev/shm/fake-mps-" + os.environ["{marker}"], "w") as f:
-            f.write("x")
-    if not mode.get("no_pipe"):
-        os.mkfifo(ctl)
-    log("started")
-    while True:
-        with open(ctl) as f:
-            for line in f:
-                log("cmd " + line.strip())
-                if line.strip() == "quit" and not mode.get("ignore_quit"):
-                    os.unlink(ctl)
-                    sys.exit(0)
-else:
-    data = sys.stdin.read()
-    with open(ctl, "w") as f:
-        f.write(data)
-    print("ok")
-"""
-
-
 @pytest.fixture
 def fake_bin(tmp_path: Path) -> Path:
-    root = tmp_path / "driver"
-    (root / "bin").mkdir(parents=True)
-    binary = root / "bin" / "nvidia-cuda-mps-control"
-    binary.write_text(FAKE.format(python=sys.executable, marker=CLAIM_MARKER_ENV))
-    binary.chmod(0o755)
-    return binary
-
-
-def set_mode(fake_bin: Path, **mode: bool) -> None:
-    (fake_bin.parent / "fake.json").write_text(json.dumps(mode))
+    return install_fake_mps_control(tmp_path / "driver")
 
 
 @pytest.fixture

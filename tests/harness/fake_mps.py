@@ -1,0 +1,77 @@
+"""A stand-in for `nvidia-cuda-mps-control`, for MPS tests on machines without a GPU.
+
+It behaves as the real one does towards the driver: `-d` forks a daemon that creates the
+control pipe in CUDA_MPS_PIPE_DIRECTORY and logs to CUDA_MPS_LOG_DIRECTORY; client mode
+writes its stdin to the pipe; `quit` ends the daemon. `fake.json` beside it switches on
+failures (`fail`, `no_pipe`, `ignore_quit`, `shm_marker`). It shares no code with the driver
+and is never shipped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dra_driver.sharing.mps import CLAIM_MARKER_ENV, CONTROL_BINARY
+
+FAKE = """#!{python}
+import json, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+try:
+    mode = json.load(open(os.path.join(here, "fake.json")))
+except OSError:
+    mode = {{}}
+pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+logd = os.environ["CUDA_MPS_LOG_DIRECTORY"]
+ctl = os.path.join(pipe, "control")
+
+def log(msg):
+    with open(os.path.join(logd, "control.log"), "a") as f:
+        f.write(msg + "\\n")
+
+if sys.argv[1:] == ["-d"]:
+    if mode.get("fail"):
+        print("fake: cannot start", file=sys.stderr)
+        sys.exit(3)
+    if os.fork():
+        sys.exit(0)
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    with open(os.path.join(logd, "env.json"), "w") as f:
+        json.dump(dict(os.environ), f)
+    if mode.get("shm_marker"):
+        with open("/dev/shm/fake-mps-" + os.environ["{marker}"], "w") as f:
+            f.write("x")
+    if not mode.get("no_pipe"):
+        os.mkfifo(ctl)
+    log("started")
+    while True:
+        with open(ctl) as f:
+            for line in f:
+                log("cmd " + line.strip())
+                if line.strip() == "quit" and not mode.get("ignore_quit"):
+                    os.unlink(ctl)
+                    sys.exit(0)
+else:
+    data = sys.stdin.read()
+    with open(ctl, "w") as f:
+        f.write(data)
+    print("ok")
+"""
+
+
+
+def install_fake_mps_control(driver_root: Path) -> Path:
+    """Put the stand-in at `<driver_root>/bin/nvidia-cuda-mps-control`; returns its path."""
+    (driver_root / "bin").mkdir(parents=True, exist_ok=True)
+    binary = driver_root / "bin" / CONTROL_BINARY
+    binary.write_text(FAKE.format(python=sys.executable, marker=CLAIM_MARKER_ENV))
+    binary.chmod(0o755)
+    return binary
+
+
+def set_mode(fake_bin: Path, **mode: bool) -> None:
+    (fake_bin.parent / "fake.json").write_text(json.dumps(mode))
