@@ -4,7 +4,10 @@
 * nothing in dra_driver/ imports `controller` except the CLI wiring (dra_driver/cli.py and
   dra_driver/commands/), so the node-side code never depends on the slice publisher;
 * nothing in either imports `tests`, `demo` or `benchmarks` (the wheel holds only
-  dra_driver and controller; those are not in it).
+  dra_driver and controller; those are not in it);
+* no climb: the layers of LAYERS import only their own layer or lower ones (the hardware
+  and CDI foundations know nothing of sharing, sharing nothing of the kubelet plugin, the
+  plugin nothing of the commands that wire it).
 
 Every import in a module counts, inside functions and under TYPE_CHECKING too: a lazy
 import is still a dependency. `from a.b import c` depends on the module a.b.c if there is
@@ -23,6 +26,16 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("dra_driver", "controller")
 CONTROLLER_CALLERS = ("dra_driver/cli.py", "dra_driver/commands/")
 OUTSIDE_THE_WHEEL = ("tests", "demo", "benchmarks")
+# lowest first; a module belongs to the last layer whose prefix it starts with; unlisted: 0
+LAYERS = (
+    ("dra_driver", 0),  # foundations: gpu, cdi, names, kube, atomic, log, devices, driver_root
+    ("dra_driver.sharing", 1),
+    ("controller", 1),
+    ("dra_driver.plugin", 2),
+    ("dra_driver.commands", 3),
+    ("dra_driver.cli", 3),
+    ("dra_driver.__main__", 4),
+)
 
 
 @dataclass(frozen=True)
@@ -135,11 +148,29 @@ def controller_importers(modules: Mapping[str, Module]) -> list[str]:
     )
 
 
+def layer_of(name: str) -> int:
+    rank = 0
+    for prefix, level in LAYERS:
+        package = prefix.rstrip(".")
+        if name == package or name.startswith(package + "."):
+            rank = level
+    return rank
+
+
+def climbs(modules: Mapping[str, Module]) -> list[str]:
+    """`module -> imported` for each import of a higher layer by a lower one."""
+    found = []
+    for m in modules.values():
+        for imported in sorted(m.imports):
+            target = next((t for t in (imported, imported.rpartition(".")[0]) if t in modules), None)
+            if target is not None and layer_of(target) > layer_of(m.name):
+                found.append(f"{m.name} -> {target}")
+    return sorted(found)
+
+
 def outside_importers(modules: Mapping[str, Module]) -> dict[str, list[str]]:
     """Product modules that import tests, demo or benchmarks, with what they import."""
-    found = {
-        m.path: sorted(i for i in m.imports if _top(i) in OUTSIDE_THE_WHEEL) for m in modules.values()
-    }
+    found = {m.path: sorted(i for i in m.imports if _top(i) in OUTSIDE_THE_WHEEL) for m in modules.values()}
     return {path: imports for path, imports in sorted(found.items()) if imports}
 
 
@@ -167,6 +198,10 @@ def test_the_checks_find_a_violation_of_each_rule(tmp_path: Path) -> None:
             "dra_driver/cli.py": "import controller\n",
             "dra_driver/commands/__init__.py": "",
             "dra_driver/commands/run.py": "from controller import plan\n",
+            "dra_driver/sharing/__init__.py": "",
+            "dra_driver/sharing/policy.py": "from dra_driver.plugin import state\n",
+            "dra_driver/plugin/__init__.py": "",
+            "dra_driver/plugin/state.py": "",
             "controller/__init__.py": "",
             "controller/plan.py": "from tests.harness import objects\n",
             "controller/publisher.py": "import benchmarks.run\nfrom controller import plan\n",
@@ -177,6 +212,10 @@ def test_the_checks_find_a_violation_of_each_rule(tmp_path: Path) -> None:
     assert import_graph(modules)["dra_driver.sub"] == {"dra_driver.sub.m"}
     assert cycles(import_graph(modules)) == [["dra_driver.a", "dra_driver.b"]]
     assert controller_importers(modules) == ["dra_driver/uses_controller.py"]
+    assert climbs(modules) == [
+        "dra_driver.sharing.policy -> dra_driver.plugin.state",
+        "dra_driver.uses_controller -> controller.publisher",
+    ]
     assert outside_importers(modules) == {
         "controller/plan.py": ["tests.harness.objects"],
         "controller/publisher.py": ["benchmarks.run"],
@@ -207,3 +246,8 @@ def test_only_the_cli_wiring_imports_the_controller() -> None:
 def test_nothing_in_the_wheel_imports_tests_demo_or_benchmarks() -> None:
     found = outside_importers(read_modules(REPO))
     assert not found, f"product modules import what is not in the wheel: {found}"
+
+
+def test_no_layer_imports_a_higher_one() -> None:
+    found = climbs(read_modules(REPO))
+    assert not found, f"lower layers import higher ones (see LAYERS): {found}"
