@@ -47,21 +47,24 @@ class _DraService:
         self._with_share_id = with_share_id
 
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
-        results = await _answer_all(self._preparer.prepare, refs, "preparing")
-        claims = {}
-        for ref in refs:
-            result = results[ref.uid]
-            with structlog.contextvars.bound_contextvars(**claim_fields(ref)):
-                if result.error is not None:
-                    log.warning("prepare refused", error=result.error)
-                    claims[ref.uid] = self._pb.NodePrepareResourceResponse(error=result.error)
-                else:
-                    log.info("prepared", devices=[d.device for d in result.devices])
-                    claims[ref.uid] = self._pb.NodePrepareResourceResponse(
-                        devices=[self._device(d) for d in result.devices]
-                    )
+        def answer(result: ClaimResult) -> Any:
+            if result.error is not None:
+                return self._pb.NodePrepareResourceResponse(error=result.error)
+            log.info("prepared", devices=[d.device for d in result.devices])
+            return self._pb.NodePrepareResourceResponse(devices=[self._device(d) for d in result.devices])
+
+        claims = await _per_claim(self._preparer.prepare, request, "prepare", answer)
         return self._pb.NodePrepareResourcesResponse(claims=claims)
+
+    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def answer(result: ClaimResult) -> Any:
+            if result.error is not None:
+                return self._pb.NodeUnprepareResourceResponse(error=result.error)
+            log.info("unprepared")
+            return self._pb.NodeUnprepareResourceResponse()
+
+        claims = await _per_claim(self._preparer.unprepare, request, "unprepare", answer)
+        return self._pb.NodeUnprepareResourcesResponse(claims=claims)
 
     def _device(self, d: PreparedDevice) -> Any:
         fields: dict[str, Any] = {
@@ -74,20 +77,24 @@ class _DraService:
             fields["share_id"] = d.share_id
         return self._pb.Device(**fields)
 
-    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
-        results = await _answer_all(self._preparer.unprepare, refs, "unpreparing")
-        claims = {}
-        for ref in refs:
+
+async def _per_claim(
+    call: Callable[[Sequence[ClaimRef]], Awaitable[dict[str, ClaimResult]]],
+    request: Any,
+    verb: str,
+    answer: Callable[[ClaimResult], Any],
+) -> dict[str, Any]:
+    """Each claim of the request's answer, by UID, logged with the claim's identity."""
+    refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+    results = await _answer_all(call, refs, f"{verb[:-1]}ing")
+    claims = {}
+    for ref in refs:
+        with structlog.contextvars.bound_contextvars(**claim_fields(ref)):
             result = results[ref.uid]
-            with structlog.contextvars.bound_contextvars(**claim_fields(ref)):
-                if result.error is not None:
-                    log.warning("unprepare refused", error=result.error)
-                    claims[ref.uid] = self._pb.NodeUnprepareResourceResponse(error=result.error)
-                else:
-                    log.info("unprepared")
-                    claims[ref.uid] = self._pb.NodeUnprepareResourceResponse()
-        return self._pb.NodeUnprepareResourcesResponse(claims=claims)
+            if result.error is not None:
+                log.warning(f"{verb} refused", error=result.error)
+            claims[ref.uid] = answer(result)
+    return claims
 
 
 async def _answer_all(
