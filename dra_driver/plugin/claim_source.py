@@ -21,7 +21,7 @@ import structlog
 from kubernetes.aio import client
 
 from dra_driver import kube
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected, describe
 
 log = structlog.get_logger(__name__)
 
@@ -32,11 +32,10 @@ LIST_PAGE = 500
 
 
 def _describe(e: BaseException) -> str:
-    """An exception as a person reads it; never empty (str(TimeoutError()) is)."""
+    """An API error as a person reads it: status, reason and the start of the server's answer."""
     if isinstance(e, kube.ApiException):
         return f"HTTP {e.status} {e.reason or ''}".strip() + (f": {str(e.body)[:300]}" if e.body else "")
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return describe(e)
 
 
 class ClaimReader:

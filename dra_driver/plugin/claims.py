@@ -21,6 +21,11 @@ class ClaimRejected(Exception):
     """This claim cannot be prepared here; the message is shown to the user."""
 
 
+def describe(e: BaseException) -> str:
+    """An unexpected exception as a person reads it; never empty (str(TimeoutError()) is)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 @dataclass(frozen=True)
 class ClaimRef:
     """A claim as the kubelet names it in NodePrepare/NodeUnprepareResources."""
@@ -31,6 +36,10 @@ class ClaimRef:
 
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name} (uid {self.uid})"
+
+    def log_fields(self) -> dict[str, str]:
+        """The fields every log line about a claim carries."""
+        return {"claim_namespace": self.namespace, "claim_name": self.name, "claim_uid": self.uid}
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as health_v1
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
-from dra_driver.plugin.claims import ClaimRef
+from dra_driver.plugin.claims import ClaimRef, describe
 from dra_driver.plugin.health import DeviceHealthBoard
 from dra_driver.plugin.prepared import PreparedDevice
-from dra_driver.plugin.state import ClaimResult, claim_fields, describe
+from dra_driver.plugin.state import ClaimResult
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +89,7 @@ async def _per_claim(
     results = await _answer_all(call, refs, f"{verb[:-1]}ing")
     claims = {}
     for ref in refs:
-        with structlog.contextvars.bound_contextvars(**claim_fields(ref)):
+        with structlog.contextvars.bound_contextvars(**ref.log_fields()):
             result = results[ref.uid]
             if result.error is not None:
                 log.warning(f"{verb} refused", error=result.error)

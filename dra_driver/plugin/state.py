@@ -42,7 +42,14 @@ from dra_driver import cdi
 from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DriverFiles
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claims import AllocatedDevice, ClaimRef, ClaimRejected, allocated_devices, check_ref
+from dra_driver.plugin.claims import (
+    AllocatedDevice,
+    ClaimRef,
+    ClaimRejected,
+    allocated_devices,
+    check_ref,
+    describe,
+)
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.sharing.policy import ConfigError, Sharing, SharingError, SharingPlan
@@ -60,16 +67,6 @@ def _fault(point: str) -> None:
     if os.environ.get(FAULT_ENV) == point:
         log.warning("fault injection: dying", point=point)
         os._exit(137)
-
-
-def claim_fields(ref: ClaimRef) -> dict[str, str]:
-    """The fields every log line about a claim carries."""
-    return {"claim_namespace": ref.namespace, "claim_name": ref.name, "claim_uid": ref.uid}
-
-
-def describe(e: BaseException) -> str:
-    """An unexpected exception as a person reads it; never empty (str(TimeoutError()) is)."""
-    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 class ClaimSource(Protocol):
@@ -298,7 +295,7 @@ class NodePreparer:
         try:
             cdi.write_spec(self.cdi_dir, self._spec(ref.uid, plan.hardware, plan.sharing))
         except OSError as e:
-            log.exception("writing the CDI spec failed", **claim_fields(ref))
+            log.exception("writing the CDI spec failed", **ref.log_fields())
             return f"internal error preparing claim {ref}: writing its CDI spec failed: {describe(e)}"
         return None
 
@@ -326,7 +323,7 @@ class NodePreparer:
         cdi.remove_claim_spec(self.cdi_dir, self.driver, ref.uid)
         _fault("unprepare-after-cdi-removed")
         self.sharing.release(ref.uid)
-        log.info("claim state removed", reason=why, **claim_fields(ref))
+        log.info("claim state removed", reason=why, **ref.log_fields())
 
     # -- recovery ----------------------------------------------------------------------
 
@@ -394,7 +391,7 @@ class NodePreparer:
                 log.error(
                     "cannot adopt a claim allocated here; keeping its files",
                     error=str(e),
-                    **claim_fields(ref),
+                    **ref.log_fields(),
                 )
                 keep.add(ref.uid)
                 continue
@@ -402,7 +399,7 @@ class NodePreparer:
             claims[ref.uid] = ckpt.completed_entry(started)
             if plan.sharing is not None and self.sharing.saved_plan(ref.uid) is None:
                 keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
-            log.warning("adopted a prepared claim into the new checkpoint", **claim_fields(ref))
+            log.warning("adopted a prepared claim into the new checkpoint", **ref.log_fields())
         return claims, frozenset(keep)
 
     def _has_spec(self, entry: ckpt.ClaimEntry) -> bool:
@@ -416,12 +413,12 @@ class NodePreparer:
             log.error(
                 "prepared claim refers to devices this node no longer has; dropping it",
                 devices=missing,
-                **claim_fields(ref),
+                **ref.log_fields(),
             )
             return False
         hardware = list({d.device: self.devices[d.device] for d in entry.devices}.values())
         cdi.write_spec(self.cdi_dir, self._spec(entry.uid, hardware, self.sharing.saved_plan(entry.uid)))
-        log.warning("rewrote a missing CDI spec", **claim_fields(ref))
+        log.warning("rewrote a missing CDI spec", **ref.log_fields())
         return True
 
     def _recover_sharing(self, claims: dict[str, ckpt.ClaimEntry], keep: frozenset[str]) -> None:
@@ -440,7 +437,7 @@ class NodePreparer:
                 log.error(
                     "could not restart a claim's GPU sharing",
                     error=str(e),
-                    **claim_fields(ClaimRef(entry.namespace, entry.name, uid)),
+                    **ClaimRef(entry.namespace, entry.name, uid).log_fields(),
                 )
 
 
@@ -478,4 +475,4 @@ def _chunks(items: Sequence[ClaimRef], size: int) -> Iterator[Sequence[ClaimRef]
         yield items[start : start + size]
 
 
-__all__ = ["ClaimResult", "ClaimSource", "NodePreparer", "claim_fields", "describe"]
+__all__ = ["ClaimResult", "ClaimSource", "NodePreparer"]
