@@ -11,7 +11,7 @@
   (/run/containerd/{s,fifo,runc}, the NRI socket) are per node, and everything the node
   starts (shims, pause and test containers, their mounts) lives in the sandbox's PID
   and mount namespaces: when the sandbox goes, the kernel kills all of it and drops
-  the mounts. The sandbox dies with this process (PR_SET_PDEATHSIG on `unshare`,
+  the mounts. The sandbox dies with this process (`setpriv --pdeathsig KILL` on `unshare`,
   `--kill-child` on its init), so a SIGKILLed pytest leaves no process and no mount;
 * a node IP: a veth pair with a /32 address on one end (the kubelet refuses loopback);
 * containerd 2.4 with its own root, state, socket, a CNI bridge of its own, the
@@ -53,8 +53,8 @@ from typing import Any
 import structlog
 from kubernetes import client
 
-from tests.harness.cluster import FEATURE_GATES, REPO_ROOT, ControlPlane, die_with_parent, free_port
-from tests.harness.driver import DriverProcess
+from tests.harness.cluster import FEATURE_GATES, REPO_ROOT, ControlPlane, free_port
+from tests.harness.driver import DriverProcess, with_parent_death_signal
 from tests.harness.images import PAUSE_IMAGE, write_test_images
 from tests.harness.objects import load_client, request
 
@@ -263,12 +263,11 @@ class Node:
         ]
         out = open(self.dir / "sandbox.log", "ab")  # noqa: SIM115 - owned by the child
         self.sandbox = subprocess.Popen(
-            argv,
+            with_parent_death_signal(argv),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         out.close()
         deadline = time.monotonic() + 10
@@ -286,14 +285,13 @@ class Node:
         out = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         full = ["nsenter", "--target", str(self.init_pid), "--mount", "--pid", "--", *argv]
         proc = subprocess.Popen(
-            full,
+            with_parent_death_signal(full),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=self.dir,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         out.close()
         deadline = time.monotonic() + 10
