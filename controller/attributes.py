@@ -15,12 +15,14 @@ or left out (identifiers), never sent for the API server to reject.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dra_driver.devices import NodeDevice
+from dra_driver.gpu.cliques import MAX_LAYERS
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
 from dra_driver.jsontypes import JSON
 
@@ -55,11 +57,26 @@ NVLINK_PEERS = "nvlinkPeers"
 NVLINK_ISLAND = "nvlinkIsland"
 NVLINK_GROUP_PREFIX = "nvlinkGroup"
 NVLINK_CLIQUES = "nvlinkCliques"
+NVLINK_LAYER_PREFIX = "nvlinkClique"
+NVLINK_DOMAIN = "nvlinkDomain"
 FABRIC_CLIQUE_ID = "cliqueId"
 
 # Group sizes published as nvlinkGroup<N>; bounded so that a device stays under the
 # 32 attributes+capacities limit whatever the topology module reports.
 NVLINK_GROUP_SIZES = (2, 4, 8, 16, 32, 64)
+
+# Everything a whole GPU may publish apart from the clique layers and the legacy
+# nvlinkGroup<N>: the layers get what is left of the per-device budget.
+WHOLE_GPU_BASE: tuple[str, ...] = (
+    TYPE, UUID, PRODUCT_NAME, BRAND, ARCHITECTURE, CUDA_COMPUTE_CAPABILITY, DRIVER_VERSION,
+    CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, INDEX, MINOR, NUMA_NODE,
+    NVLINK_PEER_COUNT, NVLINK_PEERS, NVLINK_ISLAND, NVLINK_CLIQUES, NVLINK_DOMAIN, FABRIC_CLIQUE_ID,
+    "memory", "multiprocessors",
+)
+# How many nvlinkClique<L> layers a node may publish: one claim tries them through
+# firstAvailable (at most MAX_LAYERS subrequests), and they must fit the 32 entries of a
+# device beside everything else (22 at most): min(8, 32 - 22) = 8.
+NVLINK_LAYERS = min(MAX_LAYERS, MAX_ATTRIBUTES_AND_CAPACITIES - len(WHOLE_GPU_BASE))
 
 # --- capacity names ---
 MEMORY = "memory"
@@ -77,6 +94,11 @@ DEVICE_TYPE_MIG = "mig"
 
 def nvlink_group_attribute(size: int) -> str:
     return f"{NVLINK_GROUP_PREFIX}{size}"
+
+
+def nvlink_layer_attribute(layer: int) -> str:
+    """The attribute of clique layer `layer` (0-based): nvlinkClique0, nvlinkClique1, ..."""
+    return f"{NVLINK_LAYER_PREFIX}{layer}"
 
 
 def memory_slice_capacity(slice_index: int) -> str:
@@ -131,19 +153,31 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
                  "indexes of the NVLink peers, ascending (as ranges, \"0-4,6-63\", past 64 chars); "
                  "absent with no peers", "no", "gpu"),
     AttributeDoc(NVLINK_ISLAND, "string", '"island-0"',
-                 "GPUs with the same value are connected by NVLink paths (possibly over other GPUs)",
+                 "GPUs with the same value are connected by NVLink paths, possibly over other GPUs: "
+                 "reachable, NOT necessarily linked with each other (use nvlinkClique<L> for that)",
+                 "no", "gpu"),
+    AttributeDoc(f"{NVLINK_LAYER_PREFIX}<L>", "string", '"0-1-2"',
+                 f"clique layer L (0 to {NVLINK_LAYERS - 1}): GPUs with the same value are all directly "
+                 "linked with each other; the groups of one layer are disjoint and together the layers "
+                 "hold every maximal clique of the node (docs/nvlink.md); use one per firstAvailable "
+                 "subrequest", "no", "gpu"),
+    AttributeDoc(NVLINK_DOMAIN, "string", '"island-0"',
+                 "the GPU's NVLink island, only where every whole GPU of the island is linked to every "
+                 "other (NVSwitch): `matchAttribute` on it gives any k of them", "no", "gpu"),
+    AttributeDoc(NVLINK_CLIQUES, "strings (list attributes only)", '["0-1-2-3", "0-4"]',
+                 "ids of the maximal sets of mutually linked GPUs this GPU belongs to; `matchAttribute` "
+                 "on it (list semantics: the chosen GPUs share one value) gives k linked GPUs",
                  "no", "gpu"),
     AttributeDoc(nvlink_group_attribute(2), "string", '"nvl2-0-1"',
-                 "GPUs with the same value are mutually NVLink-linked whole GPUs; only when in such a pair",
+                 "legacy, fragments: ONE fixed partition into mutually linked pairs (a GPU may have "
+                 "none, and linked pairs across two groups are never offered); kept for older claims",
                  "no", "gpu"),
     AttributeDoc(nvlink_group_attribute(4), "string", '"nvl4-0-1-2-3"',
-                 "same, for a group of 4 mutually linked GPUs", "no", "gpu"),
+                 "legacy, fragments: same, one fixed partition into groups of 4", "no", "gpu"),
     AttributeDoc(nvlink_group_attribute(8), "string", '"nvl8-0-1-2-3-4-5-6-7"',
-                 "same, for a group of 8 (e.g. all GPUs of an NVSwitch box)", "no", "gpu"),
+                 "legacy, fragments: same, groups of 8", "no", "gpu"),
     AttributeDoc(f"{NVLINK_GROUP_PREFIX}<N>", "string", '"nvl16-0-1-…-15"',
-                 f"same, for N in {', '.join(str(n) for n in NVLINK_GROUP_SIZES[3:])}", "no", "gpu"),
-    AttributeDoc(NVLINK_CLIQUES, "strings (list attributes only)", '["0-1-2-3", "0-4"]',
-                 "ids of the maximal sets of mutually linked GPUs this GPU belongs to", "no", "gpu"),
+                 f"legacy, same, for N in {', '.join(str(n) for n in NVLINK_GROUP_SIZES[3:])}", "no", "gpu"),
     AttributeDoc(FABRIC_CLIQUE_ID, "string", '"8c1f…-…-….7"',
                  "multi-node NVLink fabric clique `<clusterUUID>.<cliqueId>` (NVIDIA's node label "
                  "`nvidia.com/gpu.clique`), only in a fabric", "label only", "gpu"),
@@ -196,6 +230,8 @@ class NvlinkFacts:
     island: str | None
     groups: Mapping[int, str]  # group size -> group id (members are mutually linked)
     cliques: tuple[str, ...] = ()  # ids of the maximal cliques this GPU is in
+    layers: Mapping[int, str] = dataclasses.field(default_factory=dict)  # layer -> group id
+    domain: str | None = None  # island id, where the island's whole GPUs are a clique
 
 
 @dataclass(frozen=True)
@@ -372,6 +408,9 @@ def _nvlink(facts: NvlinkFacts | None, gpu: GpuInfo, list_attributes: bool) -> d
     else:
         attrs[NVLINK_PEERS] = _peer_string(peers)
     attrs[NVLINK_ISLAND] = _id(facts.island)
+    attrs[NVLINK_DOMAIN] = _id(facts.domain)
+    for layer in range(NVLINK_LAYERS):
+        attrs[nvlink_layer_attribute(layer)] = _id(facts.layers.get(layer))
     for size in NVLINK_GROUP_SIZES:
         attrs[nvlink_group_attribute(size)] = _id(facts.groups.get(size))
     if list_attributes:
@@ -422,20 +461,25 @@ def _mig_device(gpu: GpuInfo, mig: MigDevice, inventory: Inventory,
     return attrs, capacity
 
 
-# What goes first when a device would break a per-device limit: list attributes, then
-# our own optional additions, largest NVLink groups first. NVIDIA's names never go,
-# except memorySlice<i> as the very last resort (a MIG instance wider than any so far).
+# What goes first when a device would break a per-device limit. Over the 48 values:
+# the long lists. Over the 32 entries: the legacy fixed groups (largest first), then our
+# other optional additions; the clique layers come late, as the budget above leaves room
+# for them. NVIDIA's names never go, except memorySlice<i> as the very last resort (a MIG
+# instance wider than any so far).
+_VALUE_DROP_ORDER: tuple[str, ...] = (NVLINK_PEERS, NVLINK_CLIQUES)
 _ATTRIBUTE_DROP_ORDER: tuple[str, ...] = (
-    NVLINK_CLIQUES,
-    NVLINK_PEERS,
     *(nvlink_group_attribute(s) for s in reversed(NVLINK_GROUP_SIZES)),
-    NVLINK_ISLAND,
+    NVLINK_PEERS,
+    NVLINK_CLIQUES,
     NUMA_NODE,
     NVLINK_PEER_COUNT,
     PARENT_INDEX,
     MINOR,
     INDEX,
+    NVLINK_ISLAND,
     FABRIC_CLIQUE_ID,
+    NVLINK_DOMAIN,
+    *(nvlink_layer_attribute(n) for n in reversed(range(NVLINK_LAYERS))),
 )
 
 
@@ -445,6 +489,10 @@ def _fits(device: DeviceAttributes) -> bool:
 
 def _fit(attrs: JSON, capacity: JSON, optional_capacity: tuple[str, ...]) -> DeviceAttributes:
     device = DeviceAttributes(attrs, capacity)
+    for name in _VALUE_DROP_ORDER:
+        if device.value_count <= MAX_ATTRIBUTE_VALUES:
+            break
+        device = DeviceAttributes(_without(device.attributes, name), device.capacity)
     drops = [(name, True) for name in _ATTRIBUTE_DROP_ORDER] + [(name, False) for name in optional_capacity]
     for name, is_attribute in drops:
         if _fits(device):

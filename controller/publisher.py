@@ -29,7 +29,7 @@ from kubernetes.aio import client
 
 from controller.plan import SLICES, PoolSpec, plan_pool, up_to_date
 from controller.probe import ListAttributesMode, resolve_features
-from controller.slices import SliceFeatures, desired_slices
+from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import kube
 from dra_driver.gpu.model import Inventory
 from dra_driver.jsontypes import JSON
@@ -263,10 +263,28 @@ def pools_for(
     inventories: Mapping[str, Inventory], driver: str, features: SliceFeatures
 ) -> dict[str, PoolSpec]:
     """One pool per node, named after the node."""
+    for node, inv in inventories.items():
+        warn_uncovered_cliques(node, inv)
     return {
         node: PoolSpec(name=node, node_name=node, slice_specs=desired_slices(inv, node, driver, features))
         for node, inv in inventories.items()
     }
+
+
+def warn_uncovered_cliques(node: str, inventory: Inventory) -> None:
+    """Say in the log which NVLink-linked sets the published layers cannot give (GA claim shape)."""
+    topology = published_topology(inventory)
+    if topology.clique_layers.complete:
+        return
+    left_out = {
+        str(c.size): ["-".join(map(str, u)) for u in c.uncovered] for c in topology.coverage() if c.uncovered
+    }
+    log.warning(
+        "NVLink topology has more cliques than the clique layers can hold; publishing the best cover. "
+        "Claims using the GA shape (firstAvailable over nvlinkClique<L>) cannot get the sets left out; "
+        "nvlinkCliques (list-type attributes) still gives them",
+        node=node, layers=len(topology.clique_layers.layers), left_out=left_out,
+    )
 
 
 async def slice_controller(

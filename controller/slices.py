@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controller.attributes import DeviceAttributes, NvlinkFacts, device_attributes
+from controller.attributes import NVLINK_LAYERS, DeviceAttributes, NvlinkFacts, device_attributes
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
-from dra_driver.gpu.topology import nvlink_topology
+from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
 from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label, is_dns_subdomain
 
@@ -44,11 +44,17 @@ def _device_order(device: NodeDevice) -> tuple[int, int]:
     return device.gpu.index, device.mig.placement_start if device.mig else -1
 
 
+def published_topology(inventory: Inventory) -> NvlinkTopology:
+    """The NVLink topology as the slices publish it: with as many clique layers as they hold."""
+    return nvlink_topology(inventory, max_layers=NVLINK_LAYERS)
+
+
 def nvlink_facts(inventory: Inventory) -> dict[int, NvlinkFacts]:
     """The NVLink facts of every GPU, by index."""
     return {
-        g.index: NvlinkFacts(peers=g.peers, island=g.island, groups=g.groups_by_size, cliques=g.cliques)
-        for g in nvlink_topology(inventory).gpus
+        g.index: NvlinkFacts(peers=g.peers, island=g.island, groups=g.groups_by_size, cliques=g.cliques,
+                             layers=dict(g.layers), domain=g.domain)
+        for g in published_topology(inventory).gpus
     }
 
 

@@ -11,9 +11,10 @@ import json
 
 import click
 
+from controller.attributes import nvlink_layer_attribute
+from controller.slices import published_topology
 from dra_driver.gpu import GpuDiscoveryError, NvmlUnavailableError, discover, list_profiles
 from dra_driver.gpu.report import inventory_document, render_table
-from dra_driver.gpu.topology import nvlink_topology
 
 NO_DRIVER_HINT = (
     "No NVIDIA driver found: {reason}.\n"
@@ -40,11 +41,12 @@ def inventory(simulate: str | None, output: str, list_only: bool) -> None:
         raise click.ClickException(NO_DRIVER_HINT.format(reason=err)) from err
     except GpuDiscoveryError as err:
         raise click.ClickException(str(err)) from err
-    topology = nvlink_topology(inv)
+    # The topology as the slices publish it, so the layers shown are the published ones.
+    topology = published_topology(inv)
     if output == "json":
-        click.echo(json.dumps(inventory_document(inv, topology), indent=2))
+        click.echo(json.dumps(inventory_document(inv, topology, nvlink_layer_attribute), indent=2))
     else:
-        click.echo(render_table(inv, topology))
+        click.echo(render_table(inv, topology, nvlink_layer_attribute))
 
 
 def _print_profiles(output: str) -> None:

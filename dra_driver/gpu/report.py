@@ -1,13 +1,16 @@
 """The inventory as people and programs read it: a JSON document and a text table.
 
 Pure functions of an `Inventory` and its `NvlinkTopology`; nothing here discovers or
-prints. `inventory_document()` is the stable JSON form documented in docs/inventory.md
+prints, and nothing here knows the slices' attribute names: the caller passes
+`layer_name` (layer number -> the attribute that publishes it) to say which attribute
+gives each clique. `inventory_document()` is the stable JSON form documented in docs/inventory.md
 (`SCHEMA_VERSION` changes only when a key is removed or changes meaning);
 `render_table()` is the human form with a connectivity matrix like `nvidia-smi topo -m`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice, PcieLevel
@@ -15,6 +18,11 @@ from dra_driver.gpu.topology import NvlinkTopology
 
 SCHEMA_VERSION = 1
 GIB = 1024**3
+LayerName = Callable[[int], str]
+
+
+def _layer(number: int) -> str:
+    return f"layer {number}"
 
 
 def connection(inventory: Inventory, topology: NvlinkTopology, a: int, b: int) -> str:
@@ -85,6 +93,8 @@ def _gpu_document(g: GpuInfo, topology: NvlinkTopology) -> dict[str, Any]:
         "nvlinkIsland": t.island,
         "nvlinkGroups": {str(size): gid for size, gid in t.groups},
         "nvlinkCliques": list(t.cliques),
+        "nvlinkLayers": {str(layer): gid for layer, gid in t.layers},
+        "nvlinkDomain": t.domain,
         "fabricClique": (
             {
                 "clusterUUID": g.fabric_clique.cluster_uuid,
@@ -97,7 +107,31 @@ def _gpu_document(g: GpuInfo, topology: NvlinkTopology) -> dict[str, Any]:
     }
 
 
-def inventory_document(inventory: Inventory, topology: NvlinkTopology) -> dict[str, Any]:
+def _cliques_document(topology: NvlinkTopology, layer_name: LayerName) -> dict[str, Any]:
+    layers = topology.clique_layers
+    return {
+        "layers": [
+            {"layer": n, "attribute": layer_name(n), "groups": [list(g) for g in groups]}
+            for n, groups in enumerate(layers.layers)
+        ],
+        "complete": layers.complete,
+        "domains": [list(d) for d in topology.domains],
+        "coverage": [
+            {"size": c.size, "cliques": c.cliques, "covered": c.covered,
+             "uncovered": [list(u) for u in c.uncovered]}
+            for c in topology.coverage()
+        ],
+        "exposedBy": [
+            {"clique": list(c), "layer": layers.layer_of(c),
+             "attribute": None if (n := layers.layer_of(c)) is None else layer_name(n)}
+            for c in topology.cliques
+        ],
+    }
+
+
+def inventory_document(
+    inventory: Inventory, topology: NvlinkTopology, layer_name: LayerName = _layer
+) -> dict[str, Any]:
     """The JSON-ready document of docs/inventory.md."""
     return {
         "schemaVersion": SCHEMA_VERSION,
@@ -110,6 +144,7 @@ def inventory_document(inventory: Inventory, topology: NvlinkTopology) -> dict[s
             "islands": [list(i) for i in topology.islands],
             "cliques": [list(c) for c in topology.cliques],
             "links": [{"gpus": [p.a, p.b], "links": p.links, "via": p.via.value} for p in topology.links],
+            "cliqueLayers": _cliques_document(topology, layer_name),
         },
         "connectivity": connectivity_matrix(inventory, topology),
     }
@@ -126,7 +161,41 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def render_table(inventory: Inventory, topology: NvlinkTopology) -> str:
+def _members(clique: tuple[int, ...]) -> str:
+    return "{" + ",".join(str(m) for m in clique) + "}"
+
+
+def render_cliques(topology: NvlinkTopology, layer_name: LayerName = _layer) -> list[str]:
+    """What a claim for k NVLink-connected GPUs can get, and which attribute gives each set."""
+    layers = topology.clique_layers
+    if not topology.cliques:
+        return ["NVLink cliques: none (no two whole GPUs are directly linked)"]
+    lines = ["NVLink cliques (maximal sets of whole GPUs all linked with each other):"]
+    rows = []
+    for clique in topology.cliques:
+        number = layers.layer_of(clique)
+        if number is not None:
+            given = f"{layer_name(number)} (layer {number})"
+        else:
+            parts = [f"{_members(g)} in {layer_name(n)}" for n, groups in enumerate(layers.layers)
+                     for g in groups if len(g) >= 2 and set(g) < set(clique)]
+            given = "NOT whole: " + (", ".join(parts) if parts else "no layer")
+        if clique in topology.domains:
+            given += ", nvlinkDomain"
+        rows.append([_members(clique), str(len(clique)), given])
+    lines += ["  " + line for line in _table(["CLIQUE", "GPUS", "GIVEN BY"], rows)]
+    lines += ["", "Linked sets by size (what `count: k` with the documented claim can get):"]
+    cov_rows = [[str(c.size), str(c.cliques), str(c.covered),
+                 ", ".join(_members(u) for u in c.uncovered) or "-"] for c in topology.coverage()]
+    lines += ["  " + line for line in _table(["K", "CLIQUES", "COVERED", "LEFT OUT"], cov_rows)]
+    if not layers.complete:
+        lines += ["", f"WARNING: {len(layers.layers)} layers cannot hold every clique of this node; "
+                      "the sets above marked LEFT OUT cannot be asked for with the GA claim shape "
+                      "(the list attribute nvlinkCliques still gives them where it is served)."]
+    return lines
+
+
+def render_table(inventory: Inventory, topology: NvlinkTopology, layer_name: LayerName = _layer) -> str:
     lines = [
         f"GPU inventory ({inventory.source}): {len(inventory.gpus)} GPU(s), "
         f"driver {inventory.driver_version}, CUDA {inventory.cuda_driver_version}",
@@ -145,11 +214,11 @@ def render_table(inventory: Inventory, topology: NvlinkTopology) -> str:
                 "-" if g.numa_node is None else str(g.numa_node),
                 f"{len(g.mig_devices)} dev" if g.mig_enabled else "off",
                 ",".join(str(p) for p in t.peers) or "-",
-                " ".join(gid for _, gid in t.groups) or "-",
+                " ".join(f"{layer_name(n)}={gid}" for n, gid in t.layers) or "-",
             ]
         )
     lines += _table(
-        ["GPU", "PRODUCT", "MEMORY", "CC", "PCI", "NUMA", "MIG", "NVLINK PEERS", "NVLINK GROUPS"], rows
+        ["GPU", "PRODUCT", "MEMORY", "CC", "PCI", "NUMA", "MIG", "NVLINK PEERS", "CLIQUE LAYERS"], rows
     )
 
     migs = [m for g in inventory.gpus for m in g.mig_devices]
@@ -171,6 +240,8 @@ def render_table(inventory: Inventory, topology: NvlinkTopology) -> str:
                 for m in migs
             ],
         )
+
+    lines += ["", *render_cliques(topology, layer_name)]
 
     cliques = [g.fabric_clique.id for g in inventory.gpus if g.fabric_clique is not None]
     if cliques:

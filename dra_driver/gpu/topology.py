@@ -14,10 +14,18 @@
   Chosen greedily: maximal cliques largest first (ties by lowest member indexes), each
   cut into consecutive runs of k not-yet-grouped members. Id: "nvl<k>-<members>",
   e.g. "nvl4-0-1-2-3".
+  These fixed partitions fragment (a ring's pairs 1-2, 3-4... are in no group): they are
+  kept for claims written against them; `layers` is what the documented claims use.
 - `cliques`: ids ("0-1-2-3") of the maximal cliques (2+ GPUs) it belongs to, for
-  list-type attributes.
-Groups and cliques are formed among whole GPUs only: a GPU with MIG enabled cannot be
-allocated whole, so it keeps its peers and island but has no group and no clique.
+  list-type attributes (`matchAttribute` on a list = the chosen GPUs share one value).
+- `layers`: (layer, group id) for each layer of `dra_driver.gpu.cliques.clique_layers`
+  whose groups hold it: the groups of a layer are disjoint cliques, and together the
+  layers hold every maximal clique (up to `max_layers`; `NvlinkTopology.coverage()` says
+  what a shortfall leaves out). Group id: the members, "0-1-2".
+- `domain`: its island's id when the whole GPUs of that island are all mutually linked
+  (NVSwitch), else None.
+Groups, cliques, layers and domains are formed among whole GPUs only: a GPU with MIG
+enabled cannot be allocated whole, so it keeps its peers and island but has none of them.
 `NvlinkTopology.links` gives the link count per connected pair (`NV#` in the matrix).
 `compute_topology(indexes, edges)` is the same computation on a bare graph.
 """
@@ -28,7 +36,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from dra_driver.gpu.cliques import (
+    MAX_LAYERS,
+    Adjacency,
+    CliqueLayers,
+    Coverage,
+    clique_layers,
+    coverage,
+    maximal_cliques,
+)
 from dra_driver.gpu.model import GpuInfo, Inventory, LinkEndpointKind
+
+__all__ = ["MAX_LAYERS", "maximal_cliques"]  # re-exported: callers of this module use them
 
 
 class LinkVia(StrEnum):
@@ -54,6 +73,8 @@ class GpuTopology:
     island: str
     groups: tuple[tuple[int, str], ...]  # (size, group id), ascending size
     cliques: tuple[str, ...]
+    layers: tuple[tuple[int, str], ...] = ()  # (layer, group id), ascending layer
+    domain: str | None = None
 
     def group(self, size: int) -> str | None:
         return dict(self.groups).get(size)
@@ -63,6 +84,9 @@ class GpuTopology:
         return dict(self.groups)
 
 
+_NO_LAYERS = CliqueLayers(layers=(), complete=True)
+
+
 @dataclass(frozen=True)
 class NvlinkTopology:
     gpus: tuple[GpuTopology, ...]
@@ -70,6 +94,17 @@ class NvlinkTopology:
     cliques: tuple[tuple[int, ...], ...]  # maximal cliques of 2+ GPUs, largest first
     group_sizes: tuple[int, ...]
     links: tuple[PairLink, ...]
+    clique_layers: CliqueLayers = _NO_LAYERS
+    clique_graph: tuple[tuple[int, tuple[int, ...]], ...] = ()  # whole GPUs -> their whole peers
+    domains: tuple[tuple[int, ...], ...] = ()  # islands whose whole GPUs are a clique of 2+
+
+    def coverage(self) -> tuple[Coverage, ...]:
+        """Per clique size 2..largest: the cliques, and how many the layers give."""
+        return coverage(self.adjacency, self.clique_layers)
+
+    @property
+    def adjacency(self) -> Adjacency:
+        return {n: frozenset(peers) for n, peers in self.clique_graph}
 
     def gpu(self, index: int) -> GpuTopology:
         for g in self.gpus:
@@ -142,7 +177,7 @@ def _p2p_nvlink(a: GpuInfo, b: GpuInfo) -> bool:
     return any(p is not None and p.nvlink_p2p is True for p in (ab, ba))
 
 
-def nvlink_topology(inventory: Inventory) -> NvlinkTopology:
+def nvlink_topology(inventory: Inventory, max_layers: int = MAX_LAYERS) -> NvlinkTopology:
     """Peers, islands, groups and maximal cliques of the inventory's NVLink graph.
 
     Groups and cliques are among whole GPUs only: a GPU in MIG mode cannot be allocated
@@ -154,6 +189,7 @@ def nvlink_topology(inventory: Inventory) -> NvlinkTopology:
         [(p.a, p.b) for p in pairs],
         pairs,
         groupable=[g.index for g in inventory.gpus if not g.mig_enabled],
+        max_layers=max_layers,
     )
 
 
@@ -162,6 +198,7 @@ def compute_topology(
     edges: Iterable[tuple[int, int]],
     links: tuple[PairLink, ...] = (),
     groupable: Iterable[int] | None = None,
+    max_layers: int = MAX_LAYERS,
 ) -> NvlinkTopology:
     """The topology of an undirected graph given as GPU indexes and NVLink-connected pairs.
 
@@ -180,6 +217,14 @@ def compute_topology(
     cliques = tuple(c for c in maximal_cliques(induced) if len(c) >= 2)
     sizes = group_sizes(len(members))
     groups = {size: assign_groups(cliques, size) for size in sizes}
+    layered = clique_layers(cliques, max_layers)
+    domains = tuple(
+        whole
+        for island in islands
+        if len(whole := tuple(m for m in island if m in members)) >= 2 and _is_clique(induced, whole)
+    )
+    domain_of = {m: f"island-{island[0]}" for island in islands for m in island
+                 if any(m in d for d in domains)}
 
     island_of = {m: f"island-{island[0]}" for island in islands for m in island}
     gpus = []
@@ -197,9 +242,24 @@ def compute_topology(
                 island=island_of[n],
                 groups=gpu_groups,
                 cliques=tuple(_join(c) for c in cliques if n in c),
+                layers=tuple(
+                    (number, _join(group))
+                    for number, layer in enumerate(layered.layers)
+                    for group in layer
+                    if n in group
+                ),
+                domain=domain_of.get(n),
             )
         )
-    return NvlinkTopology(gpus=tuple(gpus), islands=islands, cliques=cliques, group_sizes=sizes, links=links)
+    return NvlinkTopology(
+        gpus=tuple(gpus), islands=islands, cliques=cliques, group_sizes=sizes, links=links,
+        clique_layers=layered, clique_graph=tuple((n, tuple(sorted(induced[n]))) for n in sorted(induced)),
+        domains=domains,
+    )
+
+
+def _is_clique(adjacency: Adjacency, members: tuple[int, ...]) -> bool:
+    return all(set(members) - {m} <= adjacency[m] for m in members)
 
 
 def group_sizes(gpu_count: int) -> tuple[int, ...]:
@@ -229,24 +289,6 @@ def connected_components(adjacency: Mapping[int, frozenset[int]]) -> tuple[tuple
         seen |= members
         components.append(tuple(sorted(members)))
     return tuple(components)
-
-
-def maximal_cliques(adjacency: Mapping[int, frozenset[int]]) -> tuple[tuple[int, ...], ...]:
-    """Every maximal clique (Bron-Kerbosch with pivoting), largest first, then by members."""
-    found: list[tuple[int, ...]] = []
-
-    def expand(r: frozenset[int], p: frozenset[int], x: frozenset[int]) -> None:
-        if not p and not x:
-            found.append(tuple(sorted(r)))
-            return
-        pivot = max(p | x, key=lambda n: (len(adjacency[n] & p), -n))
-        for v in sorted(p - adjacency[pivot]):
-            expand(r | {v}, p & adjacency[v], x & adjacency[v])
-            p = p - {v}
-            x = x | {v}
-
-    expand(frozenset(), frozenset(adjacency), frozenset())
-    return tuple(sorted(found, key=lambda c: (-len(c), c)))
 
 
 def assign_groups(cliques: Iterable[tuple[int, ...]], size: int) -> tuple[tuple[int, ...], ...]:

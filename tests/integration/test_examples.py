@@ -22,6 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from controller.attributes import CAPACITIES, VOCABULARY
+from controller.claim_shapes import linked_gpus_ga
 from demo.report import quantity_bytes
 from demo.run import (
     DEMO_NODES,
@@ -269,7 +270,7 @@ def index_is(index: int) -> str:
 def test_every_example_file_has_an_intent_test() -> None:
     numbers = {name[:2] for name in EXAMPLES}
     tests = {name[len("test_"):][:2] for name in globals() if re.match(r"test_\d\d_", name)}
-    assert numbers == {f"{n:02d}" for n in range(1, 11)}
+    assert numbers == {f"{n:02d}" for n in range(1, 12)}
     assert numbers <= tests, f"examples without a test_NN_ function: {sorted(numbers - tests)}"
     assert {p.name for p in device_class_files()} == {"gpu.yaml", "mig.yaml", "gpu-extended-resource.yaml"}
 
@@ -383,6 +384,20 @@ def test_06_four_gpus_are_mutually_linked_on_the_cube_mesh(scope: Scope, cluster
             assert cluster.linked(V100, a, b), f"{a} and {b} are not NVLink peers"
     assert {cluster.index(V100, d) for d in devices} == {4, 5, 6, 7}
     assert len(scope.prepare(pod, claim)) == 4
+
+
+def test_11_three_linked_gpus_through_the_list_attribute(scope: Scope, cluster: Cluster) -> None:
+    # This control plane serves list-type attributes (DRAListTypeAttributes is on).
+    scope.apply("11-nvlink-three-gpus-list-attributes.yaml")
+    pod = scope.bound("nvlink-three")
+    (claim,) = scope.claims(pod)
+    devices = allocated(claim)
+    assert len(devices) == 3
+    node = pod["spec"]["nodeName"]
+    for i, (_, a) in enumerate(devices):
+        for _, b in devices[i + 1:]:
+            assert cluster.linked(node, a, b), f"{a} and {b} on {node} are not NVLink peers"
+    assert len(scope.prepare(pod, claim)) == 3
 
 
 def _free_gpus(cluster: Cluster, node: str) -> int:
@@ -500,10 +515,11 @@ def example_05_on_a100(name: str, with_constraint: bool) -> JSON:
     template = next(d for d in docs if d["kind"] == "ResourceClaimTemplate")
     template["metadata"]["name"] = name
     devices = template["spec"]["spec"]["devices"]
-    assert devices["constraints"] == [{"requests": ["gpus"], "matchAttribute": f"{DRIVER}/nvlinkGroup2"}]
+    assert devices == linked_gpus_ga(2)
     if not with_constraint:
         del devices["constraints"]
-    devices["requests"][0]["exactly"]["selectors"] = [{"cel": {"expression": product_is("A100")}}]
+    for sub in devices["requests"][0]["firstAvailable"]:
+        sub["selectors"] = [{"cel": {"expression": product_is("A100")}}]
     return template
 
 

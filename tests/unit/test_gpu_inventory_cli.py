@@ -77,12 +77,15 @@ def test_table_is_readable() -> None:
     assert code == 0
     lines = out.splitlines()
     header = next(line for line in lines if line.startswith("GPU  PRODUCT"))
-    for column in ("PRODUCT", "MEMORY", "PCI", "NUMA", "NVLINK PEERS", "NVLINK GROUPS"):
+    # The table shows the clique layers the slices publish (docs/nvlink.md), not the legacy groups.
+    for column in ("PRODUCT", "MEMORY", "PCI", "NUMA", "NVLINK PEERS", "CLIQUE LAYERS"):
         assert column in header
     assert any(
-        re.match(r"0\s+NVIDIA A100 80GB PCIe\s+80\.0 GiB\s+8\.0\s+0000:17:00\.0\s+0\s+off\s+1\s+nvl2-0-1$", x)
+        re.match(r"0\s+NVIDIA A100 80GB PCIe\s+80\.0 GiB\s+8\.0\s+0000:17:00\.0\s+0\s+off\s+1\s+"
+                 r"nvlinkClique0=0-1$", x)
         for x in lines
     )
+    assert "  {0,1}   2     nvlinkClique0 (layer 0), nvlinkDomain" in lines
     matrix = lines[lines.index("Connectivity:") + 1 :]
     assert re.split(r"\s+", matrix[1].strip()) == ["GPU0", "X", "NV12", "SYS", "SYS"]
 

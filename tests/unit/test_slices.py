@@ -624,8 +624,7 @@ def test_docs_table_is_the_vocabulary() -> None:
 
 def test_every_published_name_is_in_the_vocabulary() -> None:
     documented = {a.name for a in A.VOCABULARY} | {c.name for c in A.CAPACITIES}
-    patterns = [re.compile("^" + re.escape(n).replace("<N>", r"\d+").replace("<i>", r"\d+") + "$")
-                for n in documented]
+    patterns = [re.compile("^" + re.sub(r"<[NiL]>", r"\\d+", re.escape(n)) + "$") for n in documented]
     invs = [hgx_h100(), dgx1_cube_mesh(), mig_inventory(),
             inventory(gpu(0, fabric_clique=FabricClique("x", 1), links=[1]), gpu(1, links=[0]))]
     for inv, features in itertools.product(invs, (OFF, ON)):

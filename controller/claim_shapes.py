@@ -1,0 +1,77 @@
+"""The documented claim shapes for "k GPUs that are all NVLink-connected with each other".
+
+Two shapes, as the `spec.devices` of a ResourceClaim (JSON-ready, `resource.k8s.io/v1`):
+- `linked_gpus_ga(k)`: for any cluster (GA API only). One request whose `firstAvailable`
+  holds one subrequest per clique layer (`layer0` ... `layer7`, each `count: k`), and one
+  `matchAttribute: <driver>/nvlinkClique<L>` constraint per subrequest, naming it as
+  `<request>/<subrequest>`. The scheduler tries the layers in order and takes the first
+  whose groups still hold k free GPUs; since the layers together hold every maximal
+  clique, it finds k linked GPUs whenever the free GPUs of a node contain k linked ones.
+  The allocation says which layer gave them (`request: gpus/layer1`).
+- `linked_gpus_list(k)`: where the API server serves list-type attributes
+  (DRAListTypeAttributes). One request, `count: k`, `matchAttribute: <driver>/nvlinkCliques`:
+  with list attributes `matchAttribute` means "the chosen devices' lists share a value",
+  and every value is a maximal clique.
+deploy/examples/ holds these shapes (a unit test keeps them equal). Pure: builds JSON,
+does no I/O and does not decide what a slice publishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from controller.attributes import NVLINK_CLIQUES, NVLINK_LAYERS, nvlink_layer_attribute
+from dra_driver import DEFAULT_DRIVER_NAME
+from dra_driver.jsontypes import JSON
+
+REQUEST = "gpus"
+
+
+def layer_subrequest(layer: int) -> str:
+    return f"layer{layer}"
+
+
+def _selectors(selectors: Sequence[str]) -> list[JSON]:
+    return [{"cel": {"expression": s}} for s in selectors]
+
+
+def linked_gpus_ga(
+    k: int,
+    driver: str = DEFAULT_DRIVER_NAME,
+    device_class: str = DEFAULT_DRIVER_NAME,
+    selectors: Sequence[str] = (),
+    layers: int = NVLINK_LAYERS,
+    request: str = REQUEST,
+) -> JSON:
+    """k mutually linked GPUs through the clique layers (GA API: firstAvailable + matchAttribute)."""
+    subrequests: list[JSON] = []
+    for layer in range(layers):
+        sub: JSON = {"name": layer_subrequest(layer), "deviceClassName": device_class, "count": k}
+        if selectors:
+            sub["selectors"] = _selectors(selectors)
+        subrequests.append(sub)
+    return {
+        "requests": [{"name": request, "firstAvailable": subrequests}],
+        "constraints": [
+            {"requests": [f"{request}/{layer_subrequest(layer)}"],
+             "matchAttribute": f"{driver}/{nvlink_layer_attribute(layer)}"}
+            for layer in range(layers)
+        ],
+    }
+
+
+def linked_gpus_list(
+    k: int,
+    driver: str = DEFAULT_DRIVER_NAME,
+    device_class: str = DEFAULT_DRIVER_NAME,
+    selectors: Sequence[str] = (),
+    request: str = REQUEST,
+) -> JSON:
+    """k mutually linked GPUs through the list attribute nvlinkCliques (DRAListTypeAttributes)."""
+    exactly: JSON = {"deviceClassName": device_class, "count": k}
+    if selectors:
+        exactly["selectors"] = _selectors(selectors)
+    return {
+        "requests": [{"name": request, "exactly": exactly}],
+        "constraints": [{"requests": [request], "matchAttribute": f"{driver}/{NVLINK_CLIQUES}"}],
+    }
