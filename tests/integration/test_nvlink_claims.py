@@ -1,0 +1,287 @@
+"""The documented NVLink claim shapes against the real kube-scheduler, on topologies made to fragment.
+
+Three simulated nodes, each published by a real `dra-driver controller` process under a
+driver name of this module's own (`nvlink-<suffix>.dra-driver.dev`), so that no claim of
+another test can land on them (its DeviceClass selects `gpu.dra-driver.dev`) and ours can
+land only on them (our DeviceClass selects our driver); every pod is pinned to its node:
+- an 8-GPU NVLink ring (published without list-type attributes: the GA form),
+- two NVLink triangles joined by one link,
+- an 8-GPU NVSwitch board.
+Chosen GPUs are made busy by claims allocated first (one request per GPU, selected by
+`index`, for a pod pinned to the node); then the documented claim for k GPUs
+(`controller.claim_shapes`) either gets a set whose every two GPUs are linked (checked
+against the simulated hardware's own links) or stays Pending with the scheduler's
+"cannot allocate all claims". Each case frees everything it created before the next.
+At the end the processes stop and the nodes, slices and DeviceClass are deleted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import pytest
+from kubernetes import client
+
+from controller.claim_shapes import linked_gpus_ga, linked_gpus_list
+from demo.run import RESOURCE_API, allocation_results, get_claim, get_pod, scheduler_reason
+from dra_driver.gpu import discover
+from dra_driver.gpu.topology import nvlink_topology
+from dra_driver.jsontypes import JSON
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import spawn_dra_driver
+from tests.harness.objects import create_node, sync_request, wait_for
+
+pytestmark = pytest.mark.integration
+
+SUFFIX = uuid.uuid4().hex[:6]
+DRIVER = f"nvlink-{SUFFIX}.dra-driver.dev"
+CLASS = f"nvlink-{SUFFIX}"
+SLICES = f"{RESOURCE_API}/resourceslices"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    profile: str
+    list_attributes: str  # --list-attributes
+    links: frozenset[frozenset[int]]
+
+    def linked(self, members: list[int]) -> bool:
+        return all(frozenset(p) in self.links for p in itertools.combinations(members, 2))
+
+
+def _node(kind: str, profile: str, list_attributes: str) -> Node:
+    topology = nvlink_topology(discover(profile))
+    links = frozenset(frozenset((p.a, p.b)) for p in topology.links)
+    return Node(f"nvl-{kind}-{SUFFIX}", profile, list_attributes, links)
+
+
+@dataclass
+class Bench:
+    api: client.ApiClient
+    nodes: dict[str, Node]
+
+
+@pytest.fixture(scope="module")
+def bench(
+    control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Bench]:
+    nodes = {
+        "ring": _node("ring", "ring8-v100", "off"),
+        "triangles": _node("tri", "bridged-triangles-v100", "auto"),
+        "nvswitch": _node("nvs", "hgx-h200", "auto"),
+    }
+    logs = tmp_path_factory.mktemp("nvlink")
+    procs: list[subprocess.Popen[bytes]] = []
+    sync_request(api, "POST", f"{RESOURCE_API}/deviceclasses", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": CLASS},
+        "spec": {"selectors": [{"cel": {"expression":
+            f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'}}]},
+    })
+    try:
+        for node in nodes.values():
+            create_node(api, node.name)
+            procs.append(spawn_dra_driver(
+                ["controller", "--node-name", node.name, "--simulate", node.profile,
+                 "--driver-name", DRIVER, "--list-attributes", node.list_attributes,
+                 "--kubeconfig", str(control_plane.kubeconfig)],
+                logs / f"{node.name}.log", log_level="info",
+            ))
+        for node in nodes.values():
+            wait_for(f"slices of {node.name}", partial(_devices, api, node.name), timeout=60)
+        yield Bench(api, nodes)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(15)
+        sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.driver={DRIVER}"})
+        for node in nodes.values():
+            sync_request(api, "DELETE", f"/api/v1/nodes/{node.name}")
+        sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{CLASS}")
+
+
+def _devices(api: client.ApiClient, node: str) -> list[JSON]:
+    query = {"fieldSelector": f"spec.driver={DRIVER},spec.nodeName={node}"}
+    slices = sync_request(api, "GET", SLICES, query=query)
+    return [d for s in slices["items"] for d in s["spec"].get("devices", [])]
+
+
+def _index_of(api: client.ApiClient, node: str) -> dict[str, int]:
+    return {d["name"]: d["attributes"]["index"]["int"] for d in _devices(api, node)}
+
+
+class Case:
+    """One namespace's worth of claims and pods on one node; `clear()` frees them all."""
+
+    def __init__(self, bench: Bench, namespace: str, node: Node) -> None:
+        self.api, self.ns, self.node = bench.api, namespace, node
+        self.pods: list[str] = []
+        self.counter = itertools.count()
+
+    def _create(self, devices: JSON) -> str:
+        name = f"c{next(self.counter)}"
+        sync_request(self.api, "POST", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": devices}})
+        sync_request(self.api, "POST", f"/api/v1/namespaces/{self.ns}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": self.node.name},
+                "automountServiceAccountToken": False,
+                "resourceClaims": [{"name": "gpus", "resourceClaimName": name}],
+                "containers": [{"name": "main", "image": "busybox:1.37", "command": ["sleep", "3600"],
+                                "resources": {"claims": [{"name": "gpus"}]}}],
+            }})
+        self.pods.append(name)
+        return name
+
+    def busy(self, *indexes: int) -> None:
+        """Make these GPUs busy: one claim with one request per GPU, allocated before the test claim."""
+        if not indexes:
+            return
+        requests = [{"name": f"gpu{i}", "exactly": {"deviceClassName": CLASS, "selectors": [
+            {"cel": {"expression": f'device.attributes["{DRIVER}"].index == {i}'}}]}} for i in indexes]
+        name = self._create({"requests": requests})
+        self._bound(name)
+
+    def _bound(self, name: str) -> JSON:
+        def probe() -> JSON | None:
+            pod = get_pod(self.api, self.ns, name)
+            return pod if pod["spec"].get("nodeName") else None
+
+        try:
+            return wait_for(f"pod {name} bound", probe, timeout=30)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; scheduler says: {scheduler_reason(self.api, self.ns, name)}") from e
+
+    def gets(self, devices: JSON) -> tuple[str, list[int]]:
+        """The claim is allocated: (the request or subrequest that got it, the GPU indexes)."""
+        name = self._create(devices)
+        assert self._bound(name)["spec"]["nodeName"] == self.node.name
+        results = allocation_results(get_claim(self.api, self.ns, name))
+        index = _index_of(self.api, self.node.name)
+        assert {r["driver"] for r in results} == {DRIVER} and {r["pool"] for r in results} == {self.node.name}
+        members = sorted(index[r["device"]] for r in results)
+        assert self.node.linked(members), f"{self.node.profile}: {members} are not all NVLink-linked"
+        (request,) = {r["request"] for r in results}
+        return request, members
+
+    def pending(self, devices: JSON) -> str:
+        name = self._create(devices)
+
+        def probe() -> str | None:
+            assert not get_pod(self.api, self.ns, name)["spec"].get("nodeName"), f"{name} was bound"
+            return scheduler_reason(self.api, self.ns, name) or None
+
+        reason = wait_for(f"a FailedScheduling event for {name}", probe, timeout=30)
+        assert "cannot allocate all claims" in reason, reason
+        assert not allocation_results(get_claim(self.api, self.ns, name))
+        return reason
+
+    def clear(self) -> None:
+        now = {"gracePeriodSeconds": "0"}
+        sync_request(self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods", query=now)
+        sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
+
+        def released() -> bool:
+            claims = sync_request(self.api, "GET", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
+            pods = sync_request(self.api, "GET", f"/api/v1/namespaces/{self.ns}/pods")
+            return not claims["items"] and not pods["items"]
+
+        wait_for("the case's claims and pods to be gone", released, timeout=60)
+        self.pods.clear()
+
+
+def ga(k: int) -> JSON:
+    return linked_gpus_ga(k, driver=DRIVER, device_class=CLASS)
+
+
+def lists(k: int) -> JSON:
+    return linked_gpus_list(k, driver=DRIVER, device_class=CLASS)
+
+
+@pytest.fixture
+def case(bench: Bench, namespace: str, request: pytest.FixtureRequest) -> Iterator[Case]:
+    c = Case(bench, namespace, bench.nodes[request.param])
+    try:
+        yield c
+    finally:
+        c.clear()
+
+
+def _layer(request: str) -> int:
+    assert request.startswith("gpus/layer"), request
+    return int(request.removeprefix("gpus/layer"))
+
+
+@pytest.mark.parametrize("case", ["ring"], indirect=True)
+def test_ring_every_linked_pair_is_given(case: Case) -> None:
+    # Published without list attributes: the GA form. The issue's case: 0 and 3 busy.
+    assert not any("strings" in v or "ints" in v for d in _devices(case.api, case.node.name)
+                   for v in d["attributes"].values())
+    case.busy(0, 3)
+    request, members = case.gets(ga(2))
+    assert not {0, 3} & set(members)
+    case.clear()
+    # Only 1-2 is a free linked pair, and a fixed pairing (0-1, 2-3, ...) never offers it.
+    case.busy(0, 3, 4, 5, 6, 7)
+    request, members = case.gets(ga(2))
+    assert members == [1, 2] and _layer(request) == 1
+    case.clear()
+    case.busy(0, 2, 4, 6)  # the free GPUs 1, 3, 5, 7 have no link between them
+    case.pending(ga(2))
+    case.clear()
+    case.pending(ga(3))  # a ring has no triangle
+
+
+@pytest.mark.parametrize("case", ["triangles"], indirect=True)
+def test_bridged_triangles_give_pairs_triangles_and_the_bridge(case: Case) -> None:
+    request, members = case.gets(ga(3))
+    assert members in ([0, 1, 2], [3, 4, 5])
+    case.clear()
+    case.busy(0, 1, 4, 5)  # only the bridge 2-3 is free and linked
+    request, members = case.gets(ga(2))
+    assert members == [2, 3] and _layer(request) == 1
+    case.clear()
+    case.busy(2)
+    assert case.gets(ga(3))[1] == [3, 4, 5]
+    case.clear()
+    case.busy(2, 3)  # no linked triple left; linked pairs are
+    case.pending(ga(3))
+    assert case.gets(ga(2))[1] in ([0, 1], [4, 5])
+    case.clear()
+    case.pending(ga(4))
+
+
+@pytest.mark.parametrize("case", ["triangles"], indirect=True)
+def test_bridged_triangles_list_attribute_shape(case: Case) -> None:
+    case.busy(0)
+    request, members = case.gets(lists(3))
+    assert members == [3, 4, 5] and request == "gpus"
+    case.clear()
+    case.busy(1, 4)
+    assert case.gets(lists(2))[1] in ([0, 2], [2, 3], [3, 5])
+    case.clear()
+    case.busy(2, 3)
+    case.pending(lists(3))
+
+
+@pytest.mark.parametrize("case", ["nvswitch"], indirect=True)
+def test_nvswitch_any_free_gpus_are_linked(case: Case) -> None:
+    for k in (2, 3, 4):
+        case.busy(0, 2)  # single-GPU pods on 0 and 2: {1,3}, {5,7}... must still be offered
+        request, members = case.gets(ga(k))
+        assert _layer(request) == 0 and not {0, 2} & set(members)
+        case.clear()
+    case.busy(0, 2, 4, 6)
+    assert case.gets(ga(4))[1] == [1, 3, 5, 7]
+    case.pending(ga(2))  # all eight busy now
+    case.clear()
+    case.busy(0, 2, 4, 6)
+    case.pending(ga(5))
