@@ -8,6 +8,9 @@ What is asserted, for any graph of n GPUs:
   island is connected using its own edges only;
 - maximal cliques are cliques, maximal, and every edge lies in one of them;
 - groups and cliques only hold "groupable" (whole, non-MIG) GPUs; peers and islands hold all;
+- clique layers: per layer disjoint cliques of groupable GPUs, each GPU's (layer, id) pairs
+  match them, a complete cover puts every maximal clique in a layer, and an island's whole
+  GPUs are a domain exactly when they are all linked;
 - on the complete graph, size k has exactly floor(n/k) groups for every power of two
   2 <= k <= n; so the largest power of two P <= n has floor(n/P) = 1 group, which holds
   every GPU when n is itself a power of two.
@@ -22,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dra_driver.gpu.model import GpuInfo, Inventory, LinkEndpointKind, NvLink
-from dra_driver.gpu.topology import NvlinkTopology, compute_topology, group_sizes, nvlink_topology
+from dra_driver.gpu.topology import MAX_LAYERS, NvlinkTopology, compute_topology, group_sizes, nvlink_topology
 
 Graph = tuple[int, frozenset[tuple[int, int]]]
 
@@ -178,3 +181,56 @@ def test_ids_are_deterministic_strings() -> None:
     assert a == b
     assert a.gpu(5).groups == ((2, "nvl2-4-5"), (4, "nvl4-4-5-6-7"), (8, "nvl8-0-1-2-3-4-5-6-7"))
     assert a.gpu(5).groups_by_size == {2: "nvl2-4-5", 4: "nvl4-4-5-6-7", 8: "nvl8-0-1-2-3-4-5-6-7"}
+
+
+def check_layers(n: int, edges: frozenset[tuple[int, int]], t: NvlinkTopology, whole: frozenset[int]) -> None:
+    """Clique layers: disjoint cliques per layer; complete means every maximal clique is a group."""
+    layers = t.clique_layers
+    assert len(layers.layers) <= MAX_LAYERS
+    for number, groups in enumerate(layers.layers):
+        members = [m for g in groups for m in g]
+        assert len(members) == len(set(members)), f"layer {number} overlaps: {groups}"
+        for group in groups:
+            assert len(group) >= 2 and set(group) <= whole
+            assert all(connected(a, b, edges) for a, b in itertools.combinations(group, 2))
+            assert {dict(t.gpu(m).layers)[number] for m in group} == {"-".join(map(str, group))}
+    if layers.complete:
+        assert all(layers.layer_of(c) is not None for c in t.cliques)
+        assert all(c.covered == c.cliques for c in t.coverage())
+    for g in t.gpus:
+        numbers = [number for number, groups in enumerate(layers.layers) for grp in groups if g.index in grp]
+        assert [number for number, _ in g.layers] == numbers
+    for island in t.islands:
+        members = tuple(m for m in island if m in whole)
+        linked = all(connected(a, b, edges) for a, b in itertools.combinations(members, 2))
+        is_domain = len(members) >= 2 and linked
+        assert (members in t.domains) == is_domain
+        assert {t.gpu(m).domain for m in members} <= ({f"island-{island[0]}"} if is_domain else {None})
+
+
+@settings(max_examples=150, deadline=None)
+@given(graphs(max_gpus=10), st.data())
+def test_clique_layers_on_random_graphs(graph: Graph, data: st.DataObject) -> None:
+    n, edges = graph
+    drawn = data.draw(st.sets(st.integers(min_value=0, max_value=max(n - 1, 0))))
+    groupable = frozenset(drawn) & frozenset(range(n))
+    t = compute_topology(range(n), edges, groupable=groupable)
+    check_layers(n, edges, t, groupable)
+
+
+def test_ring_and_bridged_triangles_layers() -> None:
+    ring = compute_topology(range(8), [(i, (i + 1) % 8) for i in range(8)])
+    assert ring.clique_layers.layers == (((0, 1), (2, 3), (4, 5), (6, 7)), ((0, 7), (1, 2), (3, 4), (5, 6)))
+    assert ring.gpu(1).layers == ((0, "0-1"), (1, "1-2")) and ring.domains == ()
+    triangles = compute_topology(range(6), [(0, 1), (0, 2), (1, 2), (2, 3), (3, 4), (3, 5), (4, 5)])
+    assert triangles.clique_layers.layers == (((0, 1, 2), (3, 4, 5)), ((2, 3),))
+    assert [(c.size, c.cliques, c.covered) for c in triangles.coverage()] == [(2, 7, 7), (3, 2, 2)]
+    switch = compute_topology(range(8), itertools.combinations(range(8), 2))
+    assert switch.clique_layers.layers == ((tuple(range(8)),),) and switch.domains == (tuple(range(8)),)
+    assert switch.gpu(3).domain == "island-0"
+    # Budget of one layer: the best cover holds the triangle 0-1-2 whole, the rest in parts.
+    edges = [(0, 1), (0, 2), (1, 2), (2, 3), (3, 4), (3, 5), (4, 5)]
+    short = compute_topology(range(6), edges, max_layers=1)
+    assert not short.clique_layers.complete
+    assert short.clique_layers.layers == (((0, 1, 2), (3, 4, 5)),)
+    assert [u for c in short.coverage() for u in c.uncovered] == [(2, 3)]

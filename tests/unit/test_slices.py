@@ -631,3 +631,39 @@ def test_every_published_name_is_in_the_vocabulary() -> None:
         for dev in devices_of(desired_slices(inv, NODE, DRIVER, features)):
             for name in [*dev["attributes"], *dev.get("capacity", {})]:
                 assert any(p.match(name) for p in patterns), name
+
+
+# ---------------------------------------------------------------- clique layers
+
+
+def test_ring_profile_publishes_two_layers_that_hold_every_linked_pair() -> None:
+    inv = profile_inventory("ring8-v100")
+    raw = raw_nvlink_graph(inv)
+    for features in (OFF, ON):
+        devs = by_name(desired_slices(inv, NODE, DRIVER, features))
+        layer_sets: set[frozenset[int]] = set()
+        for layer in range(A.NVLINK_LAYERS):
+            members: dict[str, set[int]] = {}
+            for d in devs.values():
+                value = d["attributes"].get(A.nvlink_layer_attribute(layer))
+                if value is not None:
+                    members.setdefault(value["string"], set()).add(attr(d, "index"))
+            layer_sets |= {frozenset(m) for m in members.values()}
+        assert layer_sets == raw  # every linked pair is exactly one group of some layer
+        assert attr(devs["gpu-1"], "nvlinkClique0") == "0-1" and attr(devs["gpu-1"], "nvlinkClique1") == "1-2"
+        assert not {"nvlinkClique2", "nvlinkDomain"} & set(devs["gpu-1"]["attributes"])
+
+
+def test_over_the_limit_the_legacy_groups_go_before_any_layer() -> None:
+    clique = FabricClique("c" * 36, 1)
+    inv = inventory(gpu(0, fabric_clique=clique), gpu(1))
+    facts = A.NvlinkFacts(
+        peers=(1,), island="island-0", groups={size: f"nvl{size}-x" for size in A.NVLINK_GROUP_SIZES},
+        cliques=("0-1",), layers={n: f"0-{n + 1}" for n in range(A.NVLINK_LAYERS)}, domain="island-0",
+    )
+    device = A.device_attributes(node_devices(inv)["gpu-0"], inv, facts, list_attributes=True)
+    assert device.count == A.MAX_ATTRIBUTES_AND_CAPACITIES
+    names = set(device.attributes)
+    assert {A.nvlink_layer_attribute(n) for n in range(A.NVLINK_LAYERS)} <= names
+    assert {"nvlinkDomain", "nvlinkCliques", "nvlinkIsland"} <= names
+    assert [s for s in A.NVLINK_GROUP_SIZES if A.nvlink_group_attribute(s) in names] == [2, 4]
