@@ -47,8 +47,6 @@ from dra_driver.gpu.cliques import (
 )
 from dra_driver.gpu.model import GpuInfo, Inventory, LinkEndpointKind
 
-__all__ = ["MAX_LAYERS", "maximal_cliques"]  # re-exported: callers of this module use them
-
 
 class LinkVia(StrEnum):
     """Why two GPUs count as NVLink peers."""

@@ -24,8 +24,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dra_driver.gpu.cliques import MAX_LAYERS
 from dra_driver.gpu.model import GpuInfo, Inventory, LinkEndpointKind, NvLink
-from dra_driver.gpu.topology import MAX_LAYERS, NvlinkTopology, compute_topology, group_sizes, nvlink_topology
+from dra_driver.gpu.topology import NvlinkTopology, compute_topology, group_sizes, nvlink_topology
 
 Graph = tuple[int, frozenset[tuple[int, int]]]
 
