@@ -13,16 +13,20 @@ Chosen GPUs are made busy by claims allocated first (one request per GPU, select
 against the simulated hardware's own links) or stays Pending with the scheduler's
 "cannot allocate all claims". Each case frees everything it created before the next.
 At the end the processes stop and the nodes, slices and DeviceClass are deleted.
+`test_ga_cluster_stable_allocator` repeats the GA cases on a control plane of its own
+whose gates keep the scheduler on its GA ("stable") allocator and serve no list attributes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -32,9 +36,9 @@ from demo.run import RESOURCE_API, allocation_results, get_claim, get_pod, sched
 from dra_driver.gpu import discover
 from dra_driver.gpu.topology import nvlink_topology
 from dra_driver.jsontypes import JSON
-from tests.harness.cluster import ControlPlane
+from tests.harness.cluster import FEATURE_GATES, ControlPlane
 from tests.harness.driver import spawn_dra_driver
-from tests.harness.objects import create_node, sync_request, wait_for
+from tests.harness.objects import create_node, sync_client, sync_request, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -67,16 +71,9 @@ class Bench:
     nodes: dict[str, Node]
 
 
-@pytest.fixture(scope="module")
-def bench(
-    control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Bench]:
-    nodes = {
-        "ring": _node("ring", "ring8-v100", "off"),
-        "triangles": _node("tri", "bridged-triangles-v100", "auto"),
-        "nvswitch": _node("nvs", "hgx-h200", "auto"),
-    }
-    logs = tmp_path_factory.mktemp("nvlink")
+@contextlib.contextmanager
+def published(kubeconfig: Path, api: client.ApiClient, nodes: dict[str, Node], logs: Path) -> Iterator[Bench]:
+    """Our DeviceClass and nodes, one `dra-driver controller` per node; all removed afterwards."""
     procs: list[subprocess.Popen[bytes]] = []
     sync_request(api, "POST", f"{RESOURCE_API}/deviceclasses", {
         "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": CLASS},
@@ -89,7 +86,7 @@ def bench(
             procs.append(spawn_dra_driver(
                 ["controller", "--node-name", node.name, "--simulate", node.profile,
                  "--driver-name", DRIVER, "--list-attributes", node.list_attributes,
-                 "--kubeconfig", str(control_plane.kubeconfig)],
+                 "--kubeconfig", str(kubeconfig)],
                 logs / f"{node.name}.log", log_level="info",
             ))
         for node in nodes.values():
@@ -104,6 +101,19 @@ def bench(
         for node in nodes.values():
             sync_request(api, "DELETE", f"/api/v1/nodes/{node.name}")
         sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{CLASS}")
+
+
+@pytest.fixture(scope="module")
+def bench(
+    control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Bench]:
+    nodes = {
+        "ring": _node("ring", "ring8-v100", "off"),
+        "triangles": _node("tri", "bridged-triangles-v100", "auto"),
+        "nvswitch": _node("nvs", "hgx-h200", "auto"),
+    }
+    with published(control_plane.kubeconfig, api, nodes, tmp_path_factory.mktemp("nvlink")) as b:
+        yield b
 
 
 def _devices(api: client.ApiClient, node: str) -> list[JSON]:
@@ -285,3 +295,54 @@ def test_nvswitch_any_free_gpus_are_linked(case: Case) -> None:
     case.clear()
     case.busy(0, 2, 4, 6)
     case.pending(ga(5))
+
+
+# A GA cluster as far as DRA goes: no list-type attributes, and none of the beta features
+# that move the scheduler off its "stable" allocator (k8s.io/dynamic-resource-allocation
+# structured/internal/stable SupportedFeatures: admin access, prioritized list,
+# partitionable devices, device taints).
+GA_GATES = ",".join(
+    [g for g in FEATURE_GATES.split(",")
+     if g.split("=")[0] not in {"DRAConsumableCapacity", "DRAListTypeAttributes"}]
+    + ["DRAConsumableCapacity=false", "DRADeviceBindingConditions=false", "DRAFractionalCapacityRange=false",
+       "DRAListTypeAttributes=false"]
+)
+
+
+@dataclass
+class GaControlPlane(ControlPlane):
+    feature_gates: str = GA_GATES
+
+
+def test_ga_cluster_stable_allocator(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The GA claim shape on a control plane whose scheduler runs the stable allocator."""
+    cp = GaControlPlane.start(work_dir=tmp_path_factory.mktemp("ga-cluster"))
+    try:
+        api = sync_client(str(cp.kubeconfig))
+        nodes = {"ring": _node("ring", "ring8-v100", "auto"),
+                 "triangles": _node("tri", "bridged-triangles-v100", "auto")}
+        with published(cp.kubeconfig, api, nodes, tmp_path_factory.mktemp("ga-nvlink")) as b:
+            # --list-attributes auto found no list-type attributes on this server.
+            for node in nodes.values():
+                assert not any("strings" in v or "ints" in v for d in _devices(api, node.name)
+                               for v in d["attributes"].values())
+            namespace = "nvlink-ga"
+            sync_request(api, "POST", "/api/v1/namespaces",
+                         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+            ring = Case(b, namespace, nodes["ring"])
+            ring.busy(0, 3, 4, 5, 6, 7)
+            request, members = ring.gets(ga(2))
+            assert members == [1, 2] and _layer(request) == 1
+            ring.clear()
+            tri = Case(b, namespace, nodes["triangles"])
+            assert tri.gets(ga(3))[1] in ([0, 1, 2], [3, 4, 5])
+            tri.clear()
+            tri.busy(0, 1, 4, 5)
+            request, members = tri.gets(ga(2))
+            assert members == [2, 3] and _layer(request) == 1
+            tri.clear()
+            tri.busy(2, 3)
+            tri.pending(ga(3))
+            tri.clear()
+    finally:
+        cp.stop()
