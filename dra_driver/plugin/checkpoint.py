@@ -5,11 +5,17 @@ gone from the API server, so the plugin must remember what it prepared. Prepare 
 claim as `started` before it touches the node (CDI spec, sharing daemons) and as
 `completed` after, so a crash in between leaves a record of what may need cleaning up.
 
-The file is `<data dir>/checkpoint.json`, written atomically (temp, fsync, rename, fsync
-dir), with a format version, the build that wrote it, the boot id of the boot that wrote
-it, and a SHA-256 of its payload so that a torn or edited file is detected rather than
-trusted. A checkpoint from an earlier boot is discarded: the tmpfs CDI specs and any
-daemons it describes died with that boot.
+The file is `<data dir>/checkpoint.json`, replaced atomically (temp file, rename), with a
+format version, the build that wrote it, the boot id of the boot that wrote it, and a
+SHA-256 of its payload so that a torn or edited file is detected rather than trusted. A
+checkpoint from an earlier boot is discarded: the tmpfs CDI specs and any daemons it
+describes died with that boot.
+
+It is not fsync'd, because nothing in it outlives the boot that wrote it: a crash of the
+plugin leaves the page cache, so the next reader sees exactly the last rename; a crash of
+the machine ends the boot, after which the checkpoint is discarded (or, if the power loss
+tore it, moved aside as unreadable; recovery then adopts no spec older than the boot).
+Four fsyncs per Prepare bought nothing and cost most of its latency.
 
 Two kinds of unreadable file are told apart, because they call for opposite actions:
 `CheckpointUnreadable` (not a file, not JSON, wrong shape, wrong checksum: move it aside and
@@ -18,7 +24,7 @@ since a rollback to that build must find it intact).
 
 `Checkpoint` is immutable and the transitions (`with_started`, `with_completed`,
 `without`, and the entries they make, for a transaction that changes many claims at once)
-are pure; only `load`, `save`, `read_boot_id` and `quarantine` do I/O. This
+are pure; only `load`, `save`, `read_boot_id`, `boot_time` and `quarantine` do I/O. This
 module takes no locks: the prepare transaction (`dra_driver.plugin.state`) holds the lock
 around every load-modify-save.
 """
@@ -372,6 +378,15 @@ def read_boot_id(path: Path = BOOT_ID_PATH) -> str:
     return boot_id
 
 
+def boot_time(stat_path: Path = Path("/proc/stat")) -> float:
+    """When this boot started, in seconds since the epoch (`btime`); files older than it
+    were written in an earlier boot."""
+    for line in stat_path.read_text(encoding="ascii").splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise ValueError(f"{stat_path} has no btime line")
+
+
 def load(path: Path, boot_id: str) -> LoadResult:
     """The checkpoint at `path` for this boot.
 
@@ -398,8 +413,9 @@ def load(path: Path, boot_id: str) -> LoadResult:
 
 
 def save(path: Path, cp: Checkpoint) -> None:
-    """Write `cp` atomically: after a crash the file holds the old checkpoint or the new one."""
-    write_file_atomic(path, encode(cp), mode=0o600)
+    """Replace the file with `cp` atomically: a reader, or this process after a crash, finds
+    the old checkpoint or the new one (not fsync'd: see the module docstring)."""
+    write_file_atomic(path, encode(cp), mode=0o600, durable=False)
 
 
 def quarantine(path: Path, now: datetime | None = None) -> Path:

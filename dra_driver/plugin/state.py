@@ -11,8 +11,9 @@ the locked section with one hop, `asyncio.to_thread`.
 
 Prepare runs in two phases, each durable before the next step: `started` (the devices we
 are about to hand out) -> sharing set up, CDI spec written -> `completed`. The claims of one
-kubelet call share a transaction (one lock, one `started` write, one `completed` write) in
-chunks of `CHUNK`, which also bounds the memory a huge call holds. A crash anywhere leaves
+kubelet call, and of all calls that arrive while a transaction runs (`GroupCommit`), share
+a transaction (one lock, one `started` write, one `completed` write), in chunks of `CHUNK`,
+which also bounds the memory a huge call holds. A crash anywhere leaves
 a state that the next locked section repairs: a `started` entry is a dead transaction's
 (a live one holds the lock), so it is rolled back; at start a spec without an entry is
 removed and an entry whose spec vanished gets it rewritten.
@@ -50,6 +51,7 @@ from dra_driver.plugin.claims import (
     check_ref,
     describe,
 )
+from dra_driver.plugin.group_commit import GroupCommit
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.sharing.policy import ConfigError, Sharing, SharingError, SharingPlan
@@ -120,6 +122,12 @@ class NodePreparer:
         self.data_dir = data_dir
         self.sharing = sharing
         self.boot_id = boot_id or ckpt.read_boot_id()
+        self._prepares: GroupCommit[_Plan, ClaimResult] = GroupCommit(
+            lambda plans: self._locked(self._prepare_locked, plans)
+        )
+        self._unprepares: GroupCommit[ClaimRef, ClaimResult] = GroupCommit(
+            lambda refs: self._locked(self._unprepare_locked, refs)
+        )
 
     @property
     def checkpoint_path(self) -> Path:
@@ -147,7 +155,9 @@ class NodePreparer:
         results: dict[str, ClaimResult] = {}
         for chunk in _chunks(refs, CHUNK):
             checked = _checked(chunk, results)
-            results.update(await self._locked(self._unprepare_locked, checked))
+            if checked:
+                batch = await self._unprepares.submit(checked)
+                results.update((r.uid, batch[r.uid]) for r in checked)
         return results
 
     async def recover(self) -> None:
@@ -179,7 +189,8 @@ class NodePreparer:
                 results[ref.uid] = ClaimResult(error=str(e))
         del fetched
         if plans:
-            results.update(await self._locked(self._prepare_locked, plans))
+            batch = await self._prepares.submit(plans)
+            results.update((p.ref.uid, batch[p.ref.uid]) for p in plans)
         return results
 
     async def _locked(
@@ -249,6 +260,8 @@ class NodePreparer:
             todo: list[_Plan] = []
             for plan in plans:
                 uid = plan.ref.uid
+                if uid in results or any(p.ref.uid == uid for p in todo):
+                    continue  # two calls for one claim (two pods sharing it) in one batch
                 entry = claims.get(uid)
                 if entry is not None and entry.phase == ckpt.COMPLETED:  # the other instance, or a retry
                     results[uid] = ClaimResult(entry.devices)
@@ -368,7 +381,7 @@ class NodePreparer:
     def _adopt(self, listed: list[JSON] | None) -> tuple[dict[str, ckpt.ClaimEntry], frozenset[str]]:
         """Entries for the specs and sharing state found on disk, from the claims the API
         server says are allocated here; and the UIDs to keep although not adopted."""
-        on_disk = cdi.claim_uids_in(self.cdi_dir, self.driver) | self.sharing.claims_with_state()
+        on_disk = self._specs_of_this_boot() | self.sharing.claims_with_state()
         if listed is None:
             log.error(
                 "the API server could not say which claims are allocated here: keeping every CDI spec "
@@ -401,6 +414,19 @@ class NodePreparer:
                 keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
             log.warning("adopted a prepared claim into the new checkpoint", **ref.log_fields())
         return claims, frozenset(keep)
+
+    def _specs_of_this_boot(self) -> frozenset[str]:
+        """Claims with a CDI spec written since this boot (a persistent CDI dir may still hold
+        specs of an earlier boot, whose pods are gone: never adopt those)."""
+        booted = ckpt.boot_time()
+        found = set()
+        for uid in cdi.claim_uids_in(self.cdi_dir, self.driver):
+            try:
+                if cdi.claim_spec_path(self.cdi_dir, self.driver, uid).stat().st_mtime >= booted:
+                    found.add(uid)
+            except FileNotFoundError:
+                continue
+        return frozenset(found)
 
     def _has_spec(self, entry: ckpt.ClaimEntry) -> bool:
         """A completed claim's spec is there, or was rewritten (e.g. someone cleaned the CDI
