@@ -3,19 +3,34 @@
 Method: one `dra-driver kubelet-plugin` subprocess for a simulated 16-GPU node (L4s, no
 NVLink) with a driver root of ELF stand-ins, a real etcd/apiserver; claims are created
 by the benchmark with an admin-written allocation (one GPU each), so the plugin does
-its real work: a GET of the claim from the API server, the two-phase checkpoint with
-fsync, the CDI spec write. Latency is measured on the client side of the unix socket
-(the kubelet's view), `time.perf_counter` around each RPC. "Concurrent" sends 16
-claims as 16 simultaneous RPCs from 16 threads. RSS is the plugin's VmRSS from /proc
-after warm-up and after 1000 prepare/unprepare cycles of one claim.
+its real work: a GET of the claim from the API server, the two-phase checkpoint, the
+CDI spec write. Latency is measured on the client side of the unix socket (the
+kubelet's view), `time.perf_counter` around each RPC. "Concurrent" sends 16 claims as
+16 simultaneous RPCs from 16 threads. RSS is the plugin's VmRSS from /proc after
+warm-up and after 1000 prepare/unprepare cycles of one claim. Start-to-registered runs
+from spawning the process to the registration socket answering GetInfo.
+
+The floor, measured in the same run on the same machine, so that figures from noisy
+machines compare: `floor.get` a GET of the same claim on a keep-alive HTTPS connection
+(http.client, no client library); `floor.durable_write` one 4 KiB write + fsync +
+rename in the plugin's data dir; `floor.grpc_empty` an empty NodePrepareResources on a
+minimal grpc.aio server of the same proto in its own process. The floor of a Prepare is
+GET + empty call + the durable writes it needs (none: see dra_driver.plugin.checkpoint);
+of an Unprepare, the empty call. `ratios` divide each p50 by its floor; the concurrent
+figures are also divided by the sequential p50.
 
 Run alone: `python -m benchmarks.prepare` (prints JSON; writes benchmarks/results/prepare.json).
 """
 
 from __future__ import annotations
 
+import http.client
+import os
 import shutil
+import ssl
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,11 +39,15 @@ from typing import Any
 import yaml
 
 from benchmarks import fresh_control_plane, report
+from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
+from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
+from tests.harness.cluster import ADMIN_TOKEN, ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_node, sync_client, sync_request
 
 NODE = "bench-node"
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims"
 GPUS = 16
 
 
@@ -82,6 +101,115 @@ def _rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError("no VmRSS")
+
+
+def _timings(call: Any, n: int) -> list[float]:
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def _floor_get(cp: ControlPlane, path: str, n: int) -> list[float]:
+    """A GET of `path` on one keep-alive HTTPS connection, no client library in between."""
+    host, port = cp.server.removeprefix("https://").rsplit(":", 1)
+    conn = http.client.HTTPSConnection(
+        host, int(port), context=ssl.create_default_context(cafile=str(cp.ca_file))
+    )
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}", "Accept": "application/json"}
+
+    def get() -> None:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200, response.status
+
+    get()
+    samples = _timings(get, n)
+    conn.close()
+    return samples
+
+
+def _floor_durable_write(directory: Path, n: int) -> list[float]:
+    """One 4 KiB file written, fsync'd and renamed into place, as a durable checkpoint write would be."""
+    data, target, temp = os.urandom(4096), directory / "floor.json", directory / "floor.json.tmp"
+
+    def write() -> None:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, target)
+
+    samples = _timings(write, n)
+    target.unlink()
+    return samples
+
+
+class _EmptyPlugin(dra_v1_grpc.DRAPluginServicer):
+    async def NodePrepareResources(self, request: Any, context: Any) -> Any:
+        return dra_v1.NodePrepareResourcesResponse()
+
+
+def serve_empty(socket: str) -> None:
+    """The gRPC floor's server: answers NodePrepareResources with nothing, as fast as grpc.aio can."""
+    import asyncio
+
+    import grpc
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        dra_v1_grpc.add_DRAPluginServicer_to_server(_EmptyPlugin(), server)
+        server.add_insecure_port(f"unix://{socket}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def _floor_grpc(work: Path, n: int) -> list[float]:
+    import grpc
+
+    socket = work / "floor.sock"
+    server = subprocess.Popen(
+        [sys.executable, "-c", f"from benchmarks.prepare import serve_empty; serve_empty({str(socket)!r})"]
+    )
+    try:
+        with grpc.insecure_channel(f"unix://{socket}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            stub = dra_v1_grpc.DRAPluginStub(channel)
+            request = dra_v1.NodePrepareResourcesRequest()
+            stub.NodePrepareResources(request, timeout=10)
+            return _timings(lambda: stub.NodePrepareResources(request, timeout=10), n)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _ratios(result: dict[str, Any]) -> dict[str, float]:
+    floor = result["floor"]
+    prepare_floor = floor["get"]["p50_ms"] + floor["grpc_empty"]["p50_ms"]
+    unprepare_floor = floor["grpc_empty"]["p50_ms"]
+
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 2)
+
+    return {
+        "prepare_floor_ms": round(prepare_floor, 3),
+        "prepare_sequential_to_floor": ratio(result["prepare_sequential"]["p50_ms"], prepare_floor),
+        "unprepare_sequential_to_floor": ratio(result["unprepare_sequential"]["p50_ms"], unprepare_floor),
+        "prepare_16_concurrent_to_sequential": ratio(
+            result["prepare_16_concurrent"]["p50_ms"], result["prepare_sequential"]["p50_ms"]
+        ),
+        "unprepare_16_concurrent_to_sequential": ratio(
+            result["unprepare_16_concurrent"]["p50_ms"], result["unprepare_sequential"]["p50_ms"]
+        ),
+        "plugin_empty_call_to_floor": ratio(result["plugin_empty_call"]["p50_ms"], unprepare_floor),
+    }
 
 
 def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
@@ -143,6 +271,7 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
             assert not errors, errors
             return elapsed
 
+        empty_call = _timings(lambda: kubelet.prepare(), rounds)
         seq_prepare, seq_unprepare = [], []
         for _ in range(rounds):
             seq_prepare.append(timed(kubelet.prepare, claims[0]))
@@ -161,7 +290,12 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
         rss_after = _rss_kib(plugin.proc.pid)
         kubelet.close()
         plugin.stop()
-        return {
+        floor = {
+            "get": _percentiles(_floor_get(cp, f"{CLAIMS}/c0", rounds)),
+            "durable_write": _percentiles(_floor_durable_write(plugin.data_dir, rounds)),
+            "grpc_empty": _percentiles(_floor_grpc(work, rounds)),
+        }
+        result = {
             "start_to_registered_s": round(start_to_registered, 3),
             "prepare_sequential": _percentiles(seq_prepare),
             "unprepare_sequential": _percentiles(seq_unprepare),
@@ -170,7 +304,10 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
             "rss_kib_after_warmup": rss_before,
             f"rss_kib_after_{cycles}_cycles": rss_after,
             "rss_growth_kib": rss_after - rss_before,
+            "plugin_empty_call": _percentiles(empty_call),
+            "floor": floor,
         }
+        return {**result, "ratios": _ratios(result)}
 
 
 def main() -> None:

@@ -14,19 +14,18 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import structlog
-from kubernetes.aio import client
 
 from controller.plan import SLICES
 from controller.slices import SliceFeatures
 from dra_driver import kube
-from dra_driver.kube import ApiException
+from dra_driver.kube import ApiClient, ApiException
 
 log = structlog.get_logger(__name__)
 
 ListAttributesMode = Literal["auto", "on", "off"]
 
 
-async def detect_list_attributes(api: client.ApiClient, driver: str) -> bool:
+async def detect_list_attributes(api: ApiClient, driver: str) -> bool:
     """Whether the server keeps list-type attributes (DRAListTypeAttributes), by a dry-run create.
 
     A server without the feature either rejects the field or silently drops it; both
@@ -54,7 +53,7 @@ async def detect_list_attributes(api: client.ApiClient, driver: str) -> bool:
 
 
 async def resolve_features(
-    api: client.ApiClient, driver: str, list_attributes: ListAttributesMode
+    api: ApiClient, driver: str, list_attributes: ListAttributesMode
 ) -> SliceFeatures:
     if list_attributes == "auto":
         enabled = await detect_list_attributes(api, driver)

@@ -21,11 +21,10 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
-from kubernetes.aio import client
 
 from controller.plan import SLICES, PoolSpec, plan_pool, up_to_date
 from controller.probe import ListAttributesMode, resolve_features
@@ -33,7 +32,7 @@ from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import kube
 from dra_driver.gpu.model import Inventory
 from dra_driver.jsontypes import JSON
-from dra_driver.kube import ApiException
+from dra_driver.kube import ApiClient, ApiException
 
 __all__ = ["ListAttributesMode", "ReconcileStats", "SliceController", "pools_for", "slice_controller"]
 
@@ -64,7 +63,7 @@ class ReconcileStats:
 class SliceController:
     """Publishes and repairs the slices of `pools` for `driver`; run with `await run()`."""
 
-    api: client.ApiClient
+    api: ApiClient
     driver: str
     pools: dict[str, PoolSpec]
     field_manager: str = ""
@@ -288,12 +287,13 @@ def warn_uncovered_cliques(node: str, inventory: Inventory) -> None:
 
 
 async def slice_controller(
-    api: client.ApiClient,
+    api: ApiClient,
     driver: str,
     inventories: Mapping[str, Inventory],
     list_attributes: ListAttributesMode = "auto",
+    memory_shares: bool = False,
 ) -> SliceController:
-    features = await resolve_features(api, driver, list_attributes)
+    features = replace(await resolve_features(api, driver, list_attributes), memory_shares=memory_shares)
     single = next(iter(inventories)) if len(inventories) == 1 else None
     return SliceController(
         api=api, driver=driver, pools=pools_for(inventories, driver, features), node_selector=single

@@ -11,13 +11,13 @@ import dataclasses
 
 import click
 import structlog
-from kubernetes.aio import client
 
 from controller.publisher import ListAttributesMode, slice_controller
 from dra_driver import kube
 from dra_driver.commands.options import cluster_options
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import Inventory
+from dra_driver.kube import ApiClient
 from dra_driver.signals import run_until_signalled
 
 log = structlog.get_logger(__name__)
@@ -80,7 +80,7 @@ async def _run(
         await api.close()
 
 
-async def _create_nodes(api: client.ApiClient, names: list[str]) -> None:
+async def _create_nodes(api: ApiClient, names: list[str]) -> None:
     limit = asyncio.Semaphore(16)
 
     async def one(name: str) -> None:

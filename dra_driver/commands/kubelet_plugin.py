@@ -26,15 +26,15 @@ from typing import Final, Literal
 import click
 import grpc
 import structlog
-from kubernetes.aio import client
 
 from controller.publisher import ListAttributesMode, slice_controller
 from dra_driver import kube
-from dra_driver.commands.options import cluster_options, driver_files_options
+from dra_driver.commands.options import cluster_options, driver_files_options, memory_shares_option
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import Inventory
+from dra_driver.kube import ApiClient
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS, ClaimReader
 from dra_driver.plugin.health import DeviceHealthBoard
@@ -46,6 +46,7 @@ from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.mps import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
+from dra_driver.sharing.shares import share_views
 from dra_driver.signals import run_until_signalled
 
 log = structlog.get_logger(__name__)
@@ -98,6 +99,7 @@ LEASE_POLL_SECONDS: Final = 1.0
     show_default=True,
     help="Run the ResourceSlice controller in this process.",
 )
+@memory_shares_option
 def kubelet_plugin(
     driver_name: str,
     kubeconfig: str | None,
@@ -113,6 +115,7 @@ def kubelet_plugin(
     rolling_update_uid: str | None,
     claim_read_timeout: float,
     publish_slices: bool,
+    memory_shares: bool,
 ) -> None:
     """Serve the kubelet's DRA plugin API on this node and publish its ResourceSlices."""
     opts = PluginOptions(
@@ -130,6 +133,7 @@ def kubelet_plugin(
         claim_read_timeout=claim_read_timeout,
         list_attributes=list_attributes,
         publish_slices=publish_slices,
+        memory_shares=memory_shares,
     )
     try:
         run_until_signalled(run_plugin(opts))
@@ -154,6 +158,7 @@ class PluginOptions:
     claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS
     list_attributes: Literal["auto", "on", "off"] = "auto"
     publish_slices: bool = True
+    memory_shares: bool = False
 
 
 async def _serve(socket: Path, register: Callable[[grpc.aio.Server], None], name: str) -> grpc.aio.Server:
@@ -169,7 +174,10 @@ async def _serve(socket: Path, register: Callable[[grpc.aio.Server], None], name
 
 async def run_plugin(opts: PluginOptions) -> None:
     inventory = await asyncio.to_thread(discover, opts.simulate)
+    # Share views resolve whether or not they are published now: claims allocated while
+    # --memory-shares was on must still prepare and recover after it is turned off.
     devices = node_devices(inventory)
+    devices.update(share_views(devices))
     driver_files = await asyncio.to_thread(
         functools.partial(
             scan_driver_files,
@@ -227,7 +235,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         log.info("stopped")
 
 
-async def _publish(api: client.ApiClient, opts: PluginOptions, inventory: Inventory, lease: Lease) -> None:
+async def _publish(api: ApiClient, opts: PluginOptions, inventory: Inventory, lease: Lease) -> None:
     """Publish this node's slices while holding the lease; during a rolling update the
     instance that comes second waits until the first one exits, then takes over."""
     waiting_logged = False
@@ -239,5 +247,7 @@ async def _publish(api: client.ApiClient, opts: PluginOptions, inventory: Invent
             waiting_logged = True
         await asyncio.sleep(LEASE_POLL_SECONDS)
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
-    ctl = await slice_controller(api, opts.driver, {opts.node_name: inventory}, opts.list_attributes)
+    ctl = await slice_controller(
+        api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares
+    )
     await ctl.run()

@@ -18,9 +18,9 @@ import asyncio
 from collections.abc import Sequence
 
 import structlog
-from kubernetes.aio import client
 
 from dra_driver import kube
+from dra_driver.kube import ApiClient
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected, describe
 
 log = structlog.get_logger(__name__)
@@ -43,7 +43,7 @@ class ClaimReader:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        api: ApiClient,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:

@@ -36,16 +36,22 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
 
-from kubernetes.utils import parse_quantity as _kubernetes_quantity
-
 API_VERSION: Final = "v1alpha1"
 KIND: Final = "GpuConfig"
 DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
 
 # The syntax of a Kubernetes resource.Quantity without the sub-unit suffixes (m, u, n):
-# what this project reads are byte counts. The client's parser is lenient (it takes
-# "NaN" and "1e3Gi"), so it is only asked for the value of what passes this.
-_QUANTITY = re.compile(r"[+-]?([0-9]*\.?[0-9]+|[0-9]+\.)((Ki|Mi|Gi|Ti|Pi|Ei|[kMGTPE])|[eE][+-]?[0-9]+)?")
+# what this project reads are byte counts. Parsed here rather than with the client's
+# `parse_quantity`, which is lenient ("NaN", "1e3Gi") and whose import pulls the whole
+# generated client into the daemon (~20 MiB).
+_QUANTITY = re.compile(
+    r"([+-]?(?:[0-9]*\.?[0-9]+|[0-9]+\.))"  # the number
+    r"(?:(Ki|Mi|Gi|Ti|Pi|Ei|[kMGTPE])|[eE]([+-]?[0-9]+))?"  # a binary or decimal suffix, or an exponent
+)
+_SUFFIX: Final = {
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: Decimal(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
+}
 
 
 class ConfigError(ValueError):
@@ -90,12 +96,14 @@ DEFAULT_CONFIG: Final = GpuConfig()
 
 def quantity_value(text: str) -> Decimal | None:
     """The value of a Kubernetes quantity ("10Gi", "143771Mi", "40G", "1e9"); None if `text`
-    is not one, or has a sub-unit suffix (m, u, n). The one quantity parser of the project:
-    `kubernetes.utils.parse_quantity` underneath."""
-    text = text.strip()
-    if not _QUANTITY.fullmatch(text):
+    is not one, or has a sub-unit suffix (m, u, n). The one quantity parser of the project."""
+    match = _QUANTITY.fullmatch(text.strip())
+    if match is None:
         return None
-    return Decimal(_kubernetes_quantity(text))
+    number, suffix, exponent = match.groups()
+    if suffix:
+        return Decimal(number) * _SUFFIX[suffix]
+    return Decimal(number).scaleb(int(exponent or 0))
 
 
 def parse_quantity(value: object, where: str) -> int:

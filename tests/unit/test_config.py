@@ -19,6 +19,7 @@ from dra_driver.sharing.config import (
     format_mps_memory,
     parse_gpu_config,
     parse_quantity,
+    quantity_value,
 )
 
 DRIVER = "gpu.dra-driver.dev"
@@ -238,3 +239,12 @@ def test_a_claim_without_config_gets_the_default() -> None:
 def test_malformed_requests_are_refused() -> None:
     with pytest.raises(ConfigError, match="list of request names"):
         claim_config_entries(claim([entry(MPS_10GI, requests="gpu")]), DRIVER)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "text", ["10Gi", "512Mi", "1e9", "1.5Gi", "40G", "143771Mi", "1E3", "-2Ki", "0.5", "5.", "1e-3", "7Ei"]
+)
+def test_quantities_have_the_value_the_kubernetes_client_gives_them(text: str) -> None:
+    from kubernetes.utils import parse_quantity as client_parse
+
+    assert quantity_value(text) == client_parse(text)
