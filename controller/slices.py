@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.attributes import NVLINK_LAYERS, DeviceAttributes, NvlinkFacts, device_attributes
+from controller.capacity import MAX_COUNTER_SETS_PER_SLICE, with_memory_shares
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
@@ -38,6 +39,8 @@ class SliceFeatures:
     """What the API server supports, decided once at start."""
 
     list_attributes: bool = False  # DRAListTypeAttributes: ints/strings/... attribute values
+    # --memory-shares: each whole GPU also as a share view (controller.capacity)
+    memory_shares: bool = False
 
 
 def _device_order(device: NodeDevice) -> tuple[int, int]:
@@ -93,10 +96,19 @@ def desired_slices(
             raise ValueError(f"device name {d.name!r} is not a DNS label")
 
     restricted = any(a.uses_list_attributes for a in described)
-    per_slice = MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
     entries = [device_json(d.name, a) for d, a in zip(devices, described, strict=True)]
+    counter_sets: list[JSON] = []
+    if features.memory_shares:
+        entries, counter_sets = with_memory_shares(devices, entries)
+        restricted = restricted or bool(counter_sets)
+    per_slice = MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
     chunks = [entries[i : i + per_slice] for i in range(0, len(entries), per_slice)] or [[]]
-    return tuple(_spec(driver, node_name, chunk) for chunk in chunks)
+    # Since 1.35 a slice holds devices or shared counters, never both: counters go last.
+    counters = [
+        {**_spec(driver, node_name, []), "sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}
+        for i in range(0, len(counter_sets), MAX_COUNTER_SETS_PER_SLICE)
+    ]
+    return tuple(_spec(driver, node_name, chunk) for chunk in chunks) + tuple(counters)
 
 
 def _spec(driver: str, node_name: str, devices: list[JSON]) -> JSON:

@@ -77,3 +77,15 @@ def driver_files_options(f: F) -> F:
     ):
         f = option(f)
     return f
+
+
+def memory_shares_option(f: F) -> F:
+    """`--memory-shares`: publish each whole GPU also as a share view (docs/sharing.md)."""
+    return click.option(
+        "--memory-shares/--no-memory-shares",
+        envvar="MEMORY_SHARES",
+        default=False,
+        show_default=True,
+        help="Also publish every whole GPU for memory shares (consumable capacity; each share enforced by "
+        "its own MPS daemon). Needs DRAConsumableCapacity and DRAPartitionableDevices (beta, on in 1.36+).",
+    )(f)

@@ -269,7 +269,7 @@ class NodePreparer:
                 if entry is not None:
                     self._roll_back(plan.ref, "redoing an interrupted prepare")
                     del claims[uid]
-                conflict = _conflict(claims, plan)
+                conflict = _conflict(claims, plan) or _share_conflict(claims, plan, self.devices)
                 if conflict:
                     results[uid] = ClaimResult(error=conflict)
                     continue
@@ -480,6 +480,31 @@ def _conflict(claims: dict[str, ckpt.ClaimEntry], plan: _Plan) -> str | None:
                 return (
                     f"device {d.device} is already prepared for claim {other.namespace}/{other.name} "
                     f"(uid {other.uid}); delete that pod first, or use a shared claim or adminAccess"
+                )
+    return None
+
+
+def _share_conflict(
+    claims: dict[str, ckpt.ClaimEntry], plan: _Plan, devices: dict[str, NodeDevice]
+) -> str | None:
+    """A whole GPU and a memory share of it are two device names for one GPU; the scheduler
+    keeps them apart (a shared counter), this refuses an allocation that did not."""
+
+    def gpu(d: PreparedDevice) -> str | None:
+        found = devices.get(d.device)
+        return found.uuid if found is not None and not d.admin_access else None
+
+    mine = {gpu(d): bool(d.share_id) for d in plan.devices if gpu(d) is not None}
+    for other in claims.values():
+        for d in other.devices:
+            shared = mine.get(gpu(d))
+            if other.uid != plan.ref.uid and shared is not None and shared != bool(d.share_id):
+                held, wanted = ("a memory share", "the whole GPU")
+                if not d.share_id:
+                    held, wanted = wanted, "a memory share"
+                return (
+                    f"{d.device} ({gpu(d)}) is held as {held} by claim {other.namespace}/{other.name} "
+                    f"(uid {other.uid}), so it cannot also be given out as {wanted}; delete that pod first"
                 )
     return None
 

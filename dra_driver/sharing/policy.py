@@ -3,9 +3,13 @@
 The prepare transaction asks this module three things and nothing else: what a claim's
 configuration asks for (`plan`, pure: it refuses a bad configuration with a message the
 user can act on), what that adds to the claim's CDI devices (`edits`, pure), and to set
-it up or tear it down on the node (`apply`, `release`, blocking I/O). Today a plan is an
-MPS daemon per claim (`dra_driver.sharing.mps`); time-slicing and memory shares join
-here, so the transaction never learns how sharing works.
+it up or tear it down on the node (`apply`, `release`, blocking I/O). A plan is an MPS
+daemon per claim (`dra_driver.sharing.mps`): for a claim whose config asks for MPS, and
+for every claim holding a memory share (`dra_driver.sharing.shares`), whose daemon
+enforces the share's consumed memory as its pinned-memory limit. One claim holds at most
+one share of a GPU, so two shares of one GPU are two claims with two daemons and two
+independent limits, and Unprepare of one stops only its own. The transaction never
+learns how sharing works.
 
 It must not read or write the checkpoint or the CDI spec files: the transaction owns both.
 """
@@ -13,12 +17,20 @@ It must not read or write the checkpoint or the CDI spec files: the transaction 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from dra_driver import cdi
 from dra_driver.devices import NodeDevice
-from dra_driver.sharing.config import ConfigError, device_configs
+from dra_driver.sharing.config import (
+    ConfigError,
+    GpuConfig,
+    MpsConfig,
+    claim_config_entries,
+    device_configs,
+)
 from dra_driver.sharing.mps import MpsControl, MpsError, MpsSettings, settings_for_claim
+from dra_driver.sharing.shares import Share, allocated_shares, derived_thread_percentage
 
 SharingPlan = MpsSettings  # what a claim's sharing needs on the node; None: nothing to share
 SharingError = MpsError  # setting up or tearing down sharing failed on the node
@@ -42,17 +54,29 @@ class Sharing:
         """What `claim` asks for on `devices` (each once); None if it shares nothing.
         Raises ConfigError, whose message says what to fix in the claim or class."""
         configs = device_configs(claim, self.driver, self.pool)
-        mps = [d for d in devices if configs[d.name].uses_mps]
+        shares = allocated_shares(claim, self.driver, self.pool, devices)
+        mps = [d for d in devices if d.name in shares or configs[d.name].uses_mps]
         if not mps:
             return None
         if len(mps) != len(devices):
             raise ConfigError(
                 "MPS must be configured for all devices of a claim or for none (an MPS client sees "
-                f"only the daemon's GPUs); MPS is set for {', '.join(d.name for d in mps)} only"
+                f"only the daemon's GPUs; a memory share is always served by MPS); MPS is set for "
+                f"{', '.join(d.name for d in mps)} only: put the other devices in a claim of their own, "
+                "or configure MPS for them"
             )
-        return settings_for_claim(
-            claim_uid, [(d.uuid, mps_config) for d in mps if (mps_config := configs[d.name].sharing.mps)]
-        )
+        percentage = _share_thread_percentage(shares, configs)
+        entries = []
+        for d in mps:
+            config = configs[d.name]
+            if d.name in shares:
+                share = shares[d.name]
+                named = any(e.applies_to(share.request) for e in claim_config_entries(claim, self.driver))
+                entries.append((d.uuid, _share_mps(share, config, named, percentage)))
+            else:
+                base = config.sharing.mps or MpsConfig()
+                entries.append((d.uuid, replace(base, default_active_thread_percentage=percentage)))
+        return settings_for_claim(claim_uid, entries)
 
     def edits(self, plan: SharingPlan | None, devices: Sequence[NodeDevice]) -> dict[str, cdi.ContainerEdits]:
         """Extra CDI container edits by device name."""
@@ -86,3 +110,46 @@ class Sharing:
         plan = self.saved_plan(claim_uid)
         if plan is not None and not self.mps.is_running(claim_uid):
             self.mps.start(plan)
+
+
+def _share_mps(share: Share, config: GpuConfig, named: bool, percentage: int | None) -> MpsConfig:
+    """The MPS limits of one share: its consumed memory (or less, if the config asks for
+    less) and the claim's thread percentage. `named`: a config entry applies to the share."""
+    if named and not config.uses_mps:
+        raise ConfigError(
+            f"{share.device} is a memory share, which is always served by MPS (that is what holds it to its "
+            f"memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: remove the "
+            "sharing section, or set strategy MPS, or ask for a whole GPU (class gpu.<driver>) to time-slice"
+        )
+    limit = share.memory
+    configured = config.sharing.mps.default_pinned_device_memory_limit if config.sharing.mps else None
+    if configured is not None:
+        if configured > share.memory:
+            raise ConfigError(
+                f"mps.defaultPinnedDeviceMemoryLimit ({configured} bytes) is more than the share of "
+                f"{share.device} ({share.memory} bytes): a share is limited to the memory it was "
+                "allocated; remove defaultPinnedDeviceMemoryLimit (the share's size is its limit) or ask "
+                "for more memory in capacity.requests.memory"
+            )
+        limit = configured
+    return MpsConfig(default_active_thread_percentage=percentage, default_pinned_device_memory_limit=limit)
+
+
+def _share_thread_percentage(shares: Mapping[str, Share], configs: Mapping[str, GpuConfig]) -> int | None:
+    """The claim's daemon-wide active-thread percentage: the config's if it sets one, else
+    derived from the largest share's fraction of its GPU; None without shares."""
+    configured = {
+        c.sharing.mps.default_active_thread_percentage
+        for c in configs.values()
+        if c.sharing.mps is not None and c.sharing.mps.default_active_thread_percentage is not None
+    }
+    if len(configured) == 1:
+        return configured.pop()
+    if len(configured) > 1:
+        raise ConfigError(
+            "all MPS devices of one claim share one daemon and must have the same "
+            f"mps.defaultActiveThreadPercentage (got {', '.join(map(str, sorted(configured)))})"
+        )
+    if not shares:
+        return None
+    return max(derived_thread_percentage(s.memory, s.gpu_memory) for s in shares.values())
