@@ -47,7 +47,14 @@ from dra_driver.jsontypes import JSON
 from tests.harness.cluster import REPO_ROOT, ControlPlane, build_binaries
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
-from tests.harness.objects import create_node, create_object, load_yaml_documents, sync_client, sync_request
+from tests.harness.objects import (
+    create_node,
+    create_object,
+    load_yaml_documents,
+    sync_client,
+    sync_request,
+    wait_for,
+)
 
 logger = structlog.get_logger(__name__)
 
@@ -233,6 +240,12 @@ def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | 
     except ApiException as e:
         if e.status != 409:
             raise
+    # Pods are refused until the controller-manager has made the namespace's default
+    # service account, which takes seconds on a loaded machine.
+    wait_for(
+        f"the default service account of namespace {name}",
+        lambda: sync_request(api, "GET", f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+    )
 
 
 # -- pods, claims, scheduler ----------------------------------------------------------------

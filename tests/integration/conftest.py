@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
+from demo.run import create_namespace
 from tests.harness.cluster import ControlPlane
 from tests.harness.objects import sync_client, sync_request
 
@@ -38,12 +39,7 @@ def api(control_plane: ControlPlane) -> client.ApiClient:
 @pytest.fixture
 def namespace(api: client.ApiClient) -> Iterator[str]:
     name = f"t{next(_counter)}-{uuid.uuid4().hex[:6]}"
-    sync_request(
-        api,
-        "POST",
-        "/api/v1/namespaces",
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
-    )
+    create_namespace(api, name)
     yield name
     # Without a kubelet, a bound pod's graceful deletion never finishes and its claims
     # keep their devices: delete pods at once so later tests get the GPUs back.
