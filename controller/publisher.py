@@ -22,17 +22,20 @@ import asyncio
 import random
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from controller.plan import SLICES, PoolSpec, plan_pool, up_to_date
 from controller.probe import ListAttributesMode, resolve_features
 from controller.slices import SliceFeatures, desired_slices, published_topology
-from dra_driver import kube
+from dra_driver import kube, metrics
 from dra_driver.gpu.model import Inventory
 from dra_driver.jsontypes import JSON
 from dra_driver.kube import ApiClient, ApiException
+
+if TYPE_CHECKING:
+    from dra_driver.probes import Heartbeat
 
 __all__ = ["ListAttributesMode", "ReconcileStats", "SliceController", "pools_for", "slice_controller"]
 
@@ -75,6 +78,7 @@ class SliceController:
     _dirty: set[str] = field(default_factory=set)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _owners: dict[str, JSON] = field(default_factory=dict)
+    heartbeat: Heartbeat | None = None  # busy while a reconcile pass runs (the liveness probe)
 
     def __post_init__(self) -> None:
         self.field_manager = self.field_manager or self.driver
@@ -102,6 +106,9 @@ class SliceController:
                 continue
             except kube.TRANSIENT_ERRORS as error:
                 self.stats.errors += 1
+                metrics.api_error("publisher", error)
+                if isinstance(error, ApiException) and error.status == 409:
+                    metrics.slice_conflicts.inc()
                 self.synced.clear()
                 if isinstance(error, ApiException) and error.status == 410:
                     log.info("watch expired; listing again")
@@ -171,7 +178,13 @@ class SliceController:
             # Let a burst of watch events (our own writes echoing back) settle first.
             await asyncio.sleep(0.05)
             dirty, self._dirty = self._dirty, set()
-            await asyncio.gather(*(one(p) for p in sorted(dirty)))
+            if self.heartbeat is not None:
+                self.heartbeat.busy()
+            try:
+                await asyncio.gather(*(one(p) for p in sorted(dirty)))
+            finally:
+                if self.heartbeat is not None:
+                    self.heartbeat.idle()
             if not self._dirty:
                 self.synced.set()
 
@@ -185,7 +198,9 @@ class SliceController:
             await self._refresh_owners()
         owner = self._owners.get(pool.node_name) if pool.node_name else None
         plan = plan_pool(self.driver, pool, self._existing(pool_name), owner)
+        published = sum(len(spec.get("devices", [])) for spec in pool.slice_specs)
         if not (plan.apply or plan.delete):
+            metrics.devices_published.labels(pool=pool_name).set(published)
             return
         log.info(
             "publishing pool",
@@ -198,14 +213,18 @@ class SliceController:
             await self._delete(old)
         for obj in plan.apply:
             await self._apply(obj)
+        metrics.devices_published.labels(pool=pool_name).set(published)
 
     async def _delete(self, obj: JSON) -> None:
         meta = obj["metadata"]
         body = {"preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
         self.stats.deletes += 1
+        metrics.slice_writes.labels(operation="delete").inc()
         try:
             await kube.request(self.api, "DELETE", f"{SLICES}/{meta['name']}", body=body)
         except ApiException as e:
+            if e.status == 409:
+                metrics.slice_conflicts.inc()
             if e.status not in (404, 409):
                 raise
         self._cache.pop(meta["name"], None)
@@ -215,6 +234,7 @@ class SliceController:
         existed = name in self._cache
         self.stats.updates += existed
         self.stats.creates += not existed
+        metrics.slice_writes.labels(operation="update" if existed else "create").inc()
         result = await kube.request(
             self.api,
             "PATCH",
@@ -227,6 +247,7 @@ class SliceController:
             # Fields owned by another manager (a hand edit) survive an apply: replace
             # the object so that the slice says exactly what the hardware says.
             self.stats.updates += 1
+            metrics.slice_writes.labels(operation="update").inc()
             replacement = {
                 **obj,
                 "metadata": {**obj["metadata"], "resourceVersion": result["metadata"]["resourceVersion"]},

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import grpc
 import structlog
 
+from dra_driver import metrics
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
@@ -86,7 +87,11 @@ async def _per_claim(
 ) -> dict[str, Any]:
     """Each claim of the request's answer, by UID, logged with the claim's identity."""
     refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
-    results = await _answer_all(call, refs, f"{verb[:-1]}ing")
+    if not refs:  # the liveness probe's call; the kubelet never sends an empty one
+        return {}
+    with metrics.timed_request("prepare" if verb == "prepare" else "unprepare") as outcomes:
+        results = await _answer_all(call, refs, f"{verb[:-1]}ing")
+        outcomes.extend("success" if results[r.uid].error is None else "error" for r in refs)
     claims = {}
     for ref in refs:
         with structlog.contextvars.bound_contextvars(**ref.log_fields()):

@@ -1,0 +1,47 @@
+# The driver's container image: `dra-driver` (kubelet plugin + slice publisher, and the
+# other subcommands) in a virtual environment on a slim Python base.
+#
+#   docker build -t <registry>/gpu-dra-driver:0.1.0 .      (or: podman build / buildah bud)
+#
+# The tests build this same file with buildah, offline apart from the package registries
+# (hack/image/build.sh). NVML (libnvidia-ml.so) is not in the image: it comes from the
+# host's driver root at run time, mounted by the Helm chart.
+ARG PYTHON_IMAGE=docker.io/library/python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+# A CA bundle for pip behind a TLS-intercepting proxy (the build script passes one in);
+# left unset, pip uses its own certifi bundle.
+ARG PIP_CERT
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY dra_driver/ dra_driver/
+COPY controller/ controller/
+COPY deploy/ deploy/
+# Wheel first, then install it with its dependencies: the image holds what `pip install
+# gpu-dra-driver` would give a user, not the source tree.
+RUN python3 -m venv /opt/dra-driver \
+ && /opt/dra-driver/bin/pip wheel --no-deps --wheel-dir /wheels . \
+ && /opt/dra-driver/bin/pip install /wheels/*.whl \
+ && rm -rf /opt/dra-driver/bin/pip* /opt/dra-driver/lib/python3*/site-packages/pip
+
+FROM ${PYTHON_IMAGE}
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+# Where the sources came from (a repository URL); the build script passes the git remote.
+ARG SOURCE=unknown
+LABEL org.opencontainers.image.title="gpu-dra-driver" \
+      org.opencontainers.image.description="Kubernetes DRA driver for NVIDIA GPUs: kubelet plugin and ResourceSlice publisher" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build /opt/dra-driver /opt/dra-driver
+ENV PATH=/opt/dra-driver/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONUNBUFFERED=1
+# Non-root by default (inventory, cdi generate, controller need nothing more). The kubelet
+# plugin writes sockets, checkpoints and CDI specs in root-owned host directories: the Helm
+# chart runs that container as root.
+USER 65532:65532
+ENTRYPOINT ["dra-driver"]
+CMD ["--help"]

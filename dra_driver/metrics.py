@@ -1,0 +1,138 @@
+"""The driver's Prometheus metrics: one registry, one object per metric, used by every part.
+
+Other modules import the objects and count (`metrics.health_events.labels(kind="xid").inc()`);
+`dra_driver.probes` serves `REGISTRY` on the metrics port. The names follow the
+`gpu_dra_` prefix; the label values are a closed set each (listed per metric), so a
+label never carries a claim or device name and the series count stays bounded.
+
+This module only defines the metrics and the few helpers that record them; it never
+serves them, never starts a thread and never does I/O.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Final, Literal
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from dra_driver import __version__
+
+__all__ = [
+    "REGISTRY",
+    "Operation",
+    "api_error",
+    "api_errors",
+    "build_info",
+    "claims",
+    "devices_published",
+    "health_events",
+    "prepared_claims",
+    "request_duration",
+    "requests_inflight",
+    "slice_conflicts",
+    "slice_writes",
+    "timed_request",
+]
+
+Operation = Literal["prepare", "unprepare"]
+
+# Its own registry (not the client library's global one), so that tests and a second
+# daemon in one process never see each other's series; process and Python metrics added.
+REGISTRY: Final = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+
+# Prepare calls take ~15-20 ms on a real kubelet; a claim read that waits on a slow API
+# server can take up to the kubelet's 45 s.
+_REQUEST_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 45.0)
+
+build_info: Final = Gauge(
+    "gpu_dra_build_info", "The driver's version; always 1.", ["version"], registry=REGISTRY
+)
+build_info.labels(version=__version__).set(1)
+
+request_duration: Final = Histogram(
+    "gpu_dra_request_duration_seconds",
+    "NodePrepareResources / NodeUnprepareResources calls from the kubelet, by operation and "
+    "result (error: at least one claim of the call was refused).",
+    ["operation", "result"],
+    buckets=_REQUEST_BUCKETS,
+    registry=REGISTRY,
+)
+requests_inflight: Final = Gauge(
+    "gpu_dra_requests_inflight", "Kubelet calls being answered now, by operation.", ["operation"],
+    registry=REGISTRY,
+)
+claims: Final = Counter(
+    "gpu_dra_claims",
+    "Claims answered, by operation (prepare|unprepare) and result (success|error).",
+    ["operation", "result"],
+    registry=REGISTRY,
+)
+prepared_claims: Final = Gauge(
+    "gpu_dra_prepared_claims", "Claims prepared on this node (the checkpoint).", registry=REGISTRY
+)
+devices_published: Final = Gauge(
+    "gpu_dra_published_devices", "Devices in the ResourceSlices this process publishes, by pool.", ["pool"],
+    registry=REGISTRY,
+)
+slice_writes: Final = Counter(
+    "gpu_dra_resourceslice_writes",
+    "ResourceSlice writes, by operation (create|update|delete).",
+    ["operation"],
+    registry=REGISTRY,
+)
+slice_conflicts: Final = Counter(
+    "gpu_dra_resourceslice_conflicts",
+    "ResourceSlice writes refused with 409 Conflict (someone else changed the slice first).",
+    registry=REGISTRY,
+)
+api_errors: Final = Counter(
+    "gpu_dra_api_errors",
+    "Failed Kubernetes API calls, by component (publisher|claims) and HTTP status "
+    "(or 'network' when no answer came).",
+    ["component", "code"],
+    registry=REGISTRY,
+)
+health_events: Final = Counter(
+    "gpu_dra_health_events",
+    "Device health events seen, by kind (e.g. xid, ecc, unhealthy, recovered).",
+    ["kind"],
+    registry=REGISTRY,
+)
+
+
+def api_error(component: str, error: BaseException) -> None:
+    """Count one failed API call; `error` an `ApiException` (its status) or a network error."""
+    status = getattr(error, "status", None)
+    api_errors.labels(component=component, code=str(status) if isinstance(status, int) else "network").inc()
+
+
+@contextmanager
+def timed_request(operation: Operation) -> Iterator[list[str]]:
+    """Time one kubelet call: yields a list; append a claim's result ("success" or "error")
+    for each claim answered. The call counts as an error if any of its claims failed."""
+    results: list[str] = []
+    requests_inflight.labels(operation=operation).inc()
+    start = time.perf_counter()
+    try:
+        yield results
+    except BaseException:
+        results.append("error")
+        raise
+    finally:
+        requests_inflight.labels(operation=operation).dec()
+        for result in results:
+            claims.labels(operation=operation, result=result).inc()
+        outcome = "error" if "error" in results else "success"
+        request_duration.labels(operation=operation, result=outcome).observe(time.perf_counter() - start)

@@ -1,0 +1,180 @@
+"""The metrics port (dra_driver.probes) and the metric helpers (dra_driver.metrics).
+
+Real sockets throughout: the probe server on a TCP port of loopback, the plugin's gRPC
+services on unix sockets; a check that cannot reach them must fail, one that can must pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+
+from dra_driver import metrics
+from dra_driver.plugin.claims import ClaimRef
+from dra_driver.plugin.registration import RegistrationService, add_registration
+from dra_driver.plugin.service import add_services
+from dra_driver.plugin.state import ClaimResult
+from dra_driver.probes import CheckResult, Heartbeat, ProbeServer, plugin_probes
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode()
+
+
+async def _fetch(port: int, path: str) -> tuple[int, str]:
+    return await asyncio.to_thread(_get, port, path)
+
+
+def _sample(name: str, **labels: str) -> float:
+    value = metrics.REGISTRY.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def _ok() -> CheckResult:
+    return CheckResult("always", True)
+
+
+async def _bad() -> CheckResult:
+    return CheckResult("never", False, "broken on purpose")
+
+
+def test_metrics_and_probe_paths() -> None:
+    async def main() -> None:
+        server = ProbeServer(metrics.REGISTRY, liveness=[_ok], readiness=[_bad])
+        port = await server.start("127.0.0.1", 0)
+        try:
+            status, body = await _fetch(port, "/metrics")
+            assert status == 200
+            assert "gpu_dra_build_info{" in body
+            assert "gpu_dra_request_duration_seconds" in body
+            assert "process_resident_memory_bytes" in body
+            assert (await _fetch(port, "/livez"))[0] == 200
+            status, body = await _fetch(port, "/readyz")
+            assert status == 503
+            assert "[-]never broken on purpose" in body
+            assert (await _fetch(port, "/nothing"))[0] == 404
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_heartbeat_stuck_and_ended() -> None:
+    async def main() -> None:
+        beat = Heartbeat("loop", stuck_after=0.05)
+        assert (await beat.check()).ok
+        beat.busy()
+        assert (await beat.check()).ok
+        await asyncio.sleep(0.1)
+        result = await beat.check()
+        assert not result.ok and "running for" in result.detail
+        beat.idle()
+        assert (await beat.check()).ok
+
+        async def fail() -> None:
+            raise RuntimeError("lost the API server")
+
+        task = asyncio.create_task(fail())
+        task.add_done_callback(beat.task_ended)
+        with contextlib.suppress(RuntimeError):
+            await task
+        await asyncio.sleep(0)
+        result = await beat.check()
+        assert not result.ok and "lost the API server" in result.detail
+
+    asyncio.run(main())
+
+
+class _Preparer:
+    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+        return {r.uid: ClaimResult(error="refused" if r.name == "bad" else None) for r in refs}
+
+    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+        return {r.uid: ClaimResult() for r in refs}
+
+
+class _Board:
+    async def follow(self):  # type: ignore[no-untyped-def]
+        await asyncio.Event().wait()
+        yield ()
+
+
+def test_plugin_probes_follow_the_sockets(tmp_path: Path) -> None:
+    """Live and ready while both servers answer; not live once the DRA socket is gone;
+    a claimless probe call never shows in the request metrics."""
+
+    async def main() -> None:
+        dra_socket, reg_socket = tmp_path / "dra.sock", tmp_path / "reg.sock"
+        dra = grpc.aio.server()
+        add_services(dra, _Preparer(), _Board())  # type: ignore[arg-type]
+        dra.add_insecure_port(f"unix://{dra_socket}")
+        reg = grpc.aio.server()
+        add_registration(reg, RegistrationService("gpu.example.com", str(dra_socket)))
+        reg.add_insecure_port(f"unix://{reg_socket}")
+        await dra.start()
+        await reg.start()
+        beat = Heartbeat("slice-publisher", stuck_after=60)
+        server = plugin_probes(dra_socket, reg_socket, beat)
+        port = await server.start("127.0.0.1", 0)
+        before = _sample("gpu_dra_request_duration_seconds_count", operation="prepare", result="success")
+        try:
+            assert (await _fetch(port, "/livez"))[0] == 200
+            status, body = await _fetch(port, "/readyz")
+            assert status == 200, body
+            assert "[+]registration-socket" in body and "[+]slice-publisher" in body
+            after = _sample("gpu_dra_request_duration_seconds_count", operation="prepare", result="success")
+            assert after == before
+            await dra.stop(None)
+            dra_socket.unlink(missing_ok=True)
+            status, body = await _fetch(port, "/livez")
+            assert status == 503 and "dra-socket" in body and "is gone" in body
+        finally:
+            await server.stop()
+            await reg.stop(None)
+            await dra.stop(None)
+
+    asyncio.run(main())
+
+
+def test_timed_request_counts_claims_by_result() -> None:
+    def counts() -> tuple[float, float, float]:
+        return (
+            _sample("gpu_dra_claims_total", operation="unprepare", result="success"),
+            _sample("gpu_dra_claims_total", operation="unprepare", result="error"),
+            _sample("gpu_dra_request_duration_seconds_count", operation="unprepare", result="error"),
+        )
+
+    ok0, err0, calls0 = counts()
+    with metrics.timed_request("unprepare") as outcomes:
+        assert _sample("gpu_dra_requests_inflight", operation="unprepare") == 1
+        time.sleep(0.01)
+        outcomes.extend(["success", "error", "success"])
+    ok1, err1, calls1 = counts()
+    assert (ok1 - ok0, err1 - err0, calls1 - calls0) == (2, 1, 1)
+    assert _sample("gpu_dra_requests_inflight", operation="unprepare") == 0
+    with pytest.raises(ValueError), metrics.timed_request("unprepare"):
+        raise ValueError("boom")
+    assert counts()[2] - calls1 == 1
+
+
+def test_api_error_labels() -> None:
+    class Status(Exception):
+        status = 409
+
+    before = _sample("gpu_dra_api_errors_total", component="publisher", code="409")
+    metrics.api_error("publisher", Status())
+    metrics.api_error("publisher", OSError("connection refused"))
+    assert _sample("gpu_dra_api_errors_total", component="publisher", code="409") == before + 1
+    assert _sample("gpu_dra_api_errors_total", component="publisher", code="network") >= 1
