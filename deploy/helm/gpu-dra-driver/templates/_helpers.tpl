@@ -1,0 +1,38 @@
+{{/* The base name of every object: the release name, with the chart name unless it already has it. */}}
+{{- define "gpu-dra-driver.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gpu-dra-driver.namespace" -}}
+{{- default .Release.Namespace .Values.namespace.name -}}
+{{- end -}}
+
+{{- define "gpu-dra-driver.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "gpu-dra-driver.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: kubelet-plugin
+{{- end -}}
+
+{{- define "gpu-dra-driver.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* A DeviceClass selector: devices of this driver whose `type` attribute is the argument. */}}
+{{- define "gpu-dra-driver.typeSelector" -}}
+- cel:
+    expression: >-
+      device.driver == {{ .root.Values.driverName | quote }} &&
+      device.attributes[{{ .root.Values.driverName | quote }}].type == {{ .type | quote }}
+{{- end -}}
