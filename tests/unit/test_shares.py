@@ -132,8 +132,12 @@ def test_policy_rounding_and_small_gpus() -> None:
 
 
 def share_claim(
-    uid: str, memory: str | None = "40Gi", device: str = "gpu-0-share", share_id: str | None = "s1",
-    parameters: Any = None, extra_results: Sequence[dict[str, Any]] = (),
+    uid: str,
+    memory: str | None = "40Gi",
+    device: str = "gpu-0-share",
+    share_id: str | None = "s1",
+    parameters: Any = None,
+    extra_results: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     result: dict[str, Any] = {"request": "share", "driver": DRIVER, "pool": POOL, "device": device}
     if share_id is not None:
@@ -172,9 +176,19 @@ def test_a_share_is_read_from_the_allocation(h200_devices: dict[str, Any]) -> No
         (share_claim("u1", memory="40G"), r"not a whole number of Gi.* e\.g\. 38Gi"),
         (share_claim("u1", memory="141Gi"), r"more than the GPU has \(140Gi.* at most 140Gi"),
         (
-            share_claim("u1", extra_results=[{"request": "b", "driver": DRIVER, "pool": POOL,
-                                              "device": "gpu-0-share", "shareID": "s2",
-                                              "consumedCapacity": {"memory": "1Gi"}}]),
+            share_claim(
+                "u1",
+                extra_results=[
+                    {
+                        "request": "b",
+                        "driver": DRIVER,
+                        "pool": POOL,
+                        "device": "gpu-0-share",
+                        "shareID": "s2",
+                        "consumedCapacity": {"memory": "1Gi"},
+                    }
+                ],
+            ),
             r"two shares of gpu-0-share.*distinctAttribute",
         ),
     ],
@@ -205,8 +219,12 @@ def test_the_plan_of_a_share_is_an_mps_daemon_with_its_limit(
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=29",
     )
     # the config may set the percentage, and a lower limit
-    own = _params({"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 50,
-                                               "defaultPinnedDeviceMemoryLimit": "30Gi"}})
+    own = _params(
+        {
+            "strategy": "MPS",
+            "mps": {"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "30Gi"},
+        }
+    )
     plan = sharing.plan("u1", share_claim("u1", parameters=own), [view])
     assert plan is not None and plan.active_thread_percentage == 50
     assert plan.devices[0].pinned_memory_limit == 30 * GI
@@ -215,10 +233,11 @@ def test_the_plan_of_a_share_is_an_mps_daemon_with_its_limit(
 @pytest.mark.parametrize(
     ("parameters", "message"),
     [
-        (_params({"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "50Gi"}}),
-         r"more than the share of gpu-0-share.*remove defaultPinnedDeviceMemoryLimit"),
-        (_params({"strategy": "TimeSlicing"}),
-         r"always served by MPS.*strategy TimeSlicing cannot apply"),
+        (
+            _params({"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "50Gi"}}),
+            r"more than the share of gpu-0-share.*remove defaultPinnedDeviceMemoryLimit",
+        ),
+        (_params({"strategy": "TimeSlicing"}), r"always served by MPS.*strategy TimeSlicing cannot apply"),
     ],
 )
 def test_configs_that_contradict_a_share_are_refused(
@@ -294,8 +313,14 @@ def node(tmp_path: Path, mps: MpsControl) -> Any:
     def make(*claims: dict[str, Any]) -> NodePreparer:
         (tmp_path / "data").mkdir(exist_ok=True)
         return NodePreparer(
-            driver=DRIVER, pool=POOL, devices=devices, claims=Claims(*claims), driver_files=files,
-            cdi_dir=tmp_path / "cdi", data_dir=tmp_path / "data", sharing=Sharing(DRIVER, POOL, mps),
+            driver=DRIVER,
+            pool=POOL,
+            devices=devices,
+            claims=Claims(*claims),
+            driver_files=files,
+            cdi_dir=tmp_path / "cdi",
+            data_dir=tmp_path / "data",
+            sharing=Sharing(DRIVER, POOL, mps),
             boot_id="boot-1",
         )
 
@@ -343,8 +368,13 @@ def test_a_whole_gpu_and_a_share_of_it_are_never_prepared_together(node: Any, mp
     share = share_claim(A)
     whole = {
         "metadata": {"uid": W, "namespace": "default", "name": "whole"},
-        "status": {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": DRIVER, "pool": POOL, "device": "gpu-0"}]}}},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [{"request": "gpu", "driver": DRIVER, "pool": POOL, "device": "gpu-0"}]
+                }
+            }
+        },
     }
     preparer = node(share, whole)
     asyncio.run(preparer.recover())
@@ -374,8 +404,10 @@ def test_a_crash_between_started_and_completed_stops_the_shares_daemon(node: Any
     _prepare(preparer, a, b)
     cp = preparer.read_checkpoint()
     entry = cp.claims[A]
-    ckpt.save(preparer.checkpoint_path,
-              ckpt.with_started(ckpt.without(cp, A), entry.namespace, entry.name, entry.uid, entry.devices))
+    ckpt.save(
+        preparer.checkpoint_path,
+        ckpt.with_started(ckpt.without(cp, A), entry.namespace, entry.name, entry.uid, entry.devices),
+    )
     restarted = node(a, b)
     asyncio.run(restarted.recover())
     assert A not in restarted.read_checkpoint().claims and not mps.is_running(A)
