@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from controller.probe import ListAttributesMode, resolve_features
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import kube, metrics
 from dra_driver.gpu.model import Inventory
+from dra_driver.health.effects import DeviceTaint
 from dra_driver.jsontypes import JSON
 from dra_driver.kube import ApiClient, ApiException
 
@@ -79,9 +80,22 @@ class SliceController:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _owners: dict[str, JSON] = field(default_factory=dict)
     heartbeat: Heartbeat | None = None  # busy while a reconcile pass runs (the liveness probe)
+    # what the pools were built from, so that health taints can be added later (set_taints)
+    inventories: dict[str, Inventory] = field(default_factory=dict)
+    features: SliceFeatures = field(default_factory=SliceFeatures)
 
     def __post_init__(self) -> None:
         self.field_manager = self.field_manager or self.driver
+
+    def set_taints(self, pool: str, taints: Mapping[str, Sequence[DeviceTaint]]) -> bool:
+        """Publish `taints` (device name -> health taints) in `pool`; marks the pool for a write
+        only when its slices change, so repeating the same taints writes nothing."""
+        specs = desired_slices(self.inventories[pool], pool, self.driver, self.features, taints)
+        if specs == self.pools[pool].slice_specs:
+            return False
+        self.pools[pool] = replace(self.pools[pool], slice_specs=specs)
+        self._mark(pool)
+        return True
 
     def _selector(self) -> str:
         sel = f"spec.driver={self.driver}"
@@ -317,5 +331,6 @@ async def slice_controller(
     features = replace(await resolve_features(api, driver, list_attributes), memory_shares=memory_shares)
     single = next(iter(inventories)) if len(inventories) == 1 else None
     return SliceController(
-        api=api, driver=driver, pools=pools_for(inventories, driver, features), node_selector=single
+        api=api, driver=driver, pools=pools_for(inventories, driver, features), node_selector=single,
+        inventories=dict(inventories), features=features,
     )

@@ -15,13 +15,16 @@ deterministic) and each device stays within the per-device limits.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from controller.attributes import NVLINK_LAYERS, DeviceAttributes, NvlinkFacts, device_attributes
 from controller.capacity import MAX_COUNTER_SETS_PER_SLICE, with_memory_shares
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
+from dra_driver.health.effects import DeviceTaint
 from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label, is_dns_subdomain
 
@@ -71,10 +74,22 @@ def device_json(name: str, described: DeviceAttributes) -> JSON:
     return device
 
 
+def taint_json(taint: DeviceTaint) -> JSON:
+    """A device taint as the API holds it; `timeAdded` is ours (when the condition began), in
+    whole seconds as the server keeps it, so an unchanged taint reads back equal: no rewrite."""
+    added = datetime.fromtimestamp(taint.time_added, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"key": taint.key, "value": taint.value, "effect": taint.effect, "timeAdded": added}
+
+
 def desired_slices(
-    inventory: Inventory, node_name: str, driver: str, features: SliceFeatures
+    inventory: Inventory,
+    node_name: str,
+    driver: str,
+    features: SliceFeatures,
+    taints: Mapping[str, Sequence[DeviceTaint]] | None = None,
 ) -> tuple[JSON, ...]:
     """The specs of the node's ResourceSlices, in order; at least one ("driver up, no devices").
+    `taints` (device name -> its health taints, from dra_driver.health) go on those devices.
 
     Raises ValueError for a driver or node name the API server would reject.
     """
@@ -101,6 +116,10 @@ def desired_slices(
     if features.memory_shares:
         entries, counter_sets = with_memory_shares(devices, entries)
         restricted = restricted or bool(counter_sets)
+    if taints and any(taints.values()):
+        entries = [{**e, "taints": [taint_json(t) for t in taints[e["name"]]]} if taints.get(e["name"]) else e
+                   for e in entries]
+        restricted = True
     per_slice = MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
     chunks = [entries[i : i + per_slice] for i in range(0, len(entries), per_slice)] or [[]]
     # Since 1.35 a slice holds devices or shared counters, never both: counters go last.

@@ -8,13 +8,16 @@ a non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
 from controller.attributes import nvlink_layer_attribute
 from controller.slices import published_topology
+from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.gpu import GpuDiscoveryError, NvmlUnavailableError, discover, list_profiles
 from dra_driver.gpu.report import inventory_document, render_table
+from dra_driver.health import history
 
 NO_DRIVER_HINT = (
     "No NVIDIA driver found: {reason}.\n"
@@ -30,8 +33,15 @@ NO_DRIVER_HINT = (
 @click.option(
     "--list-profiles", "list_only", is_flag=True, help="List the simulated hardware profiles and exit."
 )
-def inventory(simulate: str | None, output: str, list_only: bool) -> None:
-    """Show the node's GPUs, MIG devices and NVLink topology."""
+@click.option(
+    "--health-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("/var/lib/kubelet/plugins") / DEFAULT_DRIVER_NAME / history.FILE_NAME,
+    show_default=True,
+    help="The running plugin's device health history (shown when the file exists).",
+)
+def inventory(simulate: str | None, output: str, list_only: bool, health_file: Path) -> None:
+    """Show the node's GPUs, MIG devices and NVLink topology, and the plugin's view of their health."""
     if list_only:
         _print_profiles(output)
         return
@@ -43,10 +53,19 @@ def inventory(simulate: str | None, output: str, list_only: bool) -> None:
         raise click.ClickException(str(err)) from err
     # The topology as the slices publish it, so the layers shown are the published ones.
     topology = published_topology(inv)
+    try:
+        health = history.read(health_file)
+    except (OSError, ValueError) as err:
+        raise click.ClickException(str(err)) from err
     if output == "json":
-        click.echo(json.dumps(inventory_document(inv, topology, nvlink_layer_attribute), indent=2))
+        document = inventory_document(inv, topology, nvlink_layer_attribute)
+        if health is not None:
+            document["health"] = health
+        click.echo(json.dumps(document, indent=2))
     else:
         click.echo(render_table(inv, topology, nvlink_layer_attribute))
+        if health is not None:
+            click.echo("\n" + history.render(health))
 
 
 def _print_profiles(output: str) -> None:

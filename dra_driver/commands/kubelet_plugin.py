@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
@@ -27,17 +27,28 @@ import click
 import grpc
 import structlog
 
-from controller.publisher import ListAttributesMode, slice_controller
-from dra_driver import kube
-from dra_driver.commands.options import cluster_options, driver_files_options, memory_shares_option
-from dra_driver.devices import node_devices
+from controller.publisher import ListAttributesMode, SliceController, slice_controller
+from dra_driver import kube, metrics
+from dra_driver.commands.options import (
+    cluster_options,
+    driver_files_options,
+    health_options,
+    memory_shares_option,
+)
+from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import Inventory
+from dra_driver.health import history
+from dra_driver.health.classify import HealthPolicy, Severity, TaintEffect
+from dra_driver.health.keeper import HealthKeeper
+from dra_driver.health.monitor import HealthMonitorError
+from dra_driver.health.node import SIMULATED_EVENTS_FILE, NodeHealth, nvml_for, start_node_health
+from dra_driver.health.notify import ClaimEvents, ClaimUse
 from dra_driver.kube import ApiClient
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS, ClaimReader
-from dra_driver.plugin.health import DeviceHealthBoard
+from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_using, keep_fresh, mirror
 from dra_driver.plugin.lock import Lease
 from dra_driver.plugin.registration import RegistrationService, add_registration
 from dra_driver.plugin.service import add_services
@@ -53,6 +64,7 @@ log = structlog.get_logger(__name__)
 
 PUBLISHER_LEASE: Final = "publisher.lock"
 LEASE_POLL_SECONDS: Final = 1.0
+TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval coalesce into one write
 
 
 @click.command("kubelet-plugin")
@@ -100,6 +112,7 @@ LEASE_POLL_SECONDS: Final = 1.0
     help="Run the ResourceSlice controller in this process.",
 )
 @memory_shares_option
+@health_options
 def kubelet_plugin(
     driver_name: str,
     kubeconfig: str | None,
@@ -116,8 +129,18 @@ def kubelet_plugin(
     claim_read_timeout: float,
     publish_slices: bool,
     memory_shares: bool,
+    health_monitor: bool,
+    health_taint_effect: TaintEffect,
+    health_quiet_period: float,
+    health_xid_severity: dict[int, Severity],
+    simulate_health_events: Path | None,
 ) -> None:
     """Serve the kubelet's DRA plugin API on this node and publish its ResourceSlices."""
+    if simulate_health_events is not None and simulate is None:
+        raise click.BadParameter("only with --simulate (real GPUs report their own events)",
+                                 param_hint="--simulate-health-events")
+    policy = HealthPolicy(health_xid_severity, health_taint_effect, health_quiet_period)
+    health = policy if health_monitor else None
     opts = PluginOptions(
         node_name=node_name,
         driver=driver_name,
@@ -134,6 +157,8 @@ def kubelet_plugin(
         list_attributes=list_attributes,
         publish_slices=publish_slices,
         memory_shares=memory_shares,
+        health=health,
+        simulate_health_events=simulate_health_events,
     )
     try:
         run_until_signalled(run_plugin(opts))
@@ -159,6 +184,8 @@ class PluginOptions:
     list_attributes: Literal["auto", "on", "off"] = "auto"
     publish_slices: bool = True
     memory_shares: bool = False
+    health: HealthPolicy | None = field(default_factory=HealthPolicy)  # None: --no-health-monitor
+    simulate_health_events: Path | None = None
 
 
 async def _serve(socket: Path, register: Callable[[grpc.aio.Server], None], name: str) -> grpc.aio.Server:
@@ -206,15 +233,24 @@ async def run_plugin(opts: PluginOptions) -> None:
         data_dir=paths.data_dir,
         sharing=Sharing(opts.driver, opts.node_name, mps),
     )
-    board = DeviceHealthBoard(opts.node_name, devices)
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)
 
     tasks: list[asyncio.Task[None]] = []
     dra_server = reg_server = None
+    health: NodeHealth | None = None
     try:
         await preparer.recover()
+        health = await _start_health(opts, inventory, devices, paths.data_dir)
+        if health is None:
+            board = DeviceHealthBoard(opts.node_name, devices, "UNKNOWN", NOT_MONITORED)
+            tasks.append(asyncio.create_task(keep_fresh(board, lambda: True), name="health-heartbeat"))
+        else:
+            board = DeviceHealthBoard(opts.node_name, devices)
+            tasks += _health_tasks(api, opts, health, board, preparer, paths.data_dir)
+        keeper = health.keeper if health else None
         if opts.publish_slices:
-            tasks.append(asyncio.create_task(_publish(api, opts, inventory, lease), name="slice-publisher"))
+            publisher = _publish(api, opts, inventory, lease, keeper)
+            tasks.append(asyncio.create_task(publisher, name="slice-publisher"))
         dra_server = await _serve(paths.dra_socket, lambda s: add_services(s, preparer, board), "dra")
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
         reg_server = await _serve(
@@ -230,12 +266,72 @@ async def run_plugin(opts: PluginOptions) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if health is not None:
+            await health.stop()
         lease.release()
         await api.close()
         log.info("stopped")
 
 
-async def _publish(api: ApiClient, opts: PluginOptions, inventory: Inventory, lease: Lease) -> None:
+async def _start_health(
+    opts: PluginOptions, inventory: Inventory, devices: dict[str, NodeDevice], data_dir: Path
+) -> NodeHealth | None:
+    if opts.health is None:
+        log.info("device health is not monitored (--no-health-monitor)")
+        return None
+    events_file = opts.simulate_health_events or data_dir / SIMULATED_EVENTS_FILE
+    try:
+        return await start_node_health(
+            inventory, devices, opts.driver, opts.health, nvml_for(opts.simulate, events_file), count=_count
+        )
+    except HealthMonitorError as e:
+        log.error("device health monitor not started; devices report Unknown", error=str(e))
+        return None
+
+
+def _count(kind: str, n: int) -> None:
+    metrics.health_events.labels(kind=kind).inc(n)
+
+
+def _health_tasks(
+    api: ApiClient,
+    opts: PluginOptions,
+    health: NodeHealth,
+    board: DeviceHealthBoard,
+    preparer: NodePreparer,
+    data_dir: Path,
+) -> list[asyncio.Task[None]]:
+    def uses() -> list[ClaimUse]:
+        pool = opts.node_name
+        return [
+            ClaimUse(e.namespace, e.name, e.uid, tuple(d.device for d in e.devices if d.pool == pool))
+            for e in preparer.read_checkpoint().claims.values()
+        ]
+
+    keeper = health.keeper
+    events = ClaimEvents(api, opts.driver, opts.node_name, claims_using(uses))
+    return [
+        asyncio.create_task(keeper.settle_forever(), name="health-settle"),
+        asyncio.create_task(mirror(board, keeper), name="health-stream"),
+        asyncio.create_task(keep_fresh(board, health.alive), name="health-heartbeat"),
+        asyncio.create_task(history.keep_file(keeper, data_dir / history.FILE_NAME), name="health-history"),
+        asyncio.create_task(events.follow(keeper), name="health-events"),
+    ]
+
+
+async def _follow_taints(ctl: SliceController, keeper: HealthKeeper, pool: str) -> None:
+    """The keeper's taints into the pool's slices; changes within TAINT_WRITE_INTERVAL coalesce."""
+    async for snapshot in keeper.watch():
+        taints = snapshot.taints()
+        if ctl.set_taints(pool, taints):
+            log.info("publishing device taints", taints={d: [f"{t.key}={t.value}:{t.effect}" for t in ts]
+                                                         for d, ts in taints.items()})
+        await asyncio.sleep(TAINT_WRITE_INTERVAL)
+
+
+async def _publish(
+    api: ApiClient, opts: PluginOptions, inventory: Inventory, lease: Lease, keeper: HealthKeeper | None
+) -> None:
     """Publish this node's slices while holding the lease; during a rolling update the
     instance that comes second waits until the first one exits, then takes over."""
     waiting_logged = False
@@ -250,4 +346,7 @@ async def _publish(api: ApiClient, opts: PluginOptions, inventory: Inventory, le
     ctl = await slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares
     )
-    await ctl.run()
+    if keeper is None:
+        await ctl.run()
+    else:
+        await asyncio.gather(ctl.run(), _follow_taints(ctl, keeper, opts.node_name))

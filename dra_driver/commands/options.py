@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import click
 
 from dra_driver import DEFAULT_DRIVER_NAME
+from dra_driver.health.classify import Severity, parse_xid_severities
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -89,3 +90,57 @@ def memory_shares_option(f: F) -> F:
         help="Also publish every whole GPU for memory shares (consumable capacity; each share enforced by "
         "its own MPS daemon). Needs DRAConsumableCapacity and DRAPartitionableDevices (beta, on in 1.36+).",
     )(f)
+
+
+def _xid_severities(ctx: click.Context, param: click.Parameter, value: str) -> dict[int, Severity]:
+    try:
+        return parse_xid_severities(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def health_options(f: F) -> F:
+    """Device health monitoring (docs/health.md): NVML events -> taints, health stream, Events."""
+    for option in reversed(
+        [
+            click.option(
+                "--health-monitor/--no-health-monitor",
+                default=True,
+                show_default=True,
+                help="Watch NVML health events and taint sick devices (without it devices report Unknown).",
+            ),
+            click.option(
+                "--health-taint-effect",
+                type=click.Choice(["NoSchedule", "NoExecute"]),
+                default="NoSchedule",
+                show_default=True,
+                help="The strongest taint effect written: NoExecute lets Kubernetes evict the pods of a GPU "
+                "that needs a reset; NoSchedule only keeps new pods off it.",
+            ),
+            click.option(
+                "--health-quiet-period",
+                type=click.FloatRange(min=0),
+                default=60.0,
+                show_default=True,
+                help="Seconds a device must check out well, with no new critical event, before its taint "
+                "is removed.",
+            ),
+            click.option(
+                "--health-xid-severity",
+                metavar="XID=EFFECT,...",
+                default="",
+                callback=_xid_severities,
+                help="Override the severity of XIDs, EFFECT one of None, NoSchedule, NoExecute "
+                "(e.g. '13=NoSchedule,94=None').",
+            ),
+            click.option(
+                "--simulate-health-events",
+                type=click.Path(dir_okay=False, path_type=Path),
+                default=None,
+                help="With --simulate: the JSON-lines file the simulated NVML takes injected health events "
+                "from [default: simulated-nvml-events.jsonl in the plugin's data dir].",
+            ),
+        ]
+    ):
+        f = option(f)
+    return f

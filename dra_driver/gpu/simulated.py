@@ -9,19 +9,24 @@ runs the very parsing code a GPU host runs with `nvml.discover(pynvml)`.
 
 `FakeSysfs(profile)` answers the sysfs questions (PCIe root, NUMA node) the same way.
 `calls` records every call, so tests can check that each query is made once.
-This module holds no discovery logic of its own.
+With a `FakeEventSource` (dra_driver.health.injection) it also answers the health
+monitor's event calls: injected XIDs, ECC errors, lost GPUs and recovery actions come out
+of `nvmlEventSetWait_v2` and `nvmlDeviceGetFieldValues` as from the real library.
+This module holds no discovery or health logic of its own.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
 
 from dra_driver.gpu.nvml import normalize_pci_bus_id
 from dra_driver.gpu.profiles import GpuSpec, MigInstanceSpec, Profile
+from dra_driver.health.injection import ALL_EVENTS, EventData, FakeEventSource
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,20 @@ def _pci_info(bus_id: str) -> Any:
 class FakeNvml:
     """The pynvml calls that discovery makes, answered from a profile."""
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        events: FakeEventSource | None = None,
+        supported_events: int = ALL_EVENTS,
+        recovery_action_field: bool = True,
+    ) -> None:
         self.profile = profile
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self._initialized = 0
         self._links = {g.index: self._link_table(g) for g in profile.gpus}
+        self.events = events
+        self.supported_events = supported_events
+        self.recovery_action_field = recovery_action_field
 
     def _link_table(self, gpu: GpuSpec) -> tuple[_LinkEnd, ...]:
         ends: list[_LinkEnd] = []
@@ -93,6 +107,8 @@ class FakeNvml:
         gpu_index = first.index if isinstance(first, GpuHandle) else getattr(first, "gpu", None)
         if gpu_index is not None and name in self.profile.gpus[gpu_index].errors:
             raise _fail(self.profile.gpus[gpu_index].errors[name])
+        if gpu_index is not None and self.events is not None and self.events.is_lost(gpu_index):
+            raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
 
     def _gpu(self, handle: Any) -> GpuSpec:
         if not isinstance(handle, GpuHandle):
@@ -330,6 +346,73 @@ class FakeNvml:
     def nvmlDeviceGetGpuFabricInfo(self, handle: Any, info: Any) -> int:
         self._enter("nvmlDeviceGetGpuFabricInfo", handle, info)
         return self._fill_fabric(handle, info)
+
+
+    # -- health events (dra_driver.health.monitor) ----------------------------------------------
+
+    def _source(self) -> FakeEventSource:
+        if self.events is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # no event source: as a GPU without events
+        return self.events
+
+    def nvmlEventSetCreate(self) -> Any:
+        self._enter("nvmlEventSetCreate")
+        self._source()
+        return _FakeEventSet()
+
+    def nvmlEventSetFree(self, event_set: Any) -> None:
+        self._enter("nvmlEventSetFree", event_set)
+        event_set.registered.clear()
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetSupportedEventTypes", handle)
+        self._gpu(handle)
+        return self.supported_events
+
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None:
+        self._enter("nvmlDeviceRegisterEvents", handle, event_types, event_set)
+        gpu = self._gpu(handle)
+        if event_types & ~self.supported_events:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        event_set.registered[gpu.index] = event_set.registered.get(gpu.index, 0) | event_types
+
+    def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> Any:
+        # Not recorded in `calls`: the monitor waits in a loop for as long as it runs.
+        if not self._initialized:
+            raise _fail(pynvml.NVML_ERROR_UNINITIALIZED)
+        source = self._source()
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            source.poll()
+            if source.take_lost_news():
+                raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
+            now = time.monotonic()
+            due = source.next_event(event_set.registered, now)
+            if due is not None:
+                gpu, event_type, data, gi, ci = due
+                return EventData(GpuHandle(gpu), event_type, data, gi, ci)
+            if now >= deadline:
+                raise _fail(pynvml.NVML_ERROR_TIMEOUT)
+            time.sleep(min(0.005 if source.pending() else 0.02, deadline - now))
+
+    def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list[int]) -> Any:
+        self._enter("nvmlDeviceGetFieldValues", handle, tuple(field_ids))
+        gpu = self._gpu(handle)
+        values = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        for value, field_id in zip(values, field_ids, strict=True):
+            value.fieldId = field_id
+            if field_id == pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION and self.recovery_action_field:
+                value.nvmlReturn = pynvml.NVML_SUCCESS
+                value.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+                value.value.uiVal = self._source().action(gpu.index) if self.events else 0
+            else:
+                value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return values
+
+
+@dataclass
+class _FakeEventSet:
+    registered: dict[int, int] = field(default_factory=dict)  # GPU index -> event type bits
 
 
 @dataclass(frozen=True)

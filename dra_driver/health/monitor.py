@@ -1,0 +1,375 @@
+"""The NVML event loop: one thread that waits on an NVML event set for every GPU and
+checks each GPU now and then; it hands what it saw to a callback in batches.
+
+The same code runs on `pynvml` and on `FakeNvml` (dra_driver.gpu.simulated), whose event
+wait is fed by injected events. Rules kept here:
+- register every health event type NVML offers on a GPU (`WANTED`, masked by
+  `nvmlDeviceGetSupportedEventTypes`); what a GPU does not offer is said once, at start;
+- never block the caller: the wait (a C call that releases the GIL) runs in this thread;
+  events are coalesced (identical ones counted) and delivered at most once per
+  `batch_window`, so a storm of thousands per second costs the event loop a few calls;
+- every `probe_interval` seconds, and at once after NVML says a GPU is lost, each GPU is
+  checked: can NVML still reach it (memory info), and which recovery action does NVML ask
+  for (field 230, where offered);
+- `alive_at` moves on every turn of the loop, so a wedged NVML call shows (the health
+  stream then stops vouching for the devices and the kubelet marks them Unknown).
+
+It must NOT classify events or touch Kubernetes: that is `classify`/`keeper`'s work.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final, Protocol
+
+import pynvml
+import structlog
+
+from dra_driver.health.events import WHOLE_GPU, EventKind, HealthEvent, MonitorFacts, Probe
+
+log = structlog.get_logger(__name__)
+
+RECOVERY_ACTION_FIELD: Final = int(getattr(pynvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", 230))
+
+# NVML event type bit -> kind; constants missing from an older nvidia-ml-py are left out.
+WANTED: Final[dict[int, EventKind]] = {
+    int(getattr(pynvml, name)): kind
+    for name, kind in (
+        ("nvmlEventTypeXidCriticalError", EventKind.XID),
+        ("nvmlEventTypeDoubleBitEccError", EventKind.DOUBLE_BIT_ECC),
+        ("nvmlEventTypeSingleBitEccError", EventKind.SINGLE_BIT_ECC),
+        ("nvmlEventTypeSingleBitEccErrorStorm", EventKind.SINGLE_BIT_ECC_STORM),
+        ("nvmlEventTypeDramRetirementEvent", EventKind.DRAM_RETIREMENT),
+        ("nvmlEventTypeDramRetirementFailure", EventKind.DRAM_RETIREMENT_FAILURE),
+        ("nvmlEventTypeNonFatalPoisonError", EventKind.NON_FATAL_POISON),
+        ("nvmlEventTypeFatalPoisonError", EventKind.FATAL_POISON),
+        ("nvmlEventTypeGpuUnavailableError", EventKind.GPU_UNAVAILABLE),
+        ("nvmlEventTypeGpuRecoveryAction", EventKind.RECOVERY_ACTION),
+    )
+    if hasattr(pynvml, name)
+}
+
+_VALUE_FIELDS: Final = {
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
+}
+_LOST: Final = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST})
+_NOT_OFFERED: Final = frozenset(
+    {
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_INVALID_ARGUMENT,
+    }
+)
+
+
+class NvmlEventsApi(Protocol):
+    """The pynvml calls the monitor makes; `pynvml` and `FakeNvml` both provide them."""
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any: ...
+    def nvmlDeviceGetUUID(self, handle: Any) -> str: ...
+    def nvmlDeviceGetMemoryInfo(self, handle: Any) -> Any: ...
+    def nvmlEventSetCreate(self) -> Any: ...
+    def nvmlDeviceGetSupportedEventTypes(self, handle: Any) -> int: ...
+    def nvmlDeviceRegisterEvents(self, handle: Any, event_types: int, event_set: Any) -> None: ...
+    def nvmlEventSetWait_v2(self, event_set: Any, timeout_ms: int) -> Any: ...
+    def nvmlEventSetFree(self, event_set: Any) -> None: ...
+    def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list[int]) -> Any: ...
+
+
+class HealthMonitorError(Exception):
+    """NVML cannot be used for health monitoring at all (no driver, init failed)."""
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    """A GPU of the inventory: its index and the UUIDs NVML may name it (or its MIG devices) by."""
+
+    index: int
+    uuid: str
+    mig_uuids: tuple[str, ...] = ()
+
+
+Batch = Sequence[HealthEvent | Probe]
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _kinds(mask: int) -> tuple[str, ...]:
+    return tuple(str(kind) for bit, kind in WANTED.items() if mask & bit)
+
+
+def _field_value(value: Any) -> int | None:
+    """The integer in an NVML field value, or None when NVML did not answer that field."""
+    if value.nvmlReturn != pynvml.NVML_SUCCESS:
+        return None
+    attribute = _VALUE_FIELDS.get(value.valueType)
+    return int(getattr(value.value, attribute)) if attribute else None
+
+
+class NvmlHealthMonitor:
+    """Watches the GPUs of `gpus` through `nvml` and calls `deliver` (from its own thread) with batches."""
+
+    def __init__(
+        self,
+        nvml: NvmlEventsApi,
+        gpus: Sequence[GpuRef],
+        deliver: Callable[[Batch], None],
+        *,
+        wait_ms: int = 1000,
+        probe_interval: float = 5.0,
+        batch_window: float = 0.05,
+        max_batch: int = 10_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._nvml = nvml
+        self._gpus = {g.index: g for g in gpus}
+        self._by_uuid = {u: g.index for g in gpus for u in (g.uuid, *g.mig_uuids)}
+        self._deliver = deliver
+        self._wait_ms = wait_ms
+        self._probe_interval = probe_interval
+        self._batch_window = batch_window
+        self._max_batch = max_batch
+        self._clock = clock
+        self._handles: dict[int, Any] = {}
+        self._field_offered: dict[int, bool] = {}
+        self._event_set: Any = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._probe_now = threading.Event()
+        self._said: set[str] = set()
+        self.alive_at = time.monotonic()
+        self.facts = MonitorFacts({}, {}, {})
+        self.delivered_events = 0  # NVML events seen (before coalescing), for benchmarks
+
+    # -- start and stop ------------------------------------------------------------------------
+
+    def start(self) -> MonitorFacts:
+        """Initialize NVML, register the event types of every GPU and start the thread."""
+        try:
+            self._nvml.nvmlInit()
+        except pynvml.NVMLError as err:
+            raise HealthMonitorError(f"NVML could not be initialized for health monitoring: {err}") from err
+        try:
+            self._event_set = self._nvml.nvmlEventSetCreate()
+            self.facts = self._register()
+        except Exception:
+            self._shutdown()
+            raise
+        self._thread = threading.Thread(target=self._run, name="nvml-health", daemon=True)
+        self._thread.start()
+        return self.facts
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread (within one wait) and release the event set and NVML."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("NVML health thread did not stop in time; leaving it", timeout=timeout)
+                return
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._event_set is not None:
+            self._call_quietly("nvmlEventSetFree", self._nvml.nvmlEventSetFree, self._event_set)
+            self._event_set = None
+        self._call_quietly("nvmlShutdown", self._nvml.nvmlShutdown)
+
+    def _call_quietly(self, what: str, call: Callable[..., Any], *args: Any) -> None:
+        try:
+            call(*args)
+        except pynvml.NVMLError as err:
+            log.warning("NVML call failed while stopping the health monitor", call=what, error=str(err))
+
+    def _register(self) -> MonitorFacts:
+        wanted = sum(WANTED)
+        registered: dict[int, tuple[str, ...]] = {}
+        unsupported: dict[int, tuple[str, ...]] = {}
+        for index, gpu in sorted(self._gpus.items()):
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(self._nvml.nvmlDeviceGetUUID(handle))
+            if uuid != gpu.uuid:
+                raise HealthMonitorError(
+                    f"NVML's GPU {index} is {uuid}, the inventory's is {gpu.uuid}: the GPUs changed since "
+                    "discovery; restart the plugin"
+                )
+            self._handles[index] = handle
+            try:
+                supported = int(self._nvml.nvmlDeviceGetSupportedEventTypes(handle))
+            except pynvml.NVMLError as err:
+                log.warning("NVML cannot say which events GPU offers; watching by periodic checks only",
+                            gpu=index, error=str(err))
+                supported = 0
+            mask = self._register_gpu(index, handle, wanted & supported)
+            registered[index] = _kinds(mask)
+            unsupported[index] = _kinds(wanted & ~mask)
+            self._field_offered[index] = self._read_recovery_action(index, handle, at_start=True) is not None
+            log.info(
+                "health monitor watching GPU",
+                gpu=index,
+                uuid=gpu.uuid,
+                registered=list(registered[index]),
+                not_offered=list(unsupported[index]),
+                recovery_action_field=self._field_offered[index],
+            )
+        return MonitorFacts(registered, unsupported, dict(self._field_offered))
+
+    def _register_gpu(self, index: int, handle: Any, mask: int) -> int:
+        if not mask:
+            return 0
+        try:
+            self._nvml.nvmlDeviceRegisterEvents(handle, mask, self._event_set)
+            return mask
+        except pynvml.NVMLError as err:
+            log.info("registering the event types at once failed; trying one by one", gpu=index,
+                     error=str(err))
+        done = 0
+        for bit in (b for b in WANTED if mask & b):
+            try:
+                self._nvml.nvmlDeviceRegisterEvents(handle, bit, self._event_set)
+                done |= bit
+            except pynvml.NVMLError:
+                continue
+        return done
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def probe_soon(self) -> None:
+        self._probe_now.set()
+
+    def _run(self) -> None:
+        pending: list[HealthEvent] = []
+        first_at = 0.0
+        next_probe = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            self.alive_at = now
+            if self._probe_now.is_set():
+                self._probe_now.clear()
+                next_probe = now
+            if pending:
+                timeout = max(0.0, first_at + self._batch_window - now)
+            else:
+                timeout = min(self._wait_ms / 1000, max(0.0, next_probe - now))
+            event = self._wait(int(timeout * 1000))
+            if event is not None:
+                if not pending:
+                    first_at = time.monotonic()
+                pending.append(event)
+                self.delivered_events += 1
+            now = time.monotonic()
+            probe_due = now >= next_probe
+            # Events go out before a probe, so that a check never overtakes the event that explains it.
+            batch_due = len(pending) >= self._max_batch or now - first_at >= self._batch_window
+            if pending and (probe_due or batch_due):
+                self._flush(pending)
+                pending = []
+            if probe_due:
+                self._deliver_safely(self._probe_all())
+                next_probe = time.monotonic() + self._probe_interval
+        if pending:
+            self._flush(pending)
+
+    def _wait(self, timeout_ms: int) -> HealthEvent | None:
+        try:
+            data = self._nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
+        except pynvml.NVMLError as err:
+            if err.value == pynvml.NVML_ERROR_TIMEOUT:
+                return None
+            if err.value in _LOST:
+                self._say_once("lost", "NVML event wait says a GPU is lost; checking every GPU", log.warning)
+                self._probe_now.set()
+                return None
+            self._say_once(f"wait-{err.value}", "NVML event wait failed; retrying", log.warning,
+                           error=str(err))
+            self._stop.wait(0.5)
+            return None
+        return self._event(data)
+
+    def _event(self, data: Any) -> HealthEvent | None:
+        kind = WANTED.get(int(data.eventType))
+        try:
+            uuid = _text(self._nvml.nvmlDeviceGetUUID(data.device))
+        except pynvml.NVMLError as err:
+            self._say_once("unattributed", "NVML event for a GPU NVML cannot name; checking every GPU",
+                           log.warning, error=str(err))
+            self._probe_now.set()
+            return None
+        gpu = self._by_uuid.get(uuid)
+        if kind is None or gpu is None:
+            self._say_once(f"unknown-{uuid}-{kind}", "NVML event ignored: unknown GPU or event type",
+                           log.info, uuid=uuid, event_type=int(data.eventType))
+            return None
+        gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
+        return HealthEvent(
+            gpu=gpu,
+            kind=kind,
+            data=int(data.eventData),
+            gpu_instance=None if gi == WHOLE_GPU else gi,
+            compute_instance=None if ci == WHOLE_GPU else ci,
+            at=self._clock(),
+        )
+
+    def _flush(self, pending: list[HealthEvent]) -> None:
+        counted = Counter(replace(e, at=0.0) for e in pending)
+        last_at = max(e.at for e in pending)
+        actions = {
+            gpu: self._read_recovery_action(gpu, self._handles[gpu])
+            for gpu in {e.gpu for e in counted if e.kind is EventKind.XID}
+            if self._field_offered.get(gpu)
+        }
+        batch = [
+            replace(e, count=n, at=last_at, recovery_action=actions.get(e.gpu)) for e, n in counted.items()
+        ]
+        self._deliver_safely(batch)
+
+    def _deliver_safely(self, batch: Batch) -> None:
+        try:
+            self._deliver(batch)
+        except Exception:
+            # The receiver (the event loop) may be shutting down; the monitor stops next turn.
+            log.exception("health batch could not be delivered")
+
+    # -- the periodic check ------------------------------------------------------------------
+
+    def _probe_all(self) -> list[Probe]:
+        return [self._probe(index, handle) for index, handle in sorted(self._handles.items())]
+
+    def _probe(self, index: int, handle: Any) -> Probe:
+        try:
+            self._nvml.nvmlDeviceGetMemoryInfo(handle)
+        except pynvml.NVMLError as err:
+            if err.value in _LOST:
+                return Probe(index, lost=True, recovery_action=None, at=self._clock())
+            self._say_once(f"probe-{index}-{err.value}", "NVML check of GPU failed", log.warning,
+                           gpu=index, error=str(err))
+        action = self._read_recovery_action(index, handle) if self._field_offered.get(index) else None
+        return Probe(index, lost=False, recovery_action=action, at=self._clock())
+
+    def _read_recovery_action(self, index: int, handle: Any, at_start: bool = False) -> int | None:
+        try:
+            values = self._nvml.nvmlDeviceGetFieldValues(handle, [RECOVERY_ACTION_FIELD])
+        except pynvml.NVMLError as err:
+            if not at_start and err.value not in _NOT_OFFERED | _LOST:
+                self._say_once(f"field-{index}", "NVML recovery-action query failed", log.warning,
+                               gpu=index, error=str(err))
+            return None
+        return _field_value(values[0])
+
+    def _say_once(self, key: str, message: str, emit: Callable[..., Any], **fields: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            emit(message, **fields)

@@ -1,0 +1,87 @@
+"""Health monitoring in the node process: the monitor thread feeding the keeper, started and stopped.
+
+`start_node_health` picks the NVML to watch (pynvml, or for `--simulate` a FakeNvml with an
+injected-event source following the control file), starts the monitor thread and hands
+its batches to the keeper on the event loop. `NodeHealth.alive()` says whether the
+monitor's loop turned recently; the health stream vouches for devices only while it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import pynvml
+import structlog
+
+from dra_driver.devices import NodeDevice
+from dra_driver.gpu.model import Inventory
+from dra_driver.gpu.profiles import load_profile
+from dra_driver.gpu.simulated import FakeNvml
+from dra_driver.health.classify import HealthPolicy
+from dra_driver.health.injection import FakeEventSource
+from dra_driver.health.keeper import HealthKeeper
+from dra_driver.health.monitor import Batch, GpuRef, NvmlEventsApi, NvmlHealthMonitor
+
+log = structlog.get_logger(__name__)
+
+SIMULATED_EVENTS_FILE: Final = "simulated-nvml-events.jsonl"
+PROBE_INTERVAL: Final = 5.0  # seconds between two checks of every GPU (lost? recovery action?)
+STALE_AFTER: Final = 20.0  # seconds without a turn of the monitor loop: stop vouching for the devices
+
+
+@dataclass
+class NodeHealth:
+    keeper: HealthKeeper
+    monitor: NvmlHealthMonitor
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.monitor.alive_at < STALE_AFTER
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.monitor.stop)
+
+
+def gpu_refs(inventory: Inventory) -> list[GpuRef]:
+    return [GpuRef(g.index, g.uuid, tuple(m.uuid for m in g.mig_devices)) for g in inventory.gpus]
+
+
+def nvml_for(simulate: str | None, events_file: Path | None) -> NvmlEventsApi:
+    """pynvml on a GPU host; for a simulated profile, a FakeNvml fed by `events_file`."""
+    if simulate is None:
+        nvml: NvmlEventsApi = pynvml
+        return nvml
+    profile = load_profile(simulate)
+    return FakeNvml(profile, FakeEventSource(len(profile.gpus), events_file))
+
+
+async def start_node_health(
+    inventory: Inventory,
+    devices: Mapping[str, NodeDevice],
+    driver: str,
+    policy: HealthPolicy,
+    nvml: NvmlEventsApi,
+    count: Callable[[str, int], None] | None = None,
+    probe_interval: float = PROBE_INTERVAL,
+) -> NodeHealth:
+    """Start the monitor on `nvml`; raises HealthMonitorError when NVML cannot be used."""
+    keeper = HealthKeeper(driver, devices, policy, count=count)
+    loop = asyncio.get_running_loop()
+
+    def deliver(batch: Batch) -> None:
+        loop.call_soon_threadsafe(keeper.apply, batch)
+
+    monitor = NvmlHealthMonitor(nvml, gpu_refs(inventory), deliver, probe_interval=probe_interval)
+    keeper.facts = await asyncio.to_thread(monitor.start)
+    log.info(
+        "health monitor started",
+        gpus=len(inventory.gpus),
+        max_effect=policy.max_effect,
+        quiet_period=policy.quiet_period,
+        xid_overrides={str(x): s.title for x, s in policy.xid_overrides.items()},
+    )
+    return NodeHealth(keeper, monitor)

@@ -1,0 +1,258 @@
+"""The NVML health monitor on simulated GPUs: injected events come out of the same event-wait
+code path as real NVML's, are coalesced in storms, and reach the keeper; lost GPUs are found
+at once; what a GPU does not offer is said once; the thread stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pynvml
+import pytest
+from structlog.testing import capture_logs
+
+from dra_driver.devices import node_devices
+from dra_driver.gpu import discover, load_profile
+from dra_driver.gpu.simulated import FakeNvml
+from dra_driver.health.classify import HealthPolicy
+from dra_driver.health.effects import affected_devices
+from dra_driver.health.events import EventKind, HealthEvent, Probe
+from dra_driver.health.injection import WANTED_BY_NAME, BadInjection, FakeEventSource
+from dra_driver.health.monitor import Batch, NvmlHealthMonitor
+from dra_driver.health.node import gpu_refs, nvml_for, start_node_health
+
+PROFILE = "hgx-h200"
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.batches: queue.Queue[Batch] = queue.Queue()
+
+    def __call__(self, batch: Batch) -> None:
+        self.batches.put(batch)
+
+    def until(self, what: str, check: object, timeout: float = 5.0) -> list[HealthEvent | Probe]:
+        """Items collected until `check(items)` holds."""
+        items: list[HealthEvent | Probe] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                items.extend(self.batches.get(timeout=0.05))
+            if check(items):  # type: ignore[operator]
+                return items
+        raise AssertionError(f"no {what} within {timeout} s: {items[-10:]}")
+
+
+@pytest.fixture
+def fake() -> FakeNvml:
+    profile = load_profile(PROFILE)
+    return FakeNvml(profile, FakeEventSource(len(profile.gpus)))
+
+
+@pytest.fixture
+def started(fake: FakeNvml) -> Iterator[tuple[NvmlHealthMonitor, Collector, FakeNvml]]:
+    collector = Collector()
+    monitor = NvmlHealthMonitor(fake, gpu_refs(discover(PROFILE)), collector, probe_interval=30.0)
+    monitor.start()
+    yield monitor, collector, fake
+    monitor.stop()
+
+
+def events(items: list[HealthEvent | Probe]) -> list[HealthEvent]:
+    return [i for i in items if isinstance(i, HealthEvent)]
+
+
+def test_an_injected_xid_comes_out_of_the_event_wait_with_the_recovery_action(
+    started: tuple[NvmlHealthMonitor, Collector, FakeNvml],
+) -> None:
+    monitor, collector, fake = started
+    assert fake.events is not None
+    fake.events.inject({"gpu": 3, "xid": 79, "recovery_action": 1})
+    items = collector.until("the XID", lambda got: events(got))
+    (event,) = events(items)
+    assert (event.gpu, event.kind, event.data, event.recovery_action) == (3, EventKind.XID, 79, 1)
+    assert event.count == 1
+    assert event.gpu_instance is None
+    assert monitor.delivered_events == 1
+
+
+Started = tuple[NvmlHealthMonitor, Collector, FakeNvml]
+
+
+def test_a_storm_is_coalesced_into_a_few_batches(started: Started) -> None:
+    _, collector, fake = started
+    assert fake.events is not None
+    fake.events.inject({"gpu": 0, "xid": 13, "repeat": 5000})
+    fake.events.inject({"gpu": 0, "event": "single-bit-ecc", "repeat": 3000})
+    batches: list[int] = []
+
+    def done(got: list[HealthEvent | Probe]) -> bool:
+        return sum(e.count for e in events(got)) >= 8000
+
+    deadline = time.monotonic() + 20
+    got: list[HealthEvent | Probe] = []
+    while not done(got) and time.monotonic() < deadline:
+        try:
+            batch = collector.batches.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        batches.append(len(batch))
+        got.extend(batch)
+    counted = {(e.kind, e.data): 0 for e in events(got)}
+    for e in events(got):
+        counted[(e.kind, e.data)] += e.count
+    assert counted == {(EventKind.XID, 13): 5000, (EventKind.SINGLE_BIT_ECC, 0): 3000}
+    assert sum(batches) < 200, f"{len(batches)} batches holding {sum(batches)} items for 8000 events"
+
+
+def test_a_lost_gpu_is_found_at_once_not_at_the_next_periodic_check(
+    started: tuple[NvmlHealthMonitor, Collector, FakeNvml],
+) -> None:
+    _, collector, fake = started
+    assert fake.events is not None
+    fake.events.inject({"gpu": 5, "lost": True})
+    start = time.monotonic()
+    items = collector.until("a lost probe", lambda got: any(isinstance(i, Probe) and i.lost for i in got))
+    assert time.monotonic() - start < 5, "the periodic check is 30 s away: GPU_IS_LOST must trigger it"
+    lost = [i.gpu for i in items if isinstance(i, Probe) and i.lost]
+    assert lost == [5]
+    fake.events.inject({"gpu": 5, "recover": True})
+    assert not fake.events.is_lost(5)
+
+
+def test_what_a_gpu_does_not_offer_is_said_once_and_the_rest_is_watched() -> None:
+    profile = load_profile("h200-single")
+    xid_only = WANTED_BY_NAME["xid"]
+    fake = FakeNvml(profile, FakeEventSource(1), supported_events=xid_only, recovery_action_field=False)
+    collector = Collector()
+    monitor = NvmlHealthMonitor(fake, gpu_refs(discover("h200-single")), collector, probe_interval=0.2)
+    with capture_logs() as logs:
+        facts = monitor.start()
+        time.sleep(1.0)  # several periodic checks
+        assert fake.events is not None
+        fake.events.inject({"gpu": 0, "event": "double-bit-ecc"})  # not registered: never delivered
+        fake.events.inject({"gpu": 0, "xid": 48})
+        items = collector.until("the XID", lambda got: events(got))
+        monitor.stop()
+    assert facts.registered == {0: ("xid",)}
+    assert "double-bit-ecc" in facts.unsupported[0] and "xid" not in facts.unsupported[0]
+    assert facts.recovery_action_field == {0: False}
+    said = [entry for entry in logs if entry["event"] == "health monitor watching GPU"]
+    assert len(said) == 1 and "double-bit-ecc" in said[0]["not_offered"]
+    assert [(e.kind, e.data, e.recovery_action) for e in events(items)] == [(EventKind.XID, 48, None)]
+    assert not [e for e in logs if e["log_level"] in ("warning", "error")], logs
+
+
+def test_register_falls_back_to_one_type_at_a_time(fake: FakeNvml) -> None:
+    calls = 0
+    register = fake.nvmlDeviceRegisterEvents
+
+    def picky(handle: object, event_types: int, event_set: object) -> None:
+        nonlocal calls
+        calls += 1
+        if event_types & (event_types - 1):  # more than one bit: this driver refuses
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        register(handle, event_types, event_set)
+
+    fake.nvmlDeviceRegisterEvents = picky  # type: ignore[method-assign]
+    monitor = NvmlHealthMonitor(fake, gpu_refs(discover(PROFILE))[:1], Collector())
+    facts = monitor.start()
+    monitor.stop()
+    assert set(facts.registered[0]) == {str(k) for k in EventKind if k is not EventKind.GPU_LOST}
+
+
+def test_the_thread_stops_and_releases_nvml(started: tuple[NvmlHealthMonitor, Collector, FakeNvml]) -> None:
+    monitor, _, fake = started
+    start = time.monotonic()
+    monitor.stop()
+    assert time.monotonic() - start < 3
+    names = [name for name, _ in fake.calls]
+    assert names[-2:] == ["nvmlEventSetFree", "nvmlShutdown"]
+    assert names.count("nvmlInit") == names.count("nvmlShutdown") == 1
+
+
+def test_a_changed_gpu_set_is_refused(fake: FakeNvml) -> None:
+    refs = gpu_refs(discover(PROFILE))
+    wrong = [type(refs[0])(refs[0].index, "GPU-not-this-one")]
+    with pytest.raises(Exception, match="restart the plugin"):
+        NvmlHealthMonitor(fake, wrong, Collector()).start()
+    assert [name for name, _ in fake.calls][-1] == "nvmlShutdown"
+
+
+def test_mig_scoped_events_concern_that_mig_device_only() -> None:
+    devices = node_devices(discover("a100-mig"))
+    assert affected_devices(devices, 5, 2, 0) == ("gpu-5-mig-3g20gb-4",)
+    assert affected_devices(devices, 5) == ("gpu-5-mig-3g20gb-0", "gpu-5-mig-3g20gb-4")
+    assert affected_devices(devices, 5, 0xFFFFFFFF, 0xFFFFFFFF) == affected_devices(devices, 5)
+    assert affected_devices(devices, 5, 77) == affected_devices(devices, 5), "unknown instance: the whole GPU"
+    assert affected_devices(devices, 1) == ("gpu-1",)
+
+
+def test_the_control_file_is_followed_and_bad_lines_say_what_to_fix(tmp_path: Path) -> None:
+    control = tmp_path / "events.jsonl"
+    control.write_text(json.dumps({"gpu": 2, "lost": True}) + "\n" + json.dumps({"gpu": 1, "xid": 79}) + "\n")
+    source = FakeEventSource(4, control)
+    assert source.is_lost(2) and not source.pending(), "lines present at start set state, replay no event"
+    with control.open("a") as f:
+        f.write('{"gpu": 9, "xid": 79}\nnot json\n{"gpu": 0, "xid": 79, "colour": "red"}\n')
+        f.write(json.dumps({"gpu": 1, "xid": 48, "recovery_action": 2}) + "\n" + '{"gpu": 3, "xi')
+    with capture_logs() as logs:
+        source.poll()
+    problems = [e["problem"] for e in logs if e["event"] == "simulated health event skipped"]
+    assert len(problems) == 3
+    assert "GPU index from 0 to 3" in problems[0] and "unknown keys ['colour']" in problems[2]
+    assert source.action(1) == 2
+    xid = WANTED_BY_NAME["xid"]
+    assert source.next_event({1: xid}, time.monotonic())[:3] == (1, xid, 48)  # type: ignore[index]
+    with control.open("a") as f:
+        f.write('d": 43}\n')  # the rest of the half-written line
+    source.poll()
+    assert source.next_event({3: xid}, time.monotonic())[:3] == (3, xid, 43)  # type: ignore[index]
+    with pytest.raises(BadInjection, match="'event' must be one of"):
+        source.inject({"gpu": 0, "event": "meltdown"})
+
+
+def test_the_keeper_taints_and_recovers_a_gpu_through_the_control_file(tmp_path: Path) -> None:
+    control = tmp_path / "events.jsonl"
+    inventory = discover(PROFILE)
+    devices = node_devices(inventory)
+
+    async def scenario() -> tuple[float, float, dict[str, int]]:
+        health = await start_node_health(
+            inventory, devices, "gpu.dra-driver.dev", HealthPolicy(quiet_period=0.5),
+            nvml_for(PROFILE, control), probe_interval=0.2,
+        )
+        settle = asyncio.create_task(health.keeper.settle_forever(0.1))
+        try:
+            start = time.monotonic()
+            with control.open("a") as f:
+                f.write(json.dumps({"gpu": 6, "xid": 79, "recovery_action": 1}) + "\n")
+            while health.keeper.views["gpu-6"].healthy:
+                await asyncio.sleep(0.01)
+            tainted = time.monotonic() - start
+            view = health.keeper.views["gpu-6"]
+            taints = [(t.key, t.value, t.effect) for t in view.taints]
+            assert taints == [("gpu.dra-driver.dev/xid", "79", "NoSchedule")]
+            await asyncio.sleep(1.5)
+            assert not health.keeper.views["gpu-6"].healthy, "recovery action pending: must stay tainted"
+            start = time.monotonic()
+            with control.open("a") as f:
+                f.write(json.dumps({"gpu": 6, "recover": True}) + "\n")
+            while not health.keeper.views["gpu-6"].healthy:
+                await asyncio.sleep(0.01)
+            recovered = time.monotonic() - start
+            assert all(v.healthy for v in health.keeper.views.values())
+            return tainted, recovered, dict(health.keeper.states["gpu-6"].counts)
+        finally:
+            settle.cancel()
+            await health.stop()
+
+    tainted, recovered, counts = asyncio.run(scenario())
+    assert tainted < 1.0
+    assert 0.5 <= recovered < 3.0
+    assert counts == {"xid-79": 1}
