@@ -9,8 +9,9 @@ other's work. The async face (`prepare`, `unprepare`, `recover`) reads from the 
 outside the lock (a slow API server never holds up other claims' bookkeeping) and reaches
 the locked section with one hop, `asyncio.to_thread`.
 
-Prepare runs in two phases, each durable before the next step: `started` (the devices we
-are about to hand out) -> sharing set up, CDI spec written -> `completed`. The claims of one
+Prepare runs in two phases, each on disk before the next step: `started` (the devices we
+are about to hand out) -> sharing set up, CDI spec written -> `completed`; a claim
+without sharing skips the `started` write (see `_prepare_locked`). The claims of one
 kubelet call, and of all calls that arrive while a transaction runs (`GroupCommit`), share
 a transaction (one lock, one `started` write, one `completed` write), in chunks of `CHUNK`,
 which also bounds the memory a huge call holds. A crash anywhere leaves
@@ -275,7 +276,11 @@ class NodePreparer:
                     continue
                 todo.append(plan)
                 claims[uid] = ckpt.started_entry(plan.ref.namespace, plan.ref.name, uid, plan.devices)
-            if todo:
+            # `started` must be on disk before anything a crash could leave behind that the
+            # next locked section cannot find by itself: sharing daemons. A CDI spec alone
+            # needs no record (recovery removes a spec without an entry; the kubelet's retry
+            # rewrites it), so claims without sharing cost one checkpoint write, not two.
+            if any(plan.sharing is not None for plan in todo):
                 self._save(claims)
             _fault("prepare-after-started")
             for plan in todo:
