@@ -18,8 +18,11 @@ import pytest
 
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.devices import node_devices
-from dra_driver.plugin.claims import ClaimRef
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.plugin.state import NodePreparer
+from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.policy import Sharing
 
 DRIVER = DEFAULT_DRIVER_NAME
 NODE = "h200-node"
@@ -143,19 +146,38 @@ def claim_object(
     }
 
 
-def make_preparer(
-    tmp: Path, inventory: Any, driver_files: Any, claim: dict[str, Any], **kw: Any
-) -> NodePreparer:
-    async def fetch_claim(ref: ClaimRef) -> dict[str, Any]:
-        return claim
+class OneClaim:
+    """The claim source of a hardware test: the claims it made, as the API server would serve them."""
 
+    def __init__(self, *claims: dict[str, Any]) -> None:
+        self.claims = {c["metadata"]["uid"]: c for c in claims}
+
+    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
+        return {r.uid: self.claims.get(r.uid) or ClaimRejected(f"no claim {r}") for r in refs}
+
+    async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
+        return list(self.claims.values())
+
+
+def make_preparer(
+    tmp: Path, inventory: Any, driver_files: Any, claim: dict[str, Any], mps: MpsControl | None = None
+) -> NodePreparer:
+    """The driver's own preparer for this host, serving `claim`."""
+    (tmp / "data").mkdir(parents=True, exist_ok=True)
     return NodePreparer(
         driver=DRIVER,
         pool=NODE,
         devices=node_devices(inventory),
-        fetch_claim=fetch_claim,
+        claims=OneClaim(claim),
         driver_files=driver_files,
         cdi_dir=tmp / "cdi",
         data_dir=tmp / "data",
-        **kw,
+        sharing=Sharing(DRIVER, NODE, mps or MpsControl(tmp / "mps", "/")),
     )
+
+
+async def prepare_one(preparer: NodePreparer, ref: ClaimRef) -> tuple[PreparedDevice, ...]:
+    """Prepare one claim; its devices, or the test fails with the driver's error."""
+    result = (await preparer.prepare([ref]))[ref.uid]
+    assert result.error is None, result.error
+    return result.devices

@@ -27,6 +27,7 @@ from hwutil import (
     claim_object,
     dra_driver,
     make_preparer,
+    prepare_one,
     run,
     simulate_args,
 )
@@ -62,11 +63,11 @@ def prepared(
 
     async def go() -> Any:
         await preparer.recover()
-        return await preparer.prepare(ref)
+        return await prepare_one(preparer, ref)
 
     result = asyncio.run(go())
     yield Prepared(preparer, ref, tmp / "cdi", tuple(i for p in result for i in p.cdi_device_ids), result)
-    asyncio.run(preparer.unprepare(ref))
+    asyncio.run(preparer.unprepare([ref]))
     assert not list((tmp / "cdi").glob("*.json")), "unprepare left a CDI spec behind"
 
 

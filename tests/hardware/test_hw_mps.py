@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hwutil import DRIVER, WORKLOAD_PYTHON, Recorder, claim_object, make_preparer, run, smi
+from hwutil import DRIVER, WORKLOAD_PYTHON, Recorder, claim_object, make_preparer, prepare_one, run, smi
 from hwworkloads import MPS_CLIENT, last_json
 
 from dra_driver.plugin.claims import ClaimRef
@@ -71,7 +71,7 @@ def test_mps_claim_limits_memory_and_stops_cleanly(
     preparer = make_preparer(tmp_path, inventory, driver_files, claim, mps=mps)
     ref = ClaimRef("default", "h200-mps", CLAIM_UID)
     asyncio.run(preparer.recover())
-    result = asyncio.run(preparer.prepare(ref))
+    result = asyncio.run(prepare_one(preparer, ref))
     try:
         spec_path = next((tmp_path / "cdi").glob("*.json"))
         pids = mps.daemon_pids(CLAIM_UID)
@@ -144,7 +144,7 @@ def test_mps_claim_limits_memory_and_stops_cleanly(
         assert out.get("alloc_5gib") == "ok", out
         assert out.get("alloc_20gib", "ok") != "ok" and "out of memory" in out["alloc_20gib"].lower(), out
     finally:
-        asyncio.run(preparer.unprepare(ref))
+        asyncio.run(preparer.unprepare([ref]))
     for _ in range(100):  # a server that does not carry the marker may take a moment to exit
         if not _mps_processes():
             break
