@@ -49,7 +49,7 @@ _IN, _NS, _NX = Severity.INFO, Severity.NO_SCHEDULE, Severity.NO_EXECUTE
 XID_TABLE: Final[Mapping[int, Severity]] = MappingProxyType(
     {
         **dict.fromkeys((8, 11, 13, 31, 43, 45, 63, 68, 69, 109, 121), _IN),
-        **dict.fromkeys((32, 38, 56, 61, 64, 74, 92, 94, 122, 123, 144, 145), _NS),
+        **dict.fromkeys((32, 38, 56, 61, 64, 74, 92, 94), _NS),
         **dict.fromkeys((48, 62, 79, 95, 119, 120, 140, 143), _NX),
     }
 )
