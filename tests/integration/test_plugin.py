@@ -368,7 +368,10 @@ def test_health_stream_lists_every_device(plugin: DriverProcess, version: str) -
     stream = stub_class(kubelet.channel).NodeWatchResources(pb.NodeWatchResourcesRequest(), timeout=10)
     first = next(iter(stream))
     stream.cancel()
-    assert sorted(d.device.device_name for d in first.devices) == [f"gpu-{i}" for i in range(4)]
+    # every device the plugin can prepare: the GPUs and their share views (claims allocated
+    # while --memory-shares was on keep their health after it is turned off)
+    expected = sorted([f"gpu-{i}" for i in range(4)] + [f"gpu-{i}-share" for i in range(4)])
+    assert sorted(d.device.device_name for d in first.devices) == expected
     assert {d.health for d in first.devices} == {pb.HEALTHY}
     assert {d.device.pool_name for d in first.devices} == {plugin.node}
     kubelet.close()
