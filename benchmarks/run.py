@@ -1,5 +1,7 @@
 """`make bench`: the benchmarks one after the other, `prepare` (the kubelet plugin), `huge_prepare`
-(one 10,000-claim call) then `slices` (the ResourceSlice controller).
+(one 10,000-claim call), `slices` (the ResourceSlice controller) and `health_storm` (Prepare
+latency and slice writes during a storm of health events). The node tier's figures
+(`python -m benchmarks.node`) need the node binaries and run apart.
 
 Each starts its own control plane and stops it before the next begins, so no benchmark
 shares a machine with another; each one's figures go to benchmarks/results/<name>.json and
@@ -16,12 +18,13 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import huge_prepare, prepare, report, slices
+from benchmarks import health_storm, huge_prepare, prepare, report, slices
 
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "prepare": prepare.run,
     "huge_prepare": huge_prepare.run,
     "slices": slices.run,
+    "health_storm": health_storm.run,
 }
 
 
