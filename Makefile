@@ -33,7 +33,7 @@ cluster-up: setup cluster-build
 cluster-down: setup
 	@$(PY) -m tests.harness.cluster down
 
-demo: setup cluster-build
+demo: setup cluster-build node-build
 	@$(PY) -m demo.run $(DEMO_ARGS)
 
 lint: setup

@@ -1,17 +1,22 @@
-"""`python -m demo.run [--keep]` (`make demo`): the driver end to end on a real control plane.
+"""`python -m demo.run [--keep]` (`make demo`): the driver end to end, with pods that really run.
 
-Starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler (built by
-hack/cluster), creates three Nodes and runs one `dra-driver kubelet-plugin` process per
-node, each simulating a different GPU box (8x V100 hybrid cube-mesh, 4x A100 PCIe in
-bridged pairs, 8x H200 on NVSwitch). It applies the DeviceClasses of deploy/deviceclasses
-and every example of deploy/examples, lets the real scheduler allocate, then prepares
-each bound pod's claims through the plugin's socket exactly as a kubelet would, and
-prints what every pod got. There is no kubelet and no container runtime: pods stay
-Pending (unstarted) after binding, and nothing runs.
+Starts a real control plane (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler; built by hack/cluster) and three real nodes on this machine, each a
+kubelet + containerd + runc in its own mount and PID namespace (built by hack/node;
+tests.harness.node), with one `dra-driver kubelet-plugin --simulate <profile>` per node
+as users run it: 8x V100 hybrid cube-mesh, 4x A100 PCIe in bridged pairs, 8x H200 on
+NVSwitch. It applies the DeviceClasses of deploy/deviceclasses and every example of
+deploy/examples unchanged, lets the scheduler allocate and the kubelets prepare the
+claims through the plugin and start the containers, then prints per pod what the
+scheduler allocated and what each container itself sees: its own `ls -l /dev/nvidia*`,
+read back from its log as `kubectl logs` would, checked against the allocated minors.
+One extra pod asks for a GPU no node has and stays Pending with the scheduler's reason.
 
-The node/driver helpers here (`DEMO_NODES`, `DriverProcess`, `wait_for_slices`,
-`apply_documents`...) are also what tests/integration/test_examples.py builds on.
-The report's layout lives apart, in `demo.report`.
+The demo only observes: it never calls the plugin itself (the kubelet-side test client,
+tests.harness.kubelet, belongs to tests/integration). The helpers at the top
+(`DEMO_NODES`, `wait_for_slices`, `apply_documents`, `scheduler_reason`...) are also
+what the integration and node tiers build on. The report's layout lives apart, in
+`demo.report`.
 """
 
 from __future__ import annotations
@@ -19,13 +24,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import structlog
@@ -34,11 +42,13 @@ from kubernetes.client.exceptions import ApiException
 
 from demo.report import (
     ClaimView,
+    ContainerView,
     DemoReport,
     DeviceView,
     ExampleView,
     NodeView,
     PodView,
+    counts,
     describe_excerpt,
     render,
 )
@@ -46,9 +56,8 @@ from dra_driver import log
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import REPO_ROOT, ControlPlane, build_binaries
 from tests.harness.driver import DRIVER, DriverProcess
-from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.node import Nodes, NodeSpec, build_node_binaries, node_cluster
 from tests.harness.objects import (
-    create_node,
     create_object,
     load_yaml_documents,
     sync_client,
@@ -58,7 +67,10 @@ from tests.harness.objects import (
 
 logger = structlog.get_logger(__name__)
 
-DESCRIPTION = "The GPU DRA driver end to end on a real control plane, with three simulated GPU nodes."
+DESCRIPTION = (
+    "The GPU DRA driver end to end on a real control plane and three real nodes "
+    "(kubelet + containerd + runc), each simulating a different GPU box."
+)
 
 DeviceMap = dict[tuple[str, str], JSON]  # (pool, device name) -> the device in its ResourceSlice
 DEMO_NAMESPACE = "gpu-demo"
@@ -79,6 +91,11 @@ DEMO_NODES: tuple[SimulatedNode, ...] = (
     SimulatedNode("a100-pcie", "a100-pcie-bridged", "PCIe cards, NVLink bridges join only 0-1 and 2-3"),
     SimulatedNode("hgx-h200", "hgx-h200", "NVSwitch: every GPU linked to every other"),
 )
+
+
+def node_specs(nodes: Sequence[SimulatedNode] = DEMO_NODES) -> tuple[NodeSpec, ...]:
+    """The demo's boxes as real nodes (tests.harness.node), one simulated driver each."""
+    return tuple(NodeSpec(n.name, n.profile) for n in nodes)
 
 
 def deploy_dir() -> Path:
@@ -109,11 +126,16 @@ def device_class_files() -> list[Path]:
     return sorted((deploy_dir() / "deviceclasses").glob("*.yaml"))
 
 
-def first_comment_line(path: Path) -> str:
+def first_comment_paragraph(path: Path) -> str:
+    """The file's leading comment up to its first blank comment line, as one line."""
+    words: list[str] = []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("#").strip()
-    return ""
+        text = line.lstrip("#").strip()
+        if not line.startswith("#") or (words and not text):
+            break
+        if text:
+            words.append(text)
+    return " ".join(words)
 
 
 def api_error(e: ApiException) -> str:
@@ -125,32 +147,7 @@ def api_error(e: ApiException) -> str:
     return f"{e.status} {e.reason}"
 
 
-# -- driver processes ----------------------------------------------------------------------
-
-
-def start_node_drivers(
-    api: client.ApiClient,
-    kubeconfig: Path,
-    base: Path,
-    nodes: Sequence[SimulatedNode] = DEMO_NODES,
-    detach: bool = False,
-) -> list[DriverProcess]:
-    """Create each Node object and start its driver, with its own kubelet and CDI dirs under `base`."""
-    drivers: list[DriverProcess] = []
-    try:
-        for node in nodes:
-            create_node(api, node.name)
-            driver = DriverProcess(node.name, node.profile, kubeconfig, base / node.name, detach=detach)
-            drivers.append(driver.start(wait=False))
-    except BaseException:
-        stop_drivers(drivers)
-        raise
-    return drivers
-
-
-def stop_drivers(drivers: Iterable[DriverProcess]) -> None:
-    for driver in drivers:
-        driver.stop()
+# -- ResourceSlices ------------------------------------------------------------------------
 
 
 def published_devices(api: client.ApiClient) -> DeviceMap:
@@ -336,24 +333,6 @@ def allocation_results(claim: JSON) -> list[JSON]:
     return results
 
 
-def claim_ref(claim: JSON) -> ClaimName:
-    meta = claim["metadata"]
-    return ClaimName(meta["namespace"], meta["name"], meta["uid"])
-
-
-def prepared_cdi_ids(response: Any, uid: str) -> tuple[tuple[str, ...], str]:
-    """(CDI device ids, error) for one claim of a NodePrepareResources response."""
-    if uid not in response.claims:
-        return (), "the plugin's answer has no entry for this claim"
-    result = response.claims[uid]
-    if result.error:
-        return (), str(result.error)
-    return tuple(cdi for device in result.devices for cdi in device.cdi_device_ids), ""
-
-
-def cdi_spec_files(drivers: Iterable[DriverProcess]) -> list[Path]:
-    return sorted(p for d in drivers for p in d.cdi_dir.glob("*") if p.is_file())
-
 
 # -- report gathering ------------------------------------------------------------------------
 
@@ -378,22 +357,27 @@ def _peers(device: JSON) -> tuple[int, ...]:
     return tuple(peers)
 
 
+def _int_or_none(value: Any) -> int | None:
+    return int(value) if value is not None else None
+
+
 def device_view(result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = ()) -> DeviceView:
     device = device or {}
-    groups = sorted(
-        (int(k.removeprefix("nvlinkGroup")), str(_attribute(device, k)))
+    layers = sorted(
+        (int(k.removeprefix("nvlinkClique")), f"{k}={_attribute(device, k)}")
         for k in device.get("attributes", {})
-        if k.startswith("nvlinkGroup")
+        if k.startswith("nvlinkClique") and k.removeprefix("nvlinkClique").isdigit()
     )
-    index = _attribute(device, "index")
     return DeviceView(
         request=result["request"],
         pool=result["pool"],
         device=result["device"],
         product=str(_attribute(device, "productName") or "?"),
         memory=str(device.get("capacity", {}).get("memory", {}).get("value", "?")),
-        index=int(index) if index is not None else None,
-        nvlink_groups=tuple(g for _, g in groups),
+        index=_int_or_none(_attribute(device, "index")),
+        minor=_int_or_none(_attribute(device, "minor")),
+        nvlink_cliques=tuple(text for _, text in layers),
+        nvlink_domain=str(_attribute(device, "nvlinkDomain") or ""),
         nvlink_peers=_peers(device),
         admin_access=bool(result.get("adminAccess")),
         in_use_by=in_use_by,
@@ -402,11 +386,11 @@ def device_view(result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = 
 
 @dataclass
 class Gathered:
-    """Pods and claims as read back from the API server after scheduling."""
+    """Pods and claims as read back from the API server once the pods run."""
 
-    pods: DeviceMap = field(default_factory=dict)
+    pods: dict[tuple[str, str], JSON] = field(default_factory=dict)
     claims: dict[str, JSON] = field(default_factory=dict)  # by uid
-    # pod -> [(claim uid, origin)]
+    # pod -> [(claim uid, origin)], in the pod's order
     pod_claims: dict[tuple[str, str], list[tuple[str, str]]] = field(default_factory=dict)
 
 
@@ -429,45 +413,82 @@ def gather(api: client.ApiClient, pods: Iterable[tuple[str, str]]) -> Gathered:
     return g
 
 
-@dataclass(frozen=True)
-class Prepared:
-    cdi_ids: tuple[str, ...]
-    error: str
-    for_pod: str
+def container_results(pod: JSON, claims_by_name: dict[str, JSON], container: str) -> list[JSON]:
+    """The allocation results a container gets: its `resources.claims` (narrowed to a request
+    where it names one), plus what the scheduler mapped to it for an extended resource."""
+    spec = next(c for c in pod["spec"]["containers"] if c["name"] == container)
+    status = pod.get("status", {})
+    generated = {s["name"]: s.get("resourceClaimName") for s in status.get("resourceClaimStatuses", [])}
+    named = {r["name"]: r.get("resourceClaimName") for r in pod["spec"].get("resourceClaims", [])}
+    results: list[JSON] = []
+    for ref in spec.get("resources", {}).get("claims", []) or []:
+        claim = claims_by_name.get(named.get(ref["name"]) or generated.get(ref["name"]) or "")
+        wanted = ref.get("request")
+        for r in allocation_results(claim or {}):
+            if not wanted or r["request"] == wanted or r["request"].startswith(wanted + "/"):
+                results.append(r)
+    extended = status.get("extendedResourceClaimStatus")
+    if extended and extended.get("resourceClaimName") in claims_by_name:
+        mapped = {m["requestName"] for m in extended["requestMappings"] if m["containerName"] == container}
+        claim = claims_by_name[extended["resourceClaimName"]]
+        results += [r for r in allocation_results(claim) if r["request"] in mapped]
+    return results
 
 
-def prepare_like_kubelet(g: Gathered, drivers: Sequence[DriverProcess]) -> dict[str, Prepared]:
-    """One NodePrepareResources call per bound pod, for the claims not yet prepared on its node.
+def container_log(api: client.ApiClient, namespace: str, pod: str, container: str) -> str:
+    """The container's log through the API server and its kubelet, as `kubectl logs` reads it."""
+    params = api.param_serialize(
+        method="GET",
+        resource_path=f"/api/v1/namespaces/{namespace}/pods/{pod}/log",
+        query_params=[("container", container)],
+        # The log endpoint answers text, but only accepts the API's own media types.
+        header_params={"Accept": "application/json"},
+        auth_settings=["BearerToken"],
+    )
+    response = api.call_api(*params)
+    data = str(response.read().decode(errors="replace"))
+    if response.status >= 400:
+        raise ApiException(status=response.status, reason=response.reason, body=data)
+    return data
 
-    That is the kubelet's behaviour: a claim shared by several pods is prepared once and
-    stays prepared while any of them runs. Returns the outcome per claim UID.
-    """
-    sides: dict[str, KubeletSide] = {}
-    done: dict[str, Prepared] = {}
-    by_node = {d.node: d for d in drivers}
-    try:
-        for (ns, name), pod in g.pods.items():
-            node = pod["spec"].get("nodeName")
-            if not node or node not in by_node:
-                continue
-            todo = [uid for uid, _ in g.pod_claims[(ns, name)] if uid not in done]
-            if not todo:
-                continue
-            if node not in sides:
-                sides[node] = KubeletSide(by_node[node].registration_socket())
-            try:
-                response = sides[node].prepare(*(claim_ref(g.claims[uid]) for uid in todo))
-            except Exception as e:  # a failed call is reported per claim, the demo goes on
-                for uid in todo:
-                    done[uid] = Prepared((), f"NodePrepareResources failed: {e}", f"{ns}/{name}")
-                continue
-            for uid in todo:
-                cdi_ids, error = prepared_cdi_ids(response, uid)
-                done[uid] = Prepared(cdi_ids, error, f"{ns}/{name}")
-    finally:
-        for side in sides.values():
-            side.close()
-    return done
+
+def listing_of(
+    api: client.ApiClient, namespace: str, pod: str, container: str
+) -> tuple[tuple[str, ...], str]:
+    """(the lines of the container's `ls -l /dev/nvidia*`, error); waits briefly for the output."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            text = container_log(api, namespace, pod, container)
+        except ApiException as e:
+            if time.monotonic() > deadline:
+                return (), api_error(e)
+            text = ""
+        lines = tuple(line.rstrip() for line in text.splitlines() if line.strip())
+        if any("/dev/nvidia" in line for line in lines) or time.monotonic() > deadline:
+            return lines, ""
+        time.sleep(0.3)
+
+
+def _container_state(status: JSON | None) -> str:
+    state = (status or {}).get("state") or {}
+    if "running" in state:
+        return "Running"
+    for kind in ("waiting", "terminated"):
+        if kind in state:
+            detail = state[kind]
+            text = f"{kind} ({detail.get('reason', '?')})"
+            return text + (f": {detail['message']}" if detail.get("message") else "")
+    return "not started"
+
+
+def _cdi_status(status: JSON | None) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (str(r.get("resourceID")), str(r.get("health", "?")))
+        for entry in (status or {}).get("allocatedResourcesStatus", [])
+        if str(entry.get("name", "")).startswith("claim:")
+        for r in entry.get("resources", [])
+    )
 
 
 def in_use_map(g: Gathered) -> dict[tuple[str, str], tuple[str, ...]]:
@@ -483,51 +504,88 @@ def in_use_map(g: Gathered) -> dict[tuple[str, str], tuple[str, ...]]:
 
 
 def pod_view(
+    api: client.ApiClient,
     key: tuple[str, str],
     g: Gathered,
     devices: DeviceMap,
-    prepared: dict[str, Prepared],
-    reason: str,
     in_use: dict[tuple[str, str], tuple[str, ...]],
 ) -> PodView:
     pod = g.pods[key]
-    containers = tuple(c["name"] for c in pod["spec"].get("containers", []))
     node = pod["spec"].get("nodeName")
+    phase = str(pod.get("status", {}).get("phase", "Unknown"))
     if not node:
-        return PodView(key[0], key[1], None, containers, pending_reason=reason)
-    claims: list[ClaimView] = []
-    for uid, origin in g.pod_claims[key]:
-        claim = g.claims[uid]
-        ns = claim["metadata"]["namespace"]
-        outcome = prepared.get(uid)
-        claims.append(
-            ClaimView(
-                name=claim["metadata"]["name"],
-                origin=origin,
-                devices=tuple(
-                    device_view(
-                        r,
-                        devices.get((r["pool"], r["device"])),
-                        in_use.get((r["pool"], r["device"]), ()) if r.get("adminAccess") else (),
-                    )
-                    for r in allocation_results(claim)
-                ),
-                cdi_ids=outcome.cdi_ids if outcome else (),
-                prepared_for=outcome.for_pod if outcome else "",
-                prepare_error=outcome.error if outcome else "",
-                used_by=tuple(f"{ns}/{r['name']}" for r in claim.get("status", {}).get("reservedFor", [])),
+        return PodView(key[0], key[1], None, phase, pending_reason=scheduler_reason(api, *key))
+
+    def view(r: JSON) -> DeviceView:
+        where = (r["pool"], r["device"])
+        return device_view(r, devices.get(where), in_use.get(where, ()) if r.get("adminAccess") else ())
+
+    claims = [(g.claims[uid], origin) for uid, origin in g.pod_claims[key]]
+    claim_views = tuple(
+        ClaimView(
+            name=claim["metadata"]["name"],
+            origin=origin,
+            devices=tuple(view(r) for r in allocation_results(claim)),
+            used_by=tuple(
+                f"{claim['metadata']['namespace']}/{r['name']}"
+                for r in claim.get("status", {}).get("reservedFor", [])
+            ),
+        )
+        for claim, origin in claims
+    )
+    by_name = {claim["metadata"]["name"]: claim for claim, _ in claims}
+    statuses = {s["name"]: s for s in pod.get("status", {}).get("containerStatuses", [])}
+    containers: list[ContainerView] = []
+    for spec in pod["spec"]["containers"]:
+        name = spec["name"]
+        state = _container_state(statuses.get(name))
+        listing, error = listing_of(api, key[0], key[1], name) if state == "Running" else ((), "")
+        containers.append(
+            ContainerView(
+                name=name,
+                state=state,
+                allocated=tuple(view(r) for r in container_results(pod, by_name, name)),
+                cdi=_cdi_status(statuses.get(name)),
+                listing=listing,
+                log_error=error,
             )
         )
-    return PodView(key[0], key[1], node, containers, tuple(claims))
+    running = phase == "Running" and all(c.state == "Running" for c in containers)
+    return PodView(
+        key[0],
+        key[1],
+        node,
+        phase,
+        tuple(containers),
+        claim_views,
+        pending_reason="" if running else kubelet_reason(api, *key),
+    )
 
 
-def node_views(drivers: Sequence[DriverProcess], devices: DeviceMap) -> tuple[NodeView, ...]:
+def kubelet_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
+    """The newest Warning event of a bound pod that does not run (a failed prepare says why)."""
+    events = sync_request(
+        api,
+        "GET",
+        f"/api/v1/namespaces/{namespace}/events",
+        query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
+    )["items"]
+    warnings = [e for e in events if e.get("type") == "Warning"]
+    return _event_text(max(warnings, key=_event_order)) if warnings else ""
+
+
+def node_views(api: client.ApiClient, nodes: Nodes, devices: DeviceMap) -> tuple[NodeView, ...]:
     views = []
-    for d in drivers:
-        mine = [dev for (pool, _), dev in devices.items() if pool == d.node]
+    for name, node in nodes.nodes.items():
+        mine = [dev for (pool, _), dev in devices.items() if pool == name]
         product = str(_attribute(mine[0], "productName")) if mine else "?"
-        description = next((n.description for n in DEMO_NODES if n.name == d.node), "")
-        views.append(NodeView(d.node, d.profile, len(mine), product, description))
+        description = next((n.description for n in DEMO_NODES if n.name == name), "")
+        info = sync_request(api, "GET", f"/api/v1/nodes/{name}").get("status", {}).get("nodeInfo", {})
+        runtime = (
+            f"node IP {node.ip}, kubelet {info.get('kubeletVersion', '?')}, "
+            f"{info.get('containerRuntimeVersion', '?')}, runc"
+        )
+        views.append(NodeView(name, node.spec.profile, len(mine), product, description, runtime))
     return tuple(views)
 
 
@@ -541,6 +599,12 @@ def slice_excerpt(cp: ControlPlane, node: str) -> tuple[str, str]:
         "jsonpath={.items[0].metadata.name}",
     ).stdout.strip()
     return name, describe_excerpt(cp.kubectl("describe", "resourceslice", name).stdout)
+
+
+def cdi_spec_files(nodes: Nodes) -> list[Path]:
+    return sorted(
+        p for n in nodes.nodes.values() if n.driver for p in n.driver.cdi_dir.glob("*") if p.is_file()
+    )
 
 
 # -- the demo -----------------------------------------------------------------------------------
@@ -574,11 +638,7 @@ def too_big_pod() -> list[JSON]:
                             "name": "gpu",
                             "exactly": {
                                 "deviceClassName": DRIVER,
-                                "selectors": [
-                                    {
-                                        "cel": {"expression": TOO_BIG_SELECTOR}
-                                    }
-                                ],
+                                "selectors": [{"cel": {"expression": TOO_BIG_SELECTOR}}],
                             },
                         }
                     ]
@@ -620,7 +680,7 @@ def apply_examples(api: client.ApiClient, progress: Progress) -> list[tuple[str,
         pods = result.pods(DEMO_NAMESPACE)
         # A pod whose claim template was rejected is never tried by the scheduler.
         wait_settled(api, pods, timeout=5.0 if result.problems else 30.0)
-        applied.append((first_comment_line(path), result))
+        applied.append((first_comment_paragraph(path), result))
         progress(
             f"{path.name}: {_summarise_pods(api, pods)}"
             + (f"; {len(result.problems)} objects rejected" if result.problems else "")
@@ -632,108 +692,148 @@ def apply_examples(api: client.ApiClient, progress: Progress) -> list[tuple[str,
     return sorted(applied, key=lambda a: a[1].title)
 
 
+def _is_running(pod: JSON) -> bool:
+    statuses = pod.get("status", {}).get("containerStatuses", [])
+    return (
+        pod.get("status", {}).get("phase") == "Running"
+        and bool(statuses)
+        and all("running" in (s.get("state") or {}) for s in statuses)
+    )
+
+
+def wait_running(
+    api: client.ApiClient, pods: Sequence[tuple[str, str]], progress: Progress, timeout: float = 180.0
+) -> None:
+    """Wait until every bound pod's containers run; one progress line whenever the count moves."""
+    deadline = time.monotonic() + timeout
+    reported = (-1, 0.0)
+    while True:
+        bound: list[str] = []
+        waiting: list[str] = []
+        for ns, name in pods:
+            with contextlib.suppress(ApiException):
+                pod = get_pod(api, ns, name)
+                if pod["spec"].get("nodeName"):
+                    bound.append(name)
+                    if not _is_running(pod):
+                        waiting.append(name)
+        running = len(bound) - len(waiting)
+        # A line when the count moves, and every 10 s while it does not.
+        if running != reported[0] or time.monotonic() - reported[1] > 10:
+            progress(
+                f"pods Running: {running} of the {len(bound)} bound"
+                + (f" (waiting for {', '.join(waiting)})" if 0 < len(waiting) <= 3 else "")
+            )
+            reported = (running, time.monotonic())
+        if not waiting or time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
+
+
 def example_views(
-    api: client.ApiClient,
-    applied: Sequence[tuple[str, Applied]],
-    g: Gathered,
-    devices: DeviceMap,
-    prepared: dict[str, Prepared],
+    api: client.ApiClient, applied: Sequence[tuple[str, Applied]], g: Gathered, devices: DeviceMap
 ) -> list[ExampleView]:
     in_use = in_use_map(g)
     views: list[ExampleView] = []
     for summary, result in applied:
-        pods = []
-        for key in result.pods(DEMO_NAMESPACE):
-            if key in g.pods:
-                reason = "" if g.pods[key]["spec"].get("nodeName") else scheduler_reason(api, *key)
-                pods.append(pod_view(key, g, devices, prepared, reason, in_use))
-        views.append(ExampleView(result.title, summary, tuple(pods), result.problems))
+        keys = [key for key in result.pods(DEMO_NAMESPACE) if key in g.pods]
+        pods = tuple(pod_view(api, key, g, devices, in_use) for key in keys)
+        views.append(ExampleView(result.title, summary, pods, result.problems))
     return views
 
 
 def run_demo(keep: bool) -> int:
     progress = Progress()
-    base = Path(tempfile.mkdtemp(prefix="gpu-dra-demo-"))
-    cp: ControlPlane | None = None
-    drivers: list[DriverProcess] = []
+    if os.geteuid() != 0:
+        progress("the demo runs real kubelets, containerd and runc on this machine: it needs root")
+        return 2
+    base = Path(tempfile.mkdtemp(prefix="gpu-dra-demo-", dir="/tmp"))
     ok = False
     try:
-        bin_dir = build_binaries()
-        progress(f"control-plane binaries ready in {bin_dir}")
-        cp = ControlPlane.start(work_dir=base / "cluster", bin_dir=bin_dir, detach=keep)
-        version = str(json.loads(cp.get("/version")[1]).get("gitVersion", "?"))
-        progress(f"control plane {version} up at {cp.server}")
-        api = sync_client(str(cp.kubeconfig))
-
-        drivers = start_node_drivers(api, cp.kubeconfig, base / "nodes", detach=keep)
-        progress(
-            "nodes created, one driver each: "
-            + ", ".join(f"{d.node} ({d.profile}, pid {d.pid})" for d in drivers)
-        )
-        devices = wait_for_slices(api, drivers)
-        progress(f"ResourceSlices published: {len(devices)} devices on {len(drivers)} nodes")
-
-        class_problems = [
-            problem
-            for path in device_class_files()
-            for problem in apply_documents(api, path, "default").problems
-        ]
-        progress(
-            f"DeviceClasses applied: {', '.join(p.name for p in device_class_files())}"
-            + (f" ({len(class_problems)} rejected)" if class_problems else "")
-        )
-
-        create_namespace(api, DEMO_NAMESPACE)
-        applied = apply_examples(api, progress)
-        g = gather(api, [p for _, a in applied for p in a.pods(DEMO_NAMESPACE)])
-        prepared = prepare_like_kubelet(g, drivers)
-        failures = sum(1 for p in prepared.values() if p.error)
-        progress(
-            f"prepared {len(prepared)} claims through the plugin sockets, as the kubelet would"
-            + (f" ({failures} failed)" if failures else "")
-        )
-
-        examples = example_views(api, applied, g, devices, prepared)
-        if class_problems:
-            examples.insert(0, ExampleView("deviceclasses", "DeviceClasses", (), tuple(class_problems)))
-        excerpt_name, excerpt = slice_excerpt(cp, DEMO_NODES[0].name)
-        report = DemoReport(
-            kubernetes_version=version,
-            nodes=node_views(drivers, devices),
-            examples=tuple(examples),
-            slice_excerpt=excerpt,
-            slice_excerpt_name=excerpt_name,
-            cdi_spec_files=len(cdi_spec_files(drivers)),
-            elapsed_s=progress.elapsed,
-        )
-        progress("report:")
-        print(render(report), flush=True)
-        ok = True
+        cluster_bin = build_binaries()
+        progress(f"control-plane binaries ready in {cluster_bin}")
+        node_bin = build_node_binaries()
+        progress(f"node binaries (kubelet, containerd) ready in {node_bin}")
+        with node_cluster(
+            node_specs(),
+            base / "cluster",
+            nodes_dir=base / "nodes",
+            cluster_bin_dir=cluster_bin,
+            node_bin_dir=node_bin,
+            keep_files=True,  # removed below once the demo succeeded; kept for a look otherwise
+            progress=progress,
+        ) as (cp, nodes):
+            ok = demo_on(cp, nodes, base, progress, keep)
     finally:
-        if keep and cp is not None:
-            _print_keep_hints(cp, drivers, base)
+        if ok:
+            shutil.rmtree(base, ignore_errors=True)
+            progress("torn down: drivers, kubelets, containerd and the control plane stopped")
         else:
-            stop_drivers(drivers)
-            if cp is not None:
-                cp.stop(remove=ok)
-            if ok:
-                shutil.rmtree(base, ignore_errors=True)
-                progress("torn down: drivers stopped with SIGTERM, control plane stopped")
-            else:
-                progress(f"stopped everything; logs kept in {base} (driver logs: nodes/<node>/plugin.log)")
+            progress(f"stopped everything; logs kept in {base} (nodes/<node>/*.log, cluster/*.log)")
     return 0 if ok else 1
 
 
-def _print_keep_hints(cp: ControlPlane, drivers: Sequence[DriverProcess], base: Path) -> None:
-    pids = " ".join(str(d.pid) for d in drivers)
-    print("\nLeft running (--keep):")
+def demo_on(cp: ControlPlane, nodes: Nodes, base: Path, progress: Progress, keep: bool) -> bool:
+    """Everything between the nodes coming up and the teardown; True if the report shows no problem."""
+    version = str(json.loads(cp.get("/version")[1]).get("gitVersion", "?"))
+    api = sync_client(str(cp.kubeconfig))
+    drivers: list[DriverProcess] = [n.driver for n in nodes.nodes.values() if n.driver]
+    devices = wait_for_slices(api, drivers)
+    progress(f"ResourceSlices published: {len(devices)} devices on {len(drivers)} nodes")
+
+    class_problems = [
+        problem for path in device_class_files() for problem in apply_documents(api, path, "default").problems
+    ]
+    progress(
+        f"DeviceClasses applied: {', '.join(p.name for p in device_class_files())}"
+        + (f" ({len(class_problems)} rejected)" if class_problems else "")
+    )
+
+    create_namespace(api, DEMO_NAMESPACE)
+    applied = apply_examples(api, progress)
+    pods = [p for _, a in applied for p in a.pods(DEMO_NAMESPACE)]
+    wait_running(api, pods, progress)
+    g = gather(api, pods)
+    examples = example_views(api, applied, g, devices)
+    progress(f"read back {len(g.pods)} pods, {len(g.claims)} claims and every GPU container's log")
+    if class_problems:
+        examples.insert(0, ExampleView("deviceclasses", "DeviceClasses", (), tuple(class_problems)))
+    excerpt_name, excerpt = slice_excerpt(cp, DEMO_NODES[0].name)
+    report = DemoReport(
+        kubernetes_version=version,
+        nodes=node_views(api, nodes, devices),
+        examples=tuple(examples),
+        expected_pending=(f"{DEMO_NAMESPACE}/{too_big_pod()[1]['metadata']['name']}",),
+        slice_excerpt=excerpt,
+        slice_excerpt_name=excerpt_name,
+        cdi_spec_files=len(cdi_spec_files(nodes)),
+        elapsed_s=progress.elapsed,
+    )
+    progress("report:")
+    print(render(report), flush=True)
+    if keep:
+        _wait_for_interrupt(cp, nodes, base)
+    return counts(report).ok
+
+
+def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _wait_for_interrupt(cp: ControlPlane, nodes: Nodes, base: Path) -> None:
+    """--keep: the nodes die with this process (their sandboxes have a parent-death signal),
+    so it stays until it is told to stop, then tears down as usual."""
+    kubectl = cp.bin_dir / "kubectl"
+    print("\nLeft running (--keep) until you press Ctrl-C or send SIGTERM to pid", os.getpid())
     print(f"  export KUBECONFIG={cp.kubeconfig}")
-    print(f"  {cp.bin_dir / 'kubectl'} get resourceslices,resourceclaims -A")
-    print(f"  driver logs: {base / 'nodes'}/<node>/plugin.log")
-    print("To stop everything:")
-    print(f"  kill -TERM {pids}")
-    print(f"  {sys.executable} -m tests.harness.cluster down --state-dir {cp.work_dir}")
-    print(f"  rm -rf {base}")
+    print(f"  {kubectl} get pods,resourceclaims -A -o wide")
+    print(f"  {kubectl} logs -n {DEMO_NAMESPACE} nvlink-pair")
+    print(f"  node files (kubelet.log, containerd.log, plugin.log, cdi/): {base / 'nodes'}/<node>/")
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    with contextlib.suppress(KeyboardInterrupt):
+        while all(n.driver is None or n.driver.proc is not None for n in nodes.nodes.values()):
+            time.sleep(1)
+    print("stopping...", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -741,7 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--keep",
         action="store_true",
-        help="leave the cluster and the drivers running; print how to reach and stop them",
+        help="after the report, keep cluster and nodes up until Ctrl-C or SIGTERM; print how to reach them",
     )
     args = parser.parse_args(argv)
     # The report explains itself; the components' own chatter goes to their log files.

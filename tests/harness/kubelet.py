@@ -1,9 +1,11 @@
-"""The kubelet's side of the plugin protocol, for tests, benchmarks and the demo.
+"""The kubelet's side of the plugin protocol, for the integration tests and benchmarks.
 
 Finds the plugin's registration socket, calls GetInfo, connects to the advertised DRA
 endpoint with the API version the kubelet would pick (the first one in the plugin's
 list that it knows) and calls NodePrepareResources / NodeUnprepareResources the way
-the kubelet does, from our own generated stubs.
+the kubelet does, from our own generated stubs. It plays the kubelet where no real one
+runs: protocol edge cases and fault points that a kubelet cannot produce on demand (the
+node tier and `make demo` run real kubelets, tests.harness.node).
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ class ClaimName:
     namespace: str
     name: str
     uid: str
+
+
+def claim_ref(claim: dict[str, Any]) -> ClaimName:
+    """The claim as the kubelet names it in a Prepare/Unprepare request."""
+    meta = claim["metadata"]
+    return ClaimName(meta["namespace"], meta["name"], meta["uid"])
+
+
+def prepared_cdi_ids(response: Any, uid: str) -> tuple[tuple[str, ...], str]:
+    """(CDI device ids, error) for one claim of a NodePrepareResources response."""
+    if uid not in response.claims:
+        return (), "the plugin's answer has no entry for this claim"
+    result = response.claims[uid]
+    if result.error:
+        return (), str(result.error)
+    return tuple(cdi for device in result.devices for cdi in device.cdi_device_ids), ""
 
 
 def find_registration_socket(kubelet_dir: Path, driver: str, timeout: float = 30.0) -> Path:

@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -617,13 +617,16 @@ class Nodes:
         bin_dir: Path | None = None,
         driver_kubeconfig: Path | None = None,
         keep_files: bool = False,
+        progress: Callable[[str], None] | None = None,
     ) -> Nodes:
         """Start every node, wait until each is Ready and its driver registered with its kubelet.
 
         The control plane must run the node-lifecycle controller and know the kubelets'
-        tokens: `ControlPlane.start(node_lifecycle=True, extra_tokens=node_tokens(names))`.
+        tokens: `ControlPlane.start(node_lifecycle=True, extra_tokens=node_tokens(names))`
+        (`node_cluster` does both). `progress` gets one line per node and per phase.
         """
         t0 = time.monotonic()
+        say = progress or (lambda _line: None)
         bin_dir = bin_dir or build_node_binaries()
         # Short: unix socket paths under it must stay below 108 bytes.
         base = base or Path(tempfile.mkdtemp(prefix="dra-nodes-", dir="/tmp"))
@@ -671,17 +674,25 @@ class Nodes:
                     profile=spec.profile,
                     seconds=round(time.monotonic() - t0, 1),
                 )
+                say(f"node {spec.name}: containerd and kubelet started (node IP {node.ip})")
             nodes.timings["processes_started_s"] = time.monotonic() - t0
             api = load_client(str(cp.kubeconfig))
             for node in nodes.nodes.values():
                 nodes.wait_node_ready(api, node)
             nodes.timings["nodes_ready_s"] = time.monotonic() - t0
             logger.info("nodes Ready", seconds=round(nodes.timings["nodes_ready_s"], 1))
+            say(f"nodes Ready: {', '.join(nodes.nodes)}")
             for node in nodes.nodes.values():
                 node.start_driver(driver_kubeconfig or cp.kubeconfig)
             for node in nodes.nodes.values():
                 node.wait_registered()
             nodes.timings["drivers_registered_s"] = time.monotonic() - t0
+            drivers = [(n.name, d) for n in nodes.nodes.values() if (d := n.driver) is not None]
+            if drivers:
+                say(
+                    "one `dra-driver kubelet-plugin` per node, registered with its kubelet: "
+                    + ", ".join(f"{name} (--simulate {d.profile}, pid {d.pid})" for name, d in drivers)
+                )
         except BaseException:
             nodes.stop()
             raise
@@ -763,6 +774,46 @@ class Nodes:
             except subprocess.TimeoutExpired:
                 logger.warning("the reaper is still running", pid=self.reaper.pid)
             self.reaper = None
+
+
+@contextlib.contextmanager
+def node_cluster(
+    specs: Sequence[NodeSpec],
+    work_dir: Path,
+    *,
+    nodes_dir: Path | None = None,
+    cluster_bin_dir: Path | None = None,
+    node_bin_dir: Path | None = None,
+    keep_files: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Iterator[tuple[ControlPlane, Nodes]]:
+    """A control plane for real kubelets and one real node per spec, each with its driver.
+
+    The control plane (files under `work_dir`) runs the node-lifecycle controller and knows
+    each kubelet's `system:node:<name>` token; `Nodes.start` brings the nodes up against it.
+    On exit the nodes are stopped, then the control plane; its files stay (the caller owns
+    `work_dir`), the nodes' files only with `keep_files`. Shared by tests/node and `make demo`.
+    """
+    cp = ControlPlane.start(
+        work_dir=work_dir,
+        bin_dir=cluster_bin_dir,
+        node_lifecycle=True,
+        extra_tokens=node_tokens([s.name for s in specs]),
+    )
+    nodes: Nodes | None = None
+    try:
+        if progress is not None:
+            progress(f"control plane up at {cp.server}")
+        if nodes_dir is not None:
+            nodes_dir.mkdir(parents=True, exist_ok=True)
+        nodes = Nodes.start(
+            cp, specs, base=nodes_dir, bin_dir=node_bin_dir, keep_files=keep_files, progress=progress
+        )
+        yield cp, nodes
+    finally:
+        if nodes is not None:
+            nodes.stop()
+        cp.stop(remove=False)
 
 
 def _read_sysctl(name: str) -> str | None:

@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -26,14 +27,11 @@ from controller.claim_shapes import linked_gpus_ga
 from demo.report import quantity_bytes
 from demo.run import (
     DEMO_NODES,
-    DRIVER,
     EXTENDED_RESOURCE_CLAIM,
     RESOURCE_API,
     Applied,
-    DriverProcess,
     allocation_results,
     apply_documents,
-    claim_ref,
     create_documents,
     create_namespace,
     device_class_files,
@@ -41,11 +39,8 @@ from demo.run import (
     get_claim,
     get_pod,
     pod_claim_names,
-    prepared_cdi_ids,
     published_devices,
     scheduler_reason,
-    start_node_drivers,
-    stop_drivers,
     wait_for_slices,
 )
 from dra_driver.gpu import discover
@@ -53,8 +48,9 @@ from dra_driver.gpu.model import GpuInfo, Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import ControlPlane
-from tests.harness.kubelet import ClaimName, KubeletSide
-from tests.harness.objects import load_yaml_documents, sync_client, sync_request, wait_for
+from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.kubelet import ClaimName, KubeletSide, claim_ref, prepared_cdi_ids
+from tests.harness.objects import create_node, load_yaml_documents, sync_client, sync_request, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -91,6 +87,26 @@ class Cluster:
         if node not in self.sides:
             self.sides[node] = KubeletSide(self.drivers[node].registration_socket())
         return self.sides[node]
+
+
+def start_node_drivers(api: client.ApiClient, kubeconfig: Path, base: Path) -> list[DriverProcess]:
+    """Create each demo Node object and start its driver, with its own kubelet and CDI dirs
+    under `base`; there is no kubelet: the tests play its side (KubeletSide)."""
+    drivers: list[DriverProcess] = []
+    try:
+        for node in DEMO_NODES:
+            create_node(api, node.name)
+            driver = DriverProcess(node.name, node.profile, kubeconfig, base / node.name)
+            drivers.append(driver.start(wait=False))
+    except BaseException:
+        stop_drivers(drivers)
+        raise
+    return drivers
+
+
+def stop_drivers(drivers: list[DriverProcess]) -> None:
+    for driver in drivers:
+        driver.stop()
 
 
 @pytest.fixture(scope="module")

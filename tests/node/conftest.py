@@ -26,7 +26,7 @@ from demo.run import (
     wait_for_slices,
 )
 from tests.harness.cluster import ControlPlane
-from tests.harness.node import Nodes, NodeSpec, node_tokens
+from tests.harness.node import Nodes, NodeSpec, node_cluster
 from tests.harness.objects import load_client
 from tests.harness.objects import request as api_request
 
@@ -52,25 +52,16 @@ class NodeCluster:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
     if os.geteuid() != 0:
         pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    cp = ControlPlane.start(
-        work_dir=tmp_path_factory.mktemp("node-cluster"),
-        node_lifecycle=True,
-        extra_tokens=node_tokens([s.name for s in SPECS]),
-    )
-    nodes: Nodes | None = None
-    try:
-        # DRA_NODE_KEEP=1 keeps the nodes' files (logs, configs) under /tmp/dra-nodes-* for a look after.
-        nodes = Nodes.start(cp, SPECS, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
+    # DRA_NODE_KEEP=1 keeps the nodes' files (logs, configs) under /tmp/dra-nodes-* for a look after.
+    with node_cluster(
+        SPECS, tmp_path_factory.mktemp("node-cluster"), keep_files=os.environ.get("DRA_NODE_KEEP") == "1"
+    ) as (cp, nodes):
         api = load_client(str(cp.kubeconfig))
         devices = wait_for_slices(api, [n.driver for n in nodes.nodes.values() if n.driver])
         for path in device_class_files():
             applied = apply_documents(api, path, "default")
             assert not applied.problems, f"{path.name}: {applied.problems}"
         yield NodeCluster(cp=cp, api=api, nodes=nodes, devices=devices)
-    finally:
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
 
 
 @pytest.fixture
