@@ -17,7 +17,9 @@ rename in the plugin's data dir; `floor.grpc_empty` an empty NodePrepareResource
 minimal grpc.aio server of the same proto in its own process. The floor of a Prepare is
 GET + empty call + the durable writes it needs (none: see dra_driver.plugin.checkpoint);
 of an Unprepare, the empty call. `ratios` divide each p50 by its floor; the concurrent
-figures are also divided by the sequential p50.
+figures are also divided by the sequential p50, beside the same ratio of the empty call
+(`floor.grpc_empty_16_concurrent`: 16 threads of a Python client on a small machine are
+themselves several times slower than one).
 
 Run alone: `python -m benchmarks.prepare` (prints JSON; writes benchmarks/results/prepare.json).
 """
@@ -171,7 +173,10 @@ def serve_empty(socket: str) -> None:
     asyncio.run(serve())
 
 
-def _floor_grpc(work: Path, n: int) -> list[float]:
+def _floor_grpc(work: Path, n: int) -> tuple[list[float], list[float]]:
+    """Empty calls to the minimal server: one at a time, and 16 at once from 16 threads (the
+    same client pattern as the concurrent figures, so its own ratio shows what the client
+    and the two-core machine cost before the plugin does anything)."""
     import grpc
 
     socket = work / "floor.sock"
@@ -183,8 +188,17 @@ def _floor_grpc(work: Path, n: int) -> list[float]:
             grpc.channel_ready_future(channel).result(timeout=30)
             stub = dra_v1_grpc.DRAPluginStub(channel)
             request = dra_v1.NodePrepareResourcesRequest()
-            stub.NodePrepareResources(request, timeout=10)
-            return _timings(lambda: stub.NodePrepareResources(request, timeout=10), n)
+
+            def call() -> None:
+                stub.NodePrepareResources(request, timeout=10)
+
+            call()
+            sequential = _timings(call, n)
+            concurrent: list[float] = []
+            with ThreadPoolExecutor(GPUS) as pool:
+                for _ in range(max(n // 10, 5)):
+                    concurrent += [t[0] for t in pool.map(lambda _: _timings(call, 1), range(GPUS))]
+            return sequential, concurrent
     finally:
         server.kill()
         server.wait()
@@ -209,6 +223,9 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
             result["unprepare_16_concurrent"]["p50_ms"], result["unprepare_sequential"]["p50_ms"]
         ),
         "plugin_empty_call_to_floor": ratio(result["plugin_empty_call"]["p50_ms"], unprepare_floor),
+        "floor_16_concurrent_to_sequential": ratio(
+            floor["grpc_empty_16_concurrent"]["p50_ms"], floor["grpc_empty"]["p50_ms"]
+        ),
     }
 
 
@@ -293,8 +310,10 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
         floor = {
             "get": _percentiles(_floor_get(cp, f"{CLAIMS}/c0", rounds)),
             "durable_write": _percentiles(_floor_durable_write(plugin.data_dir, rounds)),
-            "grpc_empty": _percentiles(_floor_grpc(work, rounds)),
         }
+        grpc_sequential, grpc_concurrent = _floor_grpc(work, rounds)
+        floor["grpc_empty"] = _percentiles(grpc_sequential)
+        floor["grpc_empty_16_concurrent"] = _percentiles(grpc_concurrent)
         result = {
             "start_to_registered_s": round(start_to_registered, 3),
             "prepare_sequential": _percentiles(seq_prepare),

@@ -1,7 +1,10 @@
 """Run a daemon coroutine until SIGTERM or SIGINT, then let it clean up.
 
 The signal cancels the main task; daemons do their shutdown in `finally` blocks, so a
-pod deletion and a Ctrl-C take the same path.
+pod deletion and a Ctrl-C take the same path. The loop's thread pool (`asyncio.to_thread`)
+is bounded to `IO_THREADS`: the daemons' blocking work is file I/O that a file lock
+serializes anyway, and the default pool (up to 32 threads on a big node, each with its own
+malloc arena) only costs memory.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Coroutine
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
 
 import structlog
 
 log = structlog.get_logger(__name__)
+
+IO_THREADS: Final = 4
 
 
 def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
@@ -22,6 +28,7 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(IO_THREADS, thread_name_prefix="io"))
 
         def stop(sig: signal.Signals) -> None:
             log.info("stopping", signal=sig.name)
