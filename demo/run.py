@@ -570,7 +570,9 @@ def kubelet_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
         f"/api/v1/namespaces/{namespace}/events",
         query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
     )["items"]
-    warnings = [e for e in events if e.get("type") == "Warning"]
+    # Every pod gets MissingClusterDNS here (the nodes run no cluster DNS); it never says why
+    # a pod does not run.
+    warnings = [e for e in events if e.get("type") == "Warning" and e.get("reason") != "MissingClusterDNS"]
     return _event_text(max(warnings, key=_event_order)) if warnings else ""
 
 
