@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup cluster-build node-setup node-build cluster-up cluster-down demo test test-unit test-integration test-node test-hardware lint bench protos
+.PHONY: setup cluster-build node-setup node-build image-build helm-build cluster-up cluster-down demo test test-unit test-integration test-node test-hardware lint bench protos
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing the driver with its test extras"
@@ -27,6 +27,14 @@ node-setup:
 node-build: node-setup
 	@bash hack/node/build.sh >/dev/null
 
+# The driver's image from the Dockerfile (buildah; Debian base stand-in made once) and Helm
+# v4 from the Go module proxy, both cached outside the repository by their inputs.
+image-build:
+	@bash hack/image/build.sh >/dev/null
+
+helm-build:
+	@bash hack/helm/build.sh >/dev/null
+
 cluster-up: setup cluster-build
 	@$(PY) -m tests.harness.cluster up
 
@@ -40,7 +48,7 @@ lint: setup
 	@$(VENV)/bin/ruff check dra_driver controller tests hack benchmarks demo
 	@$(VENV)/bin/mypy
 
-test: setup cluster-build node-build lint
+test: setup cluster-build node-build image-build helm-build lint
 	@$(VENV)/bin/pytest -q -ra tests
 
 test-unit: setup
@@ -49,7 +57,7 @@ test-unit: setup
 test-integration: setup cluster-build
 	@$(VENV)/bin/pytest -q -ra tests/integration
 
-test-node: setup cluster-build node-build
+test-node: setup cluster-build node-build image-build helm-build
 	@$(VENV)/bin/pytest -q -ra tests/node
 
 test-hardware: setup

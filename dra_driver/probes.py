@@ -31,8 +31,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from dra_driver import metrics
 from dra_driver.kubeletapi.dra.v1.api_pb2 import NodePrepareResourcesRequest
 from dra_driver.kubeletapi.dra.v1.api_pb2_grpc import DRAPluginStub
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
 
 log = structlog.get_logger(__name__)
 
@@ -184,18 +182,19 @@ class ProbeServer:
 
 def plugin_probes(dra_socket: Path, registration_socket: Path, publisher: Heartbeat | None) -> ProbeServer:
     """The kubelet plugin's probes. Live: the DRA socket answers a (claimless) Prepare call and
-    the slice publisher is not stuck. Ready: also the registration socket answers GetInfo."""
+    the slice publisher is not stuck. Ready: also the registration socket takes connections."""
 
     async def empty_prepare(channel: grpc.aio.Channel) -> None:
         await DRAPluginStub(channel).NodePrepareResources(NodePrepareResourcesRequest())
 
-    async def get_info(channel: grpc.aio.Channel) -> None:
-        await RegistrationStub(channel).GetInfo(InfoRequest())
+    async def connects(channel: grpc.aio.Channel) -> None:
+        # Not GetInfo: the plugin logs each GetInfo as the kubelet's, every probe would show.
+        await channel.channel_ready()
 
     liveness = [socket_check("dra-socket", lambda: dra_socket, empty_prepare, PROBE_CALL_TIMEOUT_SECONDS)]
     if publisher is not None:
         liveness.append(publisher.check)
     readiness = [
-        socket_check("registration-socket", lambda: registration_socket, get_info, PROBE_CALL_TIMEOUT_SECONDS)
+        socket_check("registration-socket", lambda: registration_socket, connects, PROBE_CALL_TIMEOUT_SECONDS)
     ]
     return ProbeServer(metrics.REGISTRY, liveness, readiness)

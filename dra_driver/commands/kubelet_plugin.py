@@ -54,6 +54,7 @@ from dra_driver.plugin.registration import RegistrationService, add_registration
 from dra_driver.plugin.service import add_services
 from dra_driver.plugin.sockets import PluginPaths, plugin_paths, prepare_socket_path, restrict_socket
 from dra_driver.plugin.state import NodePreparer
+from dra_driver.probes import Heartbeat, plugin_probes
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.mps import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
@@ -64,6 +65,8 @@ log = structlog.get_logger(__name__)
 
 PUBLISHER_LEASE: Final = "publisher.lock"
 LEASE_POLL_SECONDS: Final = 1.0
+# A reconcile pass of one node's slices takes well under a second; minutes mean a hung call.
+PUBLISHER_STUCK_SECONDS: Final = 180.0
 TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval coalesce into one write
 
 
@@ -111,6 +114,16 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
     show_default=True,
     help="Run the ResourceSlice controller in this process.",
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=0, max=65535),
+    default=0,
+    show_default=True,
+    help="Serve Prometheus /metrics and the /livez and /readyz probes on this TCP port; 0: off.",
+)
+@click.option(
+    "--metrics-bind-address", default="0.0.0.0", show_default=True, help="Where the metrics port listens."
+)
 @memory_shares_option
 @health_options
 def kubelet_plugin(
@@ -128,6 +141,8 @@ def kubelet_plugin(
     rolling_update_uid: str | None,
     claim_read_timeout: float,
     publish_slices: bool,
+    metrics_port: int,
+    metrics_bind_address: str,
     memory_shares: bool,
     health_monitor: bool,
     health_taint_effect: TaintEffect,
@@ -157,6 +172,8 @@ def kubelet_plugin(
         list_attributes=list_attributes,
         publish_slices=publish_slices,
         memory_shares=memory_shares,
+        metrics_port=metrics_port,
+        metrics_bind_address=metrics_bind_address,
         health=health,
         simulate_health_events=simulate_health_events,
     )
@@ -184,6 +201,8 @@ class PluginOptions:
     list_attributes: Literal["auto", "on", "off"] = "auto"
     publish_slices: bool = True
     memory_shares: bool = False
+    metrics_port: int = 0  # 0: no metrics or probe port
+    metrics_bind_address: str = "0.0.0.0"
     health: HealthPolicy | None = field(default_factory=HealthPolicy)  # None: --no-health-monitor
     simulate_health_events: Path | None = None
 
@@ -234,6 +253,13 @@ async def run_plugin(opts: PluginOptions) -> None:
         sharing=Sharing(opts.driver, opts.node_name, mps),
     )
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)
+    heartbeat = Heartbeat("slice-publisher", stuck_after=PUBLISHER_STUCK_SECONDS)
+    probes = plugin_probes(
+        paths.dra_socket, paths.registration_socket, heartbeat if opts.publish_slices else None
+    )
+    metrics.prepared_claims.set_function(lambda: len(preparer.read_checkpoint().claims))
+    if opts.metrics_port:
+        await probes.start(opts.metrics_bind_address, opts.metrics_port)
 
     tasks: list[asyncio.Task[None]] = []
     dra_server = reg_server = None
@@ -249,8 +275,9 @@ async def run_plugin(opts: PluginOptions) -> None:
             tasks += _health_tasks(api, opts, health, board, preparer, paths.data_dir)
         keeper = health.keeper if health else None
         if opts.publish_slices:
-            publisher = _publish(api, opts, inventory, lease, keeper)
+            publisher = _publish(api, opts, inventory, lease, keeper, heartbeat)
             tasks.append(asyncio.create_task(publisher, name="slice-publisher"))
+            tasks[-1].add_done_callback(heartbeat.task_ended)
         dra_server = await _serve(paths.dra_socket, lambda s: add_services(s, preparer, board), "dra")
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
         reg_server = await _serve(
@@ -258,6 +285,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         )
         await asyncio.Event().wait()
     finally:
+        await probes.stop()
         if reg_server is not None:
             await reg_server.stop(grace=None)
         if dra_server is not None:
@@ -330,7 +358,12 @@ async def _follow_taints(ctl: SliceController, keeper: HealthKeeper, pool: str) 
 
 
 async def _publish(
-    api: ApiClient, opts: PluginOptions, inventory: Inventory, lease: Lease, keeper: HealthKeeper | None
+    api: ApiClient,
+    opts: PluginOptions,
+    inventory: Inventory,
+    lease: Lease,
+    keeper: HealthKeeper | None,
+    heartbeat: Heartbeat | None = None,
 ) -> None:
     """Publish this node's slices while holding the lease; during a rolling update the
     instance that comes second waits until the first one exits, then takes over."""
@@ -346,6 +379,7 @@ async def _publish(
     ctl = await slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares
     )
+    ctl.heartbeat = heartbeat
     if keeper is None:
         await ctl.run()
     else:

@@ -206,6 +206,9 @@ class Node:
     driver: DriverProcess | None = None
     port: int = 10250
     healthz_port: int = 0
+    # The driver comes as a DaemonSet pod (tests/node/test_helm.py): the kubelet's root and the
+    # CDI dir at their usual paths inside the sandbox, and pods routed to this machine (the API).
+    daemonset: bool = False
 
     @property
     def name(self) -> str:
@@ -221,11 +224,24 @@ class Node:
 
     @property
     def kubelet_dir(self) -> Path:
-        return self.dir / "kubelet"
+        return Path("/var/lib/kubelet") if self.daemonset else self.dir / "kubelet"
 
     @property
     def cdi_dir(self) -> Path:
-        return self.dir / "cdi"
+        return Path("/var/run/cdi") if self.daemonset else self.dir / "cdi"
+
+    def host_path(self, path: Path) -> Path:
+        """`path` as seen inside this node's sandbox, from outside it (symlinks such as
+        /var/run -> /run resolved against the sandbox's root, not this process's)."""
+        if not self.daemonset:
+            return path
+        root = Path(f"/proc/{self.init_pid}/root")
+        inside = Path("/")
+        for part in path.relative_to("/").parts:
+            here = root / (inside / part).relative_to("/")
+            target = Path(os.readlink(here)) if here.is_symlink() else None
+            inside = (target if target.is_absolute() else inside / target) if target else inside / part
+        return root / inside.relative_to("/")
 
     @property
     def containerd_socket(self) -> Path:
@@ -242,7 +258,7 @@ class Node:
             [
                 "mount -t tmpfs -o mode=0755 node-run /run",
                 "mount -t tmpfs -o mode=0755 node-var-lib /var/lib",
-                "mkdir -p /var/lib/kubelet",
+                "mkdir -p /var/lib/kubelet /run/cdi",
                 "mount -t tmpfs -o mode=0755 node-var-log /var/log",
                 f"exec {sys.executable} -c '{_INIT}' {self.dir}",
             ]
@@ -341,7 +357,8 @@ class Node:
                 {
                     "type": "bridge",
                     "bridge": self.bridge,
-                    "isGateway": False,
+                    "isGateway": self.daemonset,
+                    "isDefaultGateway": self.daemonset,
                     "ipMasq": False,
                     "hairpinMode": False,
                     "ipam": {
@@ -618,6 +635,7 @@ class Nodes:
         driver_kubeconfig: Path | None = None,
         keep_files: bool = False,
         progress: Callable[[str], None] | None = None,
+        daemonset: bool = False,
     ) -> Nodes:
         """Start every node, wait until each is Ready and its driver registered with its kubelet.
 
@@ -655,10 +673,12 @@ class Nodes:
                     link=f"dn{token}{i}",
                     bridge=f"db{token}{i}",
                     restrict_oom=restrict_oom,
+                    daemonset=daemonset,
                 )
                 nodes.nodes[spec.name] = node
                 nodes._record()
-                node.cdi_dir.mkdir()
+                if not daemonset:  # else made in the sandbox, on its own /run
+                    node.cdi_dir.mkdir()
                 node.add_node_ip()
                 node.write_cni_config()
                 node.start_sandbox()
@@ -683,9 +703,11 @@ class Nodes:
             logger.info("nodes Ready", seconds=round(nodes.timings["nodes_ready_s"], 1))
             say(f"nodes Ready: {', '.join(nodes.nodes)}")
             for node in nodes.nodes.values():
-                node.start_driver(driver_kubeconfig or cp.kubeconfig)
+                if not daemonset:
+                    node.start_driver(driver_kubeconfig or cp.kubeconfig)
             for node in nodes.nodes.values():
-                node.wait_registered()
+                if not daemonset:
+                    node.wait_registered()
             nodes.timings["drivers_registered_s"] = time.monotonic() - t0
             drivers = [(n.name, d) for n in nodes.nodes.values() if (d := n.driver) is not None]
             if drivers:

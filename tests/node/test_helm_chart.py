@@ -1,0 +1,94 @@
+"""The Helm chart on its own: `helm lint --strict` is clean, the default render is what the
+node test installs, and bad values are refused with a message that names the value and what
+to write. Needs only the helm binary (hack/helm/build.sh), no cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from tests.harness.driver_image import CHART, build_helm
+from tests.harness.helm import Helm
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helm]:
+    yield Helm(build_helm(), None, tmp_path_factory.mktemp("helm-home"))
+
+
+def _render(helm: Helm, *sets: str) -> list[dict]:  # type: ignore[type-arg]
+    args = [a for s in sets for a in ("--set", s)]
+    out = helm.run("template", "gpu-dra-driver", str(CHART), "-n", "gpu-dra-driver", *args).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_lint_is_clean(helm: Helm) -> None:
+    proc = helm.run("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in proc.stdout
+    assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
+
+
+def test_default_render(helm: Helm) -> None:
+    docs = _render(helm)
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+    assert kinds == sorted([
+        "ServiceAccount/gpu-dra-driver", "ClusterRole/gpu-dra-driver", "ClusterRoleBinding/gpu-dra-driver",
+        "DaemonSet/gpu-dra-driver", "DeviceClass/gpu.dra-driver.dev", "DeviceClass/mig.gpu.dra-driver.dev",
+        "ValidatingAdmissionPolicy/gpu-dra-driver-resourceslices",
+        "ValidatingAdmissionPolicyBinding/gpu-dra-driver-resourceslices",
+    ])
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "gpu-dra-driver:0.1.0"
+    assert "--no-memory-shares" in container["args"] and "--health-monitor" in container["args"]
+    assert "--health-taint-effect=NoSchedule" in container["args"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
+
+
+def test_feature_switches_reach_the_plugin(helm: Helm) -> None:
+    docs = _render(helm, "memoryShares.enabled=true", "health.enabled=false", "extendedResource.enabled=true",
+                   "simulate=hgx-h200", "driverName=gpu.example.com")
+    names = {f"{d['kind']}/{d['metadata']['name']}" for d in docs}
+    assert {"DeviceClass/gpu-share.gpu.example.com", "DeviceClass/extended.gpu.example.com"} <= names
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+    wanted = {"--memory-shares", "--no-health-monitor", "--simulate=hgx-h200"}
+    wanted.add("--driver-name=gpu.example.com")
+    assert wanted <= set(args)
+    assert not any(a.startswith("--driver-root") for a in args), "a simulated node mounts no driver root"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("health.taintEffect=Evict", "value must be one of 'NoSchedule', 'NoExecute'"),
+        ("metrics.port=70000", "/metrics/port"),
+        ("listAttributes=maybe", "/listAttributes"),
+        ("memoryshares.enabled=true", "additional properties 'memoryshares' not allowed"),
+        ("kubeletPlugin.nodeSelector.gpu=true", "got boolean, want string"),
+        ("driverName=gpu.nvidia.com", "gpu.nvidia.com is the name of NVIDIA's DRA driver"),
+        ("driverName=GPU", "is not a DNS subdomain"),
+        ("cdiDir=var/run/cdi", "cdiDir: \"var/run/cdi\" must be an absolute path"),
+    ],
+)
+def test_bad_values_are_refused_clearly(helm: Helm, value: str, message: str) -> None:
+    proc = helm.run("template", "x", str(CHART), "--set", value, check=False)
+    assert proc.returncode != 0, f"{value} was accepted"
+    assert message in proc.stderr, proc.stderr
+
+
+def test_plugin_accepts_every_flag_the_chart_passes(helm: Helm) -> None:
+    """Each `--flag` the DaemonSet passes exists in `dra-driver kubelet-plugin --help`."""
+    usage = subprocess.run([sys.executable, "-m", "dra_driver", "kubelet-plugin", "--help"],
+                           capture_output=True, text=True, check=True).stdout
+    for sets in ((), ("health.enabled=false", "memoryShares.enabled=true", "simulate=l4x4")):
+        (ds,) = [d for d in _render(helm, *sets) if d["kind"] == "DaemonSet"]
+        args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+        plugin_args = args[args.index("kubelet-plugin") + 1:]
+        for arg in plugin_args:
+            flag = arg.split("=", 1)[0]
+            assert flag in usage, f"the chart passes {flag}, which `dra-driver kubelet-plugin` does not know"
