@@ -175,7 +175,7 @@ async def _from_kubeconfig(path: Path) -> Credentials:
     cluster = _entry(doc, "cluster", context.get("cluster", ""), path)
     user = _entry(doc, "user", context.get("user", ""), path)
     if any(k in user for k in ("exec", "auth-provider", "username")):
-        return await _through_official_loader(path)
+        return await _through_official_loader(path, user)
     base = path.parent
     context_ssl: ssl.SSLContext | bool
     if cluster.get("insecure-skip-tls-verify"):
@@ -211,23 +211,28 @@ def _load_client_certificate(context: ssl.SSLContext, user: JSON, base: Path) ->
         context.load_cert_chain(cert_file, key_file)
 
 
-async def _through_official_loader(path: Path) -> Credentials:
-    """Kubeconfigs with exec plugins or auth providers: the official client's loader, whose
-    token refresh hook runs before each request."""
-    from kubernetes.aio import client, config
+async def _through_official_loader(path: Path, user: JSON) -> Credentials:
+    """Kubeconfigs with exec plugins, auth providers or basic auth: the official client's
+    loader. An exec plugin's token is fetched again every TOKEN_REREAD_SECONDS (the loader
+    keeps it until its expiry, if the plugin gave one)."""
+    from kubernetes.aio import client, config  # heavy: imported only for these kubeconfigs
 
     cfg = client.Configuration()
-    await config.load_kube_config(config_file=str(path), client_configuration=cfg)
+    loader = await config.load_kube_config(config_file=str(path), client_configuration=cfg)
     context: ssl.SSLContext | bool = False
     if cfg.verify_ssl:
         context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
         if cfg.cert_file:
             context.load_cert_chain(cfg.cert_file, cfg.key_file)
+    fetched = [time.monotonic()]
 
     async def authorization() -> str | None:
-        if cfg.refresh_api_key_hook is not None:
-            await cfg.refresh_api_key_hook(cfg)
-        header: str | None = cfg.get_api_key_with_prefix("authorization")
+        now = time.monotonic()
+        if "exec" in user and now - fetched[0] > TOKEN_REREAD_SECONDS:
+            await loader.load_from_exec_plugin()
+            cfg.api_key["BearerToken"] = loader.token
+            fetched[0] = now
+        header: str | None = cfg.api_key.get("BearerToken")
         if header is None and cfg.username:
             header = cfg.get_basic_auth_token()
         return header
