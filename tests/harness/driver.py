@@ -89,8 +89,7 @@ class DriverProcess:
             "kubelet-plugin",
             "--node-name",
             self.node,
-            "--simulate",
-            self.profile,
+            *(["--simulate", self.profile] if self.profile else []),  # "": real GPUs, NVML
             "--kubeconfig",
             str(self.kubeconfig),
             "--kubelet-dir",

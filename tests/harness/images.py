@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import subprocess
 import tarfile
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ logger = structlog.get_logger(__name__)
 
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
 BUSYBOX_IMAGE = "docker.io/library/busybox:1.37"
-CATATONIT = Path("/usr/bin/catatonit")
-BUSYBOX = Path("/bin/busybox")
+# Debian's paths (hack/node/setup.sh); hack/h200/run.sh points them at carried copies.
+CATATONIT = Path(os.environ.get("DRA_CATATONIT", "/usr/bin/catatonit"))
+BUSYBOX = Path(os.environ.get("DRA_BUSYBOX", "/bin/busybox"))
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 _INDEX = "application/vnd.oci.image.index.v1+json"

@@ -62,8 +62,14 @@ logger = structlog.get_logger(__name__)
 
 BUILD_SCRIPT = REPO_ROOT / "hack" / "node" / "build.sh"
 SETUP_SCRIPT = REPO_ROOT / "hack" / "node" / "setup.sh"
-RUNC = Path("/usr/sbin/runc")
-CNI_BIN = Path("/usr/lib/cni")
+# Debian's paths (hack/node/setup.sh); a host without those packages points elsewhere
+# (hack/h200/run.sh carries its own runc and CNI plugins to the GPU host).
+RUNC = Path(os.environ.get("DRA_NODE_RUNC", "/usr/sbin/runc"))
+CNI_BIN = Path(os.environ.get("DRA_NODE_CNI_BIN", "/usr/lib/cni"))
+# `native` (copies, slow) where the kernel has no overlayfs.
+SNAPSHOTTER = os.environ.get("DRA_NODE_SNAPSHOTTER", "overlayfs")
+# Kernels without veth: the node IP as a /32 on `lo` (not a loopback address to the kubelet).
+NODE_IP_ON_LO = os.environ.get("DRA_NODE_IP_ON_LO") == "1"
 CAP_SYS_RESOURCE = 24
 
 # What the kubelet writes at start (setupKernelTunables), and what a CNI bridge may turn on.
@@ -173,7 +179,8 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 @dataclass(frozen=True)
 class NodeSpec:
     name: str
-    profile: str  # `dra-driver inventory --list-profiles`
+    profile: str  # `dra-driver inventory --list-profiles`; "" for the real GPUs (NVML)
+    driver_args: tuple[str, ...] = ()  # more `dra-driver kubelet-plugin` flags, e.g. --driver-root
 
 
 @dataclass
@@ -342,6 +349,9 @@ class Node:
     # -- network -------------------------------------------------------------------------------
 
     def add_node_ip(self) -> None:
+        if NODE_IP_ON_LO:
+            _ip("addr", "add", f"{self.ip}/32", "dev", "lo")
+            return
         _ip("link", "add", self.link, "type", "veth", "peer", "name", self.link + "p")
         _ip("addr", "add", f"{self.ip}/32", "dev", self.link)
         _ip("link", "set", self.link, "up")
@@ -387,7 +397,7 @@ class Node:
                 "[ttrpc]",
                 f"  address = '{self.containerd_socket}.ttrpc'",
                 f"[{cri_images}]",
-                "  snapshotter = 'overlayfs'",
+                f"  snapshotter = '{SNAPSHOTTER}'",
                 f"[{cri_images}.pinned_images]",
                 f"  sandbox = '{PAUSE_IMAGE}'",
                 f"[{runtime}]",
@@ -554,7 +564,9 @@ class Node:
     # -- driver -------------------------------------------------------------------------------
 
     def start_driver(self, kubeconfig: Path) -> DriverProcess:
-        self.driver = DriverProcess(self.name, self.spec.profile, kubeconfig, self.dir)
+        self.driver = DriverProcess(
+            self.name, self.spec.profile, kubeconfig, self.dir, extra_args=self.spec.driver_args
+        )
         self.driver.start(wait=True)
         return self.driver
 
@@ -772,6 +784,7 @@ class Nodes:
             "keep_files": self.keep_files,
             "sysctls": sysctls,
             "links": [n.link for n in self.nodes.values()] + [n.bridge for n in self.nodes.values()],
+            "lo_addresses": [f"{n.ip}/32" for n in self.nodes.values()] if NODE_IP_ON_LO else [],
             "sandboxes": [n.sandbox.pid for n in self.nodes.values() if n.sandbox is not None],
             "containerd_roots": [str(n.dir / "containerd" / "root") for n in self.nodes.values()],
             "new_cgroup_parents": new_cgroup_parents,
@@ -899,6 +912,8 @@ def reap(state_file: Path) -> None:
     for link in state["links"]:
         if _ip("link", "show", link, check=False).returncode == 0:
             _ip("link", "del", link, check=False)
+    for address in state.get("lo_addresses", []):
+        _ip("addr", "del", address, "dev", "lo", check=False)
     for name, value in state["sysctls"].items():
         if value is not None and _read_sysctl(name) != value:
             with contextlib.suppress(OSError):

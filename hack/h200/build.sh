@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# Builds everything the H200 device run (hack/h200/run.sh, tests/hardware/test_hw_pod.py)
+# needs that the GPU host lacks, and puts it, compressed, in .h200/ at the repository root
+# (ignored by git; named in the device tool's `carry`). The device tool carries at most
+# 64 MiB per call, so:
+#   * kube: ONE multi-call binary (hack/h200/kube) for kube-apiserver, kube-controller-manager,
+#     kube-scheduler, kubelet and etcd (the etcd server version k8s.io/kubernetes requires);
+#   * containerd-ctr: one multi-call binary (hack/h200/containerd) for containerd and ctr;
+#   * containerd-shim-runc-v2: upstream, as hack/node builds it;
+#   * runc: static, with seccomp from Debian's libseccomp.a (hack/h200/runc), so no shared
+#     library has to match the host (containerd gives every pod sandbox a seccomp profile);
+#   * all of them CGO_ENABLED=0 (runc: cgo, static), -trimpath -ldflags "-s -w", then xz -9e;
+#   * from Debian (apt-get download, unpacked here, never installed): the CNI plugins bridge,
+#     host-local and loopback, catatonit (pause image), busybox and glibc (test image), and
+#     fallbacks for tools the host may lack (iproute2's ip with its libraries, openssl);
+#   * cuda-probe (hack/h200/cuda-probe.c) for the test image;
+#   * the Python packages the driver and the harness need beyond the host's Python 3.12,
+#     installed here from cp312 wheels into one folder and xz-compressed (site.tar.xz: half
+#     the size of the wheels, which are zip files).
+# Built files are cached in ~/.cache/gpu-dra-driver/h200/{bin,py}-<versions>-<hash of the
+# inputs>; a second run with the same inputs only re-assembles .h200/. Prints the sizes and
+# the total that a device call would carry, and fails if that is over 64 MiB.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+k8s_version=v1.37.2
+containerd_version=v2.4.2
+runc_version=v1.5.2
+debs=(containernetworking-plugins catatonit busybox-static libc6 libgcc-s1 libstdc++6
+      iproute2 libbpf1 libelf1 libmnl0 libbsd0 libcap2 zlib1g libmd0 openssl)
+# name==version as in the project's own .venv (tested there), for CPython 3.12 on x86-64.
+# The driver (its own HTTP client) and the harness (the kubernetes client) import these;
+# the host has protobuf, PyYAML, requests, certifi and nvidia-ml-py in versions that do.
+wheels=(grpcio==1.85.3 kubernetes==37.0.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+        typing-inspection==0.4.5 typing-extensions==4.16.0 durationpy==0.11 oauthlib==4.0.1
+        requests-oauthlib==2.0.0 websocket-client==1.9.2 structlog==26.1.0 urllib3==2.8.0
+        python-dateutil==4.0.0 idna==3.20 click==8.5.1)
+cache_root=${DRA_H200_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver/h200}
+recipe="kube $k8s_version; containerd $containerd_version; runc $runc_version seccomp static; -trimpath -s -w; xz -9e; debs ${debs[*]}"
+key=$( (echo "$recipe"; cat "$here"/kube/go.mod "$here"/kube/go.sum "$here"/kube/main.go \
+        "$here"/containerd/go.mod "$here"/containerd/go.sum "$here"/containerd/main.go \
+        "$here"/runc/go.mod "$here"/runc/go.sum "$here"/cuda-probe.c) | sha256sum | cut -c1-12)
+bin="$cache_root/bin-$k8s_version-$containerd_version-$runc_version-$key"
+pykey=$(echo "cp312 manylinux x86_64: ${wheels[*]}" | sha256sum | cut -c1-12)
+pybin="$cache_root/py-$pykey"
+carry="$repo/.h200"
+limit=$((64 * 1024 * 1024))
+
+log() { printf '[h200-build %4ds] %s\n' "$SECONDS" "$*" >&2; }
+
+build() {
+  local tmp=$1
+  mkdir -p "$tmp/bin" "$tmp/debs" "$tmp/root"
+  export GOTOOLCHAIN=local
+  local ldflags="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldflags+=" -X $p.gitVersion=$k8s_version -X $p.gitMajor=1 -X $p.gitMinor=37"
+    ldflags+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
+  done
+  log "kube multi-call binary (cold: tens of minutes on 2 cores; mostly cached after hack/cluster and hack/node)"
+  (cd "$here/kube" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath -ldflags "$ldflags" -o "$tmp/bin/kube" .)
+  log "containerd + ctr multi-call binary"
+  (cd "$here/containerd" && CGO_ENABLED=0 GOFLAGS=-mod=mod go build -trimpath \
+    -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$containerd_version" \
+    -o "$tmp/bin/containerd-ctr" .)
+  log "containerd-shim-runc-v2 (upstream)"
+  (cd "$tmp" && CGO_ENABLED=0 GOFLAGS= GOBIN="$tmp/bin" go install -trimpath \
+    -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$containerd_version" \
+    "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$containerd_version")
+  log "runc $runc_version, static, with seccomp"
+  mkdir -p "$tmp/seccomp"
+  (cd "$tmp/seccomp" && apt-get download -q libseccomp-dev >&2 && dpkg-deb -x libseccomp-dev_*.deb .)
+  (cd "$here/runc" && CGO_ENABLED=1 GOFLAGS=-mod=mod PKG_CONFIG_SYSROOT_DIR="$tmp/seccomp" \
+    PKG_CONFIG_PATH="$tmp/seccomp/usr/lib/x86_64-linux-gnu/pkgconfig" PKG_CONFIG_LIBDIR= \
+    go build -trimpath -tags "seccomp netgo osusergo" \
+    -ldflags "-s -w -X main.version=${runc_version#v} -extldflags -static" \
+    -o "$tmp/bin/runc" github.com/opencontainers/runc)
+  log "cuda-probe"
+  gcc -O2 -Wall -o "$tmp/bin/cuda-probe" "$here/cuda-probe.c" -ldl -lm
+  log "Debian packages: ${debs[*]}"
+  (cd "$tmp/debs" && apt-get download -q "${debs[@]}" >&2)
+  for d in "$tmp"/debs/*.deb; do dpkg-deb -x "$d" "$tmp/root"; done
+  "$tmp/bin/kube" kube-apiserver --version >&2
+  "$tmp/bin/kube" etcd --version | sed -n 1p >&2
+  "$tmp/bin/containerd-ctr" containerd --version >&2
+  "$tmp/bin/runc" --version | sed -n 1p >&2
+
+  log "compressing (xz -9e)"
+  mkdir -p "$tmp/carry"
+  for b in kube containerd-ctr containerd-shim-runc-v2 runc; do
+    xz -9e -T2 -c "$tmp/bin/$b" > "$tmp/carry/$b.xz" &
+  done
+  # Small files, one archive: where run.sh finds them (see its layout comment).
+  local r="$tmp/root" s="$tmp/small"
+  mkdir -p "$s/cni" "$s/tools/lib" "$s/image/lib/x86_64-linux-gnu" "$s/image/bin"
+  cp "$r"/usr/lib/cni/{bridge,host-local,loopback} "$s/cni/"
+  cp "$r"/usr/bin/catatonit "$s/tools/"
+  cp "$r"/bin/busybox "$s/image/bin/busybox"
+  cp "$tmp/bin/cuda-probe" "$s/image/bin/cuda-probe"
+  local gnu="$r/lib/x86_64-linux-gnu" usrgnu="$r/usr/lib/x86_64-linux-gnu"
+  for f in ld-linux-x86-64.so.2 libc.so.6 libm.so.6 libdl.so.2 libpthread.so.0 librt.so.1 libgcc_s.so.1; do
+    cp -L "$gnu/$f" "$s/image/lib/x86_64-linux-gnu/$f"
+  done
+  cp -L "$usrgnu/libstdc++.so.6" "$s/image/lib/x86_64-linux-gnu/"
+  cp "$r"/bin/ip "$s/tools/ip" 2>/dev/null || cp "$r"/sbin/ip "$s/tools/ip"
+  cp "$r"/usr/bin/openssl "$s/tools/openssl"
+  for f in libbpf.so.1 libelf.so.1 libmnl.so.0 libbsd.so.0 libcap.so.2 libz.so.1 libmd.so.0; do
+    cp -L "$(ls "$gnu/$f" "$usrgnu/$f" 2>/dev/null | sed -n 1p)" "$s/tools/lib/$f"
+  done
+  tar -C "$s" -cf - . | xz -9e -c > "$tmp/carry/small.tar.xz"
+  wait
+  (cd "$tmp/bin" && ls -l) >&2
+}
+
+python_site() {
+  local tmp=$1
+  log "Python packages for CPython 3.12: ${wheels[*]}"
+  local platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+                   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d "$tmp/whl" "${wheels[@]}" >&2
+  python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" --target "$tmp/site" "$tmp"/whl/*.whl >&2
+  mkdir -p "$tmp/carry"
+  tar -C "$tmp/site" -cf - . | xz -9e -c > "$tmp/carry/site.tar.xz"
+}
+
+# cached NAME DIR FUNCTION: run FUNCTION into DIR.tmp, then move it to DIR, unless DIR is complete.
+cached() {
+  local name=$1 dir=$2 fn=$3
+  if [ -f "$dir/.complete" ]; then log "$name: cached in $dir"; return; fi
+  local tmp="$dir.tmp.$$"
+  rm -rf "$tmp"; mkdir -p "$tmp"
+  trap 'rm -rf "$tmp"' EXIT
+  log "$name: building into $dir"
+  "$fn" "$tmp"
+  touch "$tmp/.complete"
+  rm -rf "$dir"; mv "$tmp" "$dir"
+  trap - EXIT
+}
+cached binaries "$bin" build
+cached python "$pybin" python_site
+
+# .h200/ is ignored through .git/info/exclude (not .gitignore: nothing to commit about it).
+exclude="$(git -C "$repo" rev-parse --git-path info/exclude)"
+case "$exclude" in /*) ;; *) exclude="$repo/$exclude" ;; esac
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.h200/' "$exclude" 2>/dev/null || echo '/.h200/' >> "$exclude"
+rm -rf "$carry"; mkdir -p "$carry"
+cp -r "$bin"/carry/. "$pybin"/carry/. "$carry/"
+
+# What one device call carries: tracked files, untracked files git does not ignore, .h200/.
+tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-standard; } \
+       | xargs -0 -r stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
+ours=$(du -sb "$carry" | cut -f1)
+(cd "$carry" && ls -l | sed 's/^/  /') >&2
+log "carry: .h200 $ours bytes + working tree $tree bytes = $((ours + tree)) of $limit"
+if [ $((ours + tree)) -gt $limit ]; then
+  log "over the device tool's 64 MiB per call"
+  exit 1
+fi
+echo "$carry"
