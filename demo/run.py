@@ -62,7 +62,6 @@ from tests.harness.objects import (
     load_yaml_documents,
     sync_client,
     sync_request,
-    wait_for,
 )
 
 logger = structlog.get_logger(__name__)
@@ -237,12 +236,14 @@ def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | 
     except ApiException as e:
         if e.status != 409:
             raise
-    # Pods are refused until the controller-manager has made the namespace's default
-    # service account, which takes seconds on a loaded machine.
-    wait_for(
-        f"the default service account of namespace {name}",
-        lambda: sync_request(api, "GET", f"/api/v1/namespaces/{name}/serviceaccounts/default"),
-    )
+    # Pods are refused until the namespace's default service account exists; the
+    # controller-manager makes it, seconds later on a loaded machine: make it now.
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}
+    try:
+        sync_request(api, "POST", f"/api/v1/namespaces/{name}/serviceaccounts", account)
+    except ApiException as e:
+        if e.status != 409:
+            raise
 
 
 # -- pods, claims, scheduler ----------------------------------------------------------------
