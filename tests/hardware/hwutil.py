@@ -159,6 +159,21 @@ class OneClaim:
         return list(self.claims.values())
 
 
+def mps_processes() -> list[str]:
+    """Every nvidia-cuda-mps-* process on the host (pid and command line)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        if "nvidia-cuda-mps" in cmdline:
+            found.append(f"{entry.name} {cmdline}")
+    return found
+
+
 def make_preparer(
     tmp: Path, inventory: Any, driver_files: Any, claim: dict[str, Any], mps: MpsControl | None = None
 ) -> NodePreparer:

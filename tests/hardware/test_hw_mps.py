@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hwutil import DRIVER, WORKLOAD_PYTHON, Recorder, claim_object, make_preparer, prepare_one, run, smi
+from hwutil import (
+    DRIVER,
+    WORKLOAD_PYTHON,
+    Recorder,
+    claim_object,
+    make_preparer,
+    mps_processes,
+    prepare_one,
+    run,
+    smi,
+)
 from hwworkloads import MPS_CLIENT, last_json
 
 from dra_driver.plugin.claims import ClaimRef
@@ -38,21 +48,6 @@ MPS_CONFIG = [
         },
     }
 ]
-
-
-def _mps_processes() -> list[str]:
-    """Every nvidia-cuda-mps-* process on the host (pid and command line)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
-            continue
-        if "nvidia-cuda-mps" in cmdline:
-            found.append(f"{entry.name} {cmdline}")
-    return found
 
 
 def test_mps_claim_limits_memory_and_stops_cleanly(
@@ -80,7 +75,7 @@ def test_mps_claim_limits_memory_and_stops_cleanly(
             f"NodePreparer.prepare({ref}) with allocation config {json.dumps(MPS_CONFIG)}; cat {spec_path}",
             spec_path.read_text(),
             note=f"daemon processes after prepare (marker {CLAIM_UID}): {pids}; "
-            f"mps processes: {_mps_processes()}",
+            f"mps processes: {mps_processes()}",
         )
         assert pids, "prepare did not start an MPS control daemon"
         spec = json.loads(spec_path.read_text())
@@ -102,7 +97,7 @@ def test_mps_claim_limits_memory_and_stops_cleanly(
             "mps-client",
             "[container uid 65534, MPS claim edits] python3 -c MPS_CLIENT (tests/hardware/hwworkloads.py)",
             client.describe(),
-            note=f"get_server_list -> {servers!r}; mps processes: {_mps_processes()}",
+            note=f"get_server_list -> {servers!r}; mps processes: {mps_processes()}",
         )
         record(
             "mps-daemon-logs",
@@ -146,17 +141,17 @@ def test_mps_claim_limits_memory_and_stops_cleanly(
     finally:
         asyncio.run(preparer.unprepare([ref]))
     for _ in range(100):  # a server that does not carry the marker may take a moment to exit
-        if not _mps_processes():
+        if not mps_processes():
             break
         time.sleep(0.1)
     left = mps.daemon_pids(CLAIM_UID)
     record(
         "mps-unprepare",
         f"NodePreparer.unprepare({ref}); then look for the claim's processes",
-        f"claim processes left: {list(left)}\nnvidia-cuda-mps-* processes left: {_mps_processes()}\n"
+        f"claim processes left: {list(left)}\nnvidia-cuda-mps-* processes left: {mps_processes()}\n"
         f"claim dir exists: {mps.dirs(CLAIM_UID).base.exists()}\n"
         f"CDI specs left: {list((tmp_path / 'cdi').glob('*.json'))}",
     )
     assert not left
-    assert not _mps_processes()
+    assert not mps_processes()
     assert not mps.dirs(CLAIM_UID).base.exists()

@@ -17,17 +17,16 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, Recorder, run, smi
+from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, OneClaim, Recorder, mps_processes, run, smi
 from hwworkloads import last_json
 
 from dra_driver.devices import node_devices
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.mps import MpsControl, default_root
 from dra_driver.sharing.policy import Sharing
@@ -106,31 +105,6 @@ def share_claim(ref: ClaimRef, gib: int) -> dict[str, Any]:
     }
 
 
-class Claims:
-    def __init__(self, claims: dict[str, dict[str, Any]]) -> None:
-        self.claims = claims
-
-    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
-        return {r.uid: self.claims[r.uid] for r in refs}
-
-    async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
-        return list(self.claims.values())
-
-
-def _mps_processes() -> list[str]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-        except OSError:
-            continue
-        if "nvidia-cuda-mps" in cmdline:
-            found.append(f"{entry.name} {cmdline}")
-    return found
-
-
 def _logs(mps: MpsControl, ref: ClaimRef) -> str:
     return "\n".join(
         f"--- {ref.name} {p.name} ---\n{p.read_text(errors='replace')[-2500:]}"
@@ -154,7 +128,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
         driver=DRIVER,
         pool=NODE,
         devices=devices,
-        claims=Claims(claims),
+        claims=OneClaim(*claims.values()),
         driver_files=driver_files,
         cdi_dir=tmp_path / "cdi",
         data_dir=tmp_path / "data",
@@ -176,7 +150,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
             f"NodePreparer.prepare([{A}, {B}]) with allocations {[c['status'] for c in claims.values()]}",
             "\n".join(f"{p.name}: env {envs[uid]}" for uid, p in specs.items()),
             note=f"daemon processes per claim: {daemons}; share ids answered: "
-            f"{[d.share_id for r in results.values() for d in r.devices]}; mps processes: {_mps_processes()}",
+            f"{[d.share_id for r in results.values() for d in r.devices]}; mps processes: {mps_processes()}",
         )
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G" in envs[A.uid]
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20G" in envs[B.uid]
@@ -193,7 +167,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
                     [smi(driver_root), "--query-compute-apps=pid,process_name,used_memory", "--format=csv"]
                 )
                 during.append(apps.stdout + apps.stderr)
-                during.append("\n".join(_mps_processes()))
+                during.append("\n".join(mps_processes()))
 
         def client(ref: ClaimRef, below: int, above: int) -> ctr.ContainerResult:
             ids = tuple(i for d in results[ref.uid].devices for i in d.cdi_device_ids)
@@ -259,21 +233,21 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
             "shares-unprepare-a",
             f"NodePreparer.unprepare([{A}])",
             f"share-a processes left: {list(after_a[0])}\nshare-b processes: {list(after_a[1])}\n"
-            f"mps processes: {_mps_processes()}",
+            f"mps processes: {mps_processes()}",
         )
         assert not after_a[0] and after_a[1], "unprepare of one share must stop its daemon only"
     finally:
         asyncio.run(preparer.unprepare([A, B]))
     for _ in range(100):
-        if not _mps_processes():
+        if not mps_processes():
             break
         time.sleep(0.1)
     record(
         "shares-unprepare",
         f"NodePreparer.unprepare([{A}, {B}]); then look for MPS processes",
-        f"nvidia-cuda-mps-* processes left: {_mps_processes()}\n"
+        f"nvidia-cuda-mps-* processes left: {mps_processes()}\n"
         f"claim dirs left: {[r.name for r, *_ in PLAN if mps.dirs(r.uid).base.exists()]}\n"
         f"CDI specs left: {list((tmp_path / 'cdi').glob('*.json'))}",
     )
-    assert not _mps_processes()
+    assert not mps_processes()
     assert not any(mps.dirs(r.uid).base.exists() for r, *_ in PLAN)
