@@ -62,7 +62,8 @@ class ClaimReader:
 
         async def guarded(ref: ClaimRef) -> kube.JSON | ClaimRejected:
             try:
-                return await asyncio.wait_for(one(ref), self.timeout)
+                async with asyncio.timeout(self.timeout):  # the wait for the gate counts too
+                    return await one(ref)
             except TimeoutError:
                 return ClaimRejected(
                     f"timed out after {self.timeout:g} s reading ResourceClaim {ref.namespace}/{ref.name} "
