@@ -65,6 +65,7 @@ class DriverProcess:
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     detach: bool = False  # outlive this process (the demo's --keep); else die with it
+    log_level: str = "debug"  # tests read the debug lines; benchmarks run at the default, info
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -100,7 +101,9 @@ class DriverProcess:
             str(self.root / "mps"),
             *self.extra_args,
         ]
-        self.proc = spawn_dra_driver(args, self.log_path, env=self.env, detach=self.detach)
+        self.proc = spawn_dra_driver(
+            args, self.log_path, env=self.env, detach=self.detach, log_level=self.log_level
+        )
         if wait:
             self.wait_serving(timeout=60)
         return self
