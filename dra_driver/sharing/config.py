@@ -168,6 +168,14 @@ def _parse_mps(value: object, where: str) -> MpsConfig:
 
 def _parse_sharing(value: object, where: str) -> SharingConfig:
     obj = _mapping(value, where)
+    interval = next((k for k in ("timeSlicing", "timeSlicingConfig") if k in obj), None)
+    if interval is not None:  # what NVIDIA's driver accepts; users coming from it will write it
+        raise ConfigError(
+            f"{where}.{interval}: a time-slice interval cannot be set per claim on this driver (NVML "
+            "has no call for it, and nvidia-smi compute-policy would change it for every claim on "
+            f"the GPU); remove {interval}: a GPU shared by several pods is time-sliced with the "
+            "driver's default interval, or use strategy MPS for limits"
+        )
     _check_fields(obj, ("strategy", "mps"), where)
     raw = obj.get("strategy")
     choices = ", ".join(s.value for s in SharingStrategy)

@@ -248,3 +248,14 @@ def test_quantities_have_the_value_the_kubernetes_client_gives_them(text: str) -
     from kubernetes.utils import parse_quantity as client_parse
 
     assert quantity_value(text) == client_parse(text)
+
+
+def test_a_time_slice_interval_is_refused_with_what_to_write_instead() -> None:
+    with pytest.raises(ConfigError, match=r"cannot be set per claim.*remove timeSlicingConfig"):
+        parse_gpu_config(
+            {
+                "apiVersion": "gpu.dra-driver.dev/v1alpha1",
+                "kind": "GpuConfig",
+                "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}},
+            }
+        )
