@@ -127,7 +127,7 @@ def test_a_renamed_driver_accepts_its_own_group_and_the_default() -> None:
     [
         ({**MPS_10GI, "extra": 1}, r"parameters: unknown field 'extra'; allowed: apiVersion, kind, sharing"),
         (params(strategy="MPS", mps={"pinned": "1Gi"}), r"parameters.sharing.mps: unknown field 'pinned'"),
-        (params(strategy="MPS", timeSlicing={}), r"parameters.sharing: unknown field 'timeSlicing'"),
+        (params(strategy="MPS", timeSlicing={}), r"parameters.sharing.timeSlicing: a time-slice interval"),
         (params(strategy="Mps"), r"'Mps' is not a sharing strategy; use one of: TimeSlicing, MPS"),
         (params(mps={}), r"parameters.sharing.strategy is missing"),
         (params(strategy="TimeSlicing", mps={}), r"mps is only allowed with strategy MPS"),
