@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from dra_driver import kube
+from dra_driver import kube, metrics
 from dra_driver.kube import ApiClient
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected, describe
 
@@ -64,12 +64,14 @@ class ClaimReader:
             try:
                 async with asyncio.timeout(self.timeout):  # the wait for the gate counts too
                     return await one(ref)
-            except TimeoutError:
+            except TimeoutError as e:
+                metrics.api_error("claims", e)
                 return ClaimRejected(
                     f"timed out after {self.timeout:g} s reading ResourceClaim {ref.namespace}/{ref.name} "
                     "from the API server; the kubelet will retry"
                 )
             except kube.TRANSIENT_ERRORS as e:
+                metrics.api_error("claims", e)
                 if isinstance(e, kube.ApiException) and e.status == 404:
                     return ClaimRejected(f"claim {ref.namespace}/{ref.name} does not exist (any more)")
                 where = f"ResourceClaim {ref.namespace}/{ref.name}"
@@ -94,6 +96,7 @@ class ClaimReader:
                     return found
                 query = {"limit": str(LIST_PAGE), "continue": token}
         except kube.TRANSIENT_ERRORS as e:
+            metrics.api_error("claims", e)
             log.error("could not list ResourceClaims from the API server", error=_describe(e))
             return None
 
