@@ -92,3 +92,26 @@ def test_plugin_accepts_every_flag_the_chart_passes(helm: Helm) -> None:
         for arg in plugin_args:
             flag = arg.split("=", 1)[0]
             assert flag in usage, f"the chart passes {flag}, which `dra-driver kubelet-plugin` does not know"
+
+
+def _rules(role: dict) -> set[tuple[str, ...]]:  # type: ignore[type-arg]
+    return {
+        (",".join(r.get("apiGroups", [])), ",".join(r["resources"]), ",".join(sorted(r["verbs"])),
+         ",".join(r.get("resourceNames", [])))
+        for r in role["rules"]
+    }  # fmt: skip
+
+
+def test_the_plain_manifests_grant_and_guard_what_the_chart_does(helm: Helm) -> None:
+    """deploy/base (kubectl apply) and the chart must not drift apart: same RBAC rules, same
+    ResourceSlice admission policy."""
+    rendered = {d["kind"]: d for d in _render(helm)}
+    base = {
+        d["kind"]: d
+        for path in sorted((CHART.parents[1] / "base").glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d
+    }
+    assert _rules(base["ClusterRole"]) == _rules(rendered["ClusterRole"])
+    policy = "ValidatingAdmissionPolicy"
+    assert base[policy]["spec"] == rendered[policy]["spec"]
