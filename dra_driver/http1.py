@@ -44,6 +44,8 @@ class Body:
         self._reader = reader
         self._chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = headers.get("content-length")
+        if length is not None and not length.isdigit():
+            raise ProtocolError(f"not a Content-Length: {length[:100]!r}")
         self._left: int | None = int(length) if length is not None and not self._chunked else None
         self.complete = False
 
@@ -54,7 +56,10 @@ class Body:
                 size_line = await self._reader.readline()
                 if not size_line.endswith(b"\n"):
                     raise ConnectionError("the connection closed in the middle of a chunked body")
-                size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+                try:
+                    size = int(size_line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise ProtocolError(f"not a chunk size line: {size_line[:100]!r}") from None
                 if size == 0:
                     while (await self._reader.readline()).strip():  # trailers
                         pass

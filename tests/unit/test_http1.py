@@ -107,15 +107,23 @@ def test_watch_lines_stream_and_a_broken_body_is_an_error() -> None:
     asyncio.run(_with_server(handler, test))
 
 
-def test_an_answer_that_is_not_http_is_a_protocol_error() -> None:
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (b"SSH-2.0-OpenSSH\r\n\r\n", r"not an HTTP/1\.1 status line"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "not a chunk size line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "not a Content-Length"),
+    ],
+)
+def test_an_answer_that_is_not_http_is_a_protocol_error(answer: bytes, message: str) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
-        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        writer.write(answer)
         await writer.drain()
         writer.close()
 
     async def test(pool: ConnectionPool) -> None:
-        with pytest.raises(ProtocolError, match=r"not an HTTP/1\.1 status line"):
+        with pytest.raises(ProtocolError, match=message):
             await pool.request("GET", "/", {})
 
     asyncio.run(_with_server(handler, test))
