@@ -41,7 +41,7 @@ from demo.run import apply_documents, device_class_files, get_pod, wait_for_slic
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.node import BUILD_SCRIPT, Nodes, NodeSpec, build_node_binaries, node_tokens
-from tests.harness.objects import create_object, load_client, request
+from tests.harness.objects import create_object, sync_client, sync_request
 from tests.node.pods import gpu_pod, wait_gone
 
 NODE = NodeSpec("bench-h200", "hgx-h200")
@@ -84,7 +84,7 @@ def pod_start_times(api: Any, ns: str, with_claim: bool) -> dict[str, Any]:
         create_object(api, pod, ns)
         _running(api, ns, name)
         samples.append(time.monotonic() - t0)
-        request(api, "DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
+        sync_request(api, "DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
         wait_gone(api, ns, name)
     return {
         "n": PODS,
@@ -138,7 +138,7 @@ def main() -> None:
     )
     nodes: Nodes | None = None
     try:
-        api = load_client(str(cp.kubeconfig))
+        api = sync_client(str(cp.kubeconfig))
         t0 = time.monotonic()
         nodes = Nodes.start(cp, [NODE])
         total = time.monotonic() - t0
@@ -153,7 +153,7 @@ def main() -> None:
         for path in device_class_files():
             apply_documents(api, path, "default")
         ns = "bench"
-        request(
+        sync_request(
             api,
             "POST",
             "/api/v1/namespaces",

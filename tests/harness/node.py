@@ -56,7 +56,7 @@ from kubernetes import client
 from tests.harness.cluster import FEATURE_GATES, REPO_ROOT, ControlPlane, free_port
 from tests.harness.driver import DriverProcess, with_parent_death_signal
 from tests.harness.images import PAUSE_IMAGE, write_test_images
-from tests.harness.objects import load_client, request
+from tests.harness.objects import sync_client, sync_request
 
 logger = structlog.get_logger(__name__)
 
@@ -708,7 +708,7 @@ class Nodes:
                 )
                 say(f"node {spec.name}: containerd and kubelet started (node IP {node.ip})")
             nodes.timings["processes_started_s"] = time.monotonic() - t0
-            api = load_client(str(cp.kubeconfig))
+            api = sync_client(str(cp.kubeconfig))
             for node in nodes.nodes.values():
                 nodes.wait_node_ready(api, node)
             nodes.timings["nodes_ready_s"] = time.monotonic() - t0
@@ -743,7 +743,7 @@ class Nodes:
             if node.kubelet is None or node.kubelet.nsenter.poll() is not None:
                 raise RuntimeError(f"the kubelet of {node.name} exited:\n{node._tail('kubelet.log')}")
             try:
-                obj = request(api, "GET", f"/api/v1/nodes/{node.name}")
+                obj = sync_request(api, "GET", f"/api/v1/nodes/{node.name}")
             except Exception:
                 return False
             conditions = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}

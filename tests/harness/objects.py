@@ -167,9 +167,3 @@ def create_device_class(api: client.ApiClient, name: str, expression: str) -> JS
 def create_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "default") -> JSON:
     """POST one object given as a dict; returns the server's object."""
     return sync_request(api, "POST", _collection_path(doc, namespace), body=doc)
-
-
-# TEMPORARY: work in flight still imports the old names (tests/harness/node.py, tests/node/,
-# benchmarks/node.py). Delete these two lines once they import sync_client and sync_request.
-load_client = sync_client
-request = sync_request

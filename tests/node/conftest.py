@@ -27,8 +27,7 @@ from demo.run import (
 )
 from tests.harness.cluster import ControlPlane
 from tests.harness.node import Nodes, NodeSpec, node_cluster
-from tests.harness.objects import load_client
-from tests.harness.objects import request as api_request
+from tests.harness.objects import sync_client, sync_request
 
 SPECS = tuple(NodeSpec(n.name, n.profile) for n in DEMO_NODES)
 _counter = itertools.count()
@@ -56,7 +55,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeCluster]:
     with node_cluster(
         SPECS, tmp_path_factory.mktemp("node-cluster"), keep_files=os.environ.get("DRA_NODE_KEEP") == "1"
     ) as (cp, nodes):
-        api = load_client(str(cp.kubeconfig))
+        api = sync_client(str(cp.kubeconfig))
         devices = wait_for_slices(api, [n.driver for n in nodes.nodes.values() if n.driver])
         for path in device_class_files():
             applied = apply_documents(api, path, "default")
@@ -71,5 +70,5 @@ def namespace(cluster: NodeCluster, request: pytest.FixtureRequest) -> Iterator[
     create_namespace(cluster.api, name)
     yield name
     # Pods have a 1 s grace period; their claims go once the kubelet confirmed the deletion.
-    api_request(cluster.api, "DELETE", f"/api/v1/namespaces/{name}/pods")
-    api_request(cluster.api, "DELETE", f"/api/v1/namespaces/{name}")
+    sync_request(cluster.api, "DELETE", f"/api/v1/namespaces/{name}/pods")
+    sync_request(cluster.api, "DELETE", f"/api/v1/namespaces/{name}")

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from demo.run import RESOURCE_API, allocation_results, get_claim, get_pod, scheduler_reason
 from tests.harness.driver import DRIVER
 from tests.harness.node import Node, descendants
-from tests.harness.objects import create_object, request
+from tests.harness.objects import create_object, sync_request
 
 JSON = dict[str, Any]
 NVIDIA_MAJOR = 195
@@ -87,7 +87,7 @@ def create(api: client.ApiClient, namespace: str, *docs: JSON) -> None:
 
 
 def events(api: client.ApiClient, namespace: str, pod: str) -> list[JSON]:
-    items: list[JSON] = request(
+    items: list[JSON] = sync_request(
         api,
         "GET",
         f"/api/v1/namespaces/{namespace}/events",
@@ -139,7 +139,7 @@ def wait_gone(api: client.ApiClient, namespace: str, pod: str, timeout: float = 
 
 
 def delete_pod(api: client.ApiClient, namespace: str, pod: str) -> None:
-    request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{pod}")
 
 
 def pod_claims(api: client.ApiClient, pod: JSON) -> dict[str, JSON]:
@@ -249,5 +249,5 @@ def cdi_specs_of(node: Node, uid: str) -> list[Path]:
 
 
 def claims_released(api: client.ApiClient, namespace: str) -> bool:
-    items = request(api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims")["items"]
+    items = sync_request(api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims")["items"]
     return not any(c.get("status", {}).get("reservedFor") for c in items)

@@ -31,7 +31,7 @@ from demo.run import (
     wait_settled,
 )
 from dra_driver.cdi.builders import device_env_name
-from tests.harness.objects import load_yaml_documents, request
+from tests.harness.objects import load_yaml_documents, sync_request
 from tests.node import pods
 from tests.node.conftest import NodeCluster
 
@@ -75,14 +75,14 @@ def applied(cluster: NodeCluster) -> Iterator[Applied_]:
         yield Applied_(result)
     finally:
         for ns in namespaces:
-            request(cluster.api, "DELETE", f"/api/v1/namespaces/{ns}/pods")
+            sync_request(cluster.api, "DELETE", f"/api/v1/namespaces/{ns}/pods")
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(
             pods.claims_released(cluster.api, ns) for ns in namespaces
         ):
             time.sleep(0.2)
         for ns in namespaces:
-            request(cluster.api, "DELETE", f"/api/v1/namespaces/{ns}")
+            sync_request(cluster.api, "DELETE", f"/api/v1/namespaces/{ns}")
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))

@@ -23,7 +23,7 @@ from demo.run import RESOURCE_API, get_pod, scheduler_reason
 from dra_driver.health.node import SIMULATED_EVENTS_FILE
 from tests.harness.driver import DRIVER
 from tests.harness.node import Node
-from tests.harness.objects import request
+from tests.harness.objects import sync_request
 from tests.node import pods
 from tests.node.conftest import NodeCluster
 
@@ -68,7 +68,7 @@ def inject(node: Node, **record: Any) -> None:
 
 
 def node_slices(cluster: NodeCluster) -> list[JSON]:
-    return list(request(cluster.api, "GET", f"{RESOURCE_API}/resourceslices",
+    return list(sync_request(cluster.api, "GET", f"{RESOURCE_API}/resourceslices",
                         query={"fieldSelector": f"spec.nodeName={NODE},spec.driver={DRIVER}"})["items"])
 
 

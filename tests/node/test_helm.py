@@ -39,8 +39,7 @@ from tests.harness.driver import DRIVER
 from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
 from tests.harness.helm import Helm
 from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
-from tests.harness.objects import load_client, wait_for
-from tests.harness.objects import request as api_request
+from tests.harness.objects import sync_client, sync_request, wait_for
 from tests.harness.service_proxy import ServiceProxy
 from tests.node import pods
 
@@ -77,9 +76,9 @@ class HelmCluster:
 
 
 def _label_gpu_node(api: client.ApiClient, name: str) -> None:
-    node = api_request(api, "GET", f"/api/v1/nodes/{name}")
+    node = sync_request(api, "GET", f"/api/v1/nodes/{name}")
     node["metadata"].setdefault("labels", {})[GPU_LABEL] = "true"
-    api_request(api, "PUT", f"/api/v1/nodes/{name}", node)
+    sync_request(api, "PUT", f"/api/v1/nodes/{name}", node)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelmCluster]:
     helm = Helm(helm_binary, cp.kubeconfig, work / "helm")
     try:
         nodes = Nodes.start(cp, SPECS, daemonset=True, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
-        api = load_client(str(cp.kubeconfig))
+        api = sync_client(str(cp.kubeconfig))
         upgrade_tag = f"{image.tag}-upgrade"
         for node in nodes.nodes.values():
             t0 = time.monotonic()
@@ -110,7 +109,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelmCluster]:
             _label_gpu_node(api, node.name)
         service = wait_for(
             "the kubernetes Service",
-            lambda: api_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
+            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
         )
         first = next(iter(nodes.nodes.values()))
         port = int(service["spec"]["ports"][0]["port"])
@@ -136,7 +135,7 @@ def _plugin_pods(api: client.ApiClient, node: str | None = None) -> list[JSON]:
     query = {"labelSelector": PLUGIN_SELECTOR}
     if node:
         query["fieldSelector"] = f"spec.nodeName={node}"
-    items: list[JSON] = api_request(api, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods", query=query)["items"]
+    items: list[JSON] = sync_request(api, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods", query=query)["items"]
     return items
 
 
@@ -146,7 +145,7 @@ def _ready(pod: JSON) -> bool:
 
 
 def _pool_complete(api: client.ApiClient, node: str) -> bool:
-    slices = api_request(
+    slices = sync_request(
         api, "GET", f"{RESOURCE_API}/resourceslices",
         query={"fieldSelector": f"spec.driver={DRIVER},spec.nodeName={node}"},
     )["items"]
@@ -161,11 +160,11 @@ def _pool_complete(api: client.ApiClient, node: str) -> bool:
 
 def _slice_count(api: client.ApiClient) -> int:
     query = {"fieldSelector": f"spec.driver={DRIVER}"}
-    return len(api_request(api, "GET", f"{RESOURCE_API}/resourceslices", query=query)["items"])
+    return len(sync_request(api, "GET", f"{RESOURCE_API}/resourceslices", query=query)["items"])
 
 
 def _device_classes(api: client.ApiClient) -> set[str]:
-    return {c["metadata"]["name"] for c in api_request(api, "GET", f"{RESOURCE_API}/deviceclasses")["items"]}
+    return {c["metadata"]["name"] for c in sync_request(api, "GET", f"{RESOURCE_API}/deviceclasses")["items"]}
 
 
 def _http(pod: JSON, path: str) -> tuple[int, str]:
@@ -253,7 +252,7 @@ def test_install_runs_the_image_on_every_node_and_publishes_slices(env: HelmClus
         assert 'gpu_dra_resourceslice_writes_total{operation="create"}' in body
     # The chart's cluster-wide objects are the ones the driver and its users rely on.
     assert {DRIVER, f"mig.{DRIVER}"} <= _device_classes(env.api)
-    policies = api_request(env.api, "GET", f"{ADMISSION_API}/validatingadmissionpolicies")
+    policies = sync_request(env.api, "GET", f"{ADMISSION_API}/validatingadmissionpolicies")
     assert f"{RELEASE}-resourceslices" in {p["metadata"]["name"] for p in policies["items"]}
 
 
@@ -268,7 +267,7 @@ def test_pods_get_their_gpus(env: HelmCluster) -> None:
         pod = pods.wait_running(env.api, namespace, name, timeout=90)
         (result,) = pods.container_allocations(env.api, pod, "main")
         assert result["pool"] == node
-        slices = api_request(env.api, "GET", f"{RESOURCE_API}/resourceslices",
+        slices = sync_request(env.api, "GET", f"{RESOURCE_API}/resourceslices",
                              query={"fieldSelector": f"spec.nodeName={node}"})["items"]
         device = next(d for s in slices for d in s["spec"]["devices"] if d["name"] == result["device"])
         minor = int(device["attributes"]["minor"]["int"])
