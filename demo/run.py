@@ -265,16 +265,22 @@ def unschedulable_message(pod: JSON) -> str | None:
     return None
 
 
-def scheduler_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
-    """Why a pod is not bound: its newest FailedScheduling event, else its PodScheduled
-    condition, else its newest Warning event from another component (a missing claim
-    template stops a pod before the scheduler ever tries it)."""
-    events = sync_request(
+def pod_events(api: client.ApiClient, namespace: str, pod: str) -> list[JSON]:
+    """The events whose involved object is the pod."""
+    events: list[JSON] = sync_request(
         api,
         "GET",
         f"/api/v1/namespaces/{namespace}/events",
         query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
     )["items"]
+    return events
+
+
+def scheduler_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
+    """Why a pod is not bound: its newest FailedScheduling event, else its PodScheduled
+    condition, else its newest Warning event from another component (a missing claim
+    template stops a pod before the scheduler ever tries it)."""
+    events = pod_events(api, namespace, pod)
     failed = [e for e in events if e.get("reason") == "FailedScheduling"]
     if failed:
         return _event_text(max(failed, key=_event_order))
@@ -565,12 +571,7 @@ def pod_view(
 
 def kubelet_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
     """The newest Warning event of a bound pod that does not run (a failed prepare says why)."""
-    events = sync_request(
-        api,
-        "GET",
-        f"/api/v1/namespaces/{namespace}/events",
-        query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
-    )["items"]
+    events = pod_events(api, namespace, pod)
     # Every pod gets MissingClusterDNS here (the nodes run no cluster DNS); it never says why
     # a pod does not run.
     warnings = [e for e in events if e.get("type") == "Warning" and e.get("reason") != "MissingClusterDNS"]

@@ -19,18 +19,8 @@ fi
 
 log() { printf '[build %4ds] %s\n' "$SECONDS" "$*" >&2; }
 
-# go build -v names each package as it is compiled; show a count instead of
-# thousands of lines, so a cold build (tens of minutes on 2 cores) shows progress.
-progress() {
-  local what=$1 n=0 line
-  while IFS= read -r line; do
-    case "$line" in
-      *.go:[0-9]*|*": "*) printf '%s\n' "$line" >&2 ;;
-      *) n=$((n + 1)); if [ $((n % 200)) -eq 0 ]; then log "$what: $n packages compiled"; fi ;;
-    esac
-  done
-  log "$what: $n packages compiled"
-}
+# shellcheck source=../lib.sh
+source "$(dirname "$0")/../lib.sh"
 
 tmp="$bin.tmp.$$"
 rm -rf "$tmp"; mkdir -p "$tmp"
@@ -51,11 +41,11 @@ log "building Kubernetes $k8s_version control plane into $bin (cold: tens of min
   k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler \
   k8s.io/kubernetes/cmd/kubectl \
-  ./cmd/cdicheck 2>&1) | progress kubernetes
+  ./cmd/cdicheck 2>&1) | go_progress kubernetes 200
 [ -x "$tmp/kube-apiserver" ] || { log "kubernetes build failed"; exit 1; }
 
 log "building etcd"
-(cd "$here/etcd" && go build -v -trimpath -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3 2>&1) | progress etcd
+(cd "$here/etcd" && go build -v -trimpath -ldflags "-s -w" -o "$tmp/etcd" go.etcd.io/etcd/server/v3 2>&1) | go_progress etcd 200
 [ -x "$tmp/etcd" ] || { log "etcd build failed"; exit 1; }
 
 "$tmp/kube-apiserver" --version >&2

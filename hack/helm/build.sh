@@ -20,16 +20,8 @@ fi
 
 log() { printf '[helm-build %4ds] %s\n' "$SECONDS" "$*" >&2; }
 
-progress() {
-  local n=0 line
-  while IFS= read -r line; do
-    case "$line" in
-      *.go:[0-9]*|*": "*) printf '%s\n' "$line" >&2 ;;
-      *) n=$((n + 1)); if [ $((n % 100)) -eq 0 ]; then log "helm: $n packages compiled"; fi ;;
-    esac
-  done
-  log "helm: $n packages compiled"
-}
+# shellcheck source=../lib.sh
+source "$(dirname "$0")/../lib.sh"
 
 tmp="$dir.tmp.$$"
 rm -rf "$tmp"; mkdir -p "$tmp"
@@ -39,7 +31,7 @@ log "building helm $helm_version into $dir (cold: about 3 minutes on 2 cores)"
 ldflags="-s -w -X helm.sh/helm/v4/internal/version.version=$helm_version"
 ldflags+=" -X helm.sh/helm/v4/internal/version.gitTreeState=clean"
 (cd "$tmp" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS= GOBIN="$tmp" go install -v -trimpath \
-  -ldflags "$ldflags" "helm.sh/helm/v4/cmd/helm@$helm_version" 2>&1) | progress
+  -ldflags "$ldflags" "helm.sh/helm/v4/cmd/helm@$helm_version" 2>&1) | go_progress helm 100
 [ -x "$tmp/helm" ] || { log "helm build failed"; exit 1; }
 "$tmp/helm" version >&2
 touch "$tmp/.complete"

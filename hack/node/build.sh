@@ -31,17 +31,8 @@ fi
 
 log() { printf '[node-build %4ds] %s\n' "$SECONDS" "$*" >&2; }
 
-# As hack/cluster/build.sh: count the packages `go build -v` names instead of printing them.
-progress() {
-  local what=$1 n=0 line
-  while IFS= read -r line; do
-    case "$line" in
-      *.go:[0-9]*|*": "*) printf '%s\n' "$line" >&2 ;;
-      *) n=$((n + 1)); if [ $((n % 200)) -eq 0 ]; then log "$what: $n packages compiled"; fi ;;
-    esac
-  done
-  log "$what: $n packages compiled"
-}
+# shellcheck source=../lib.sh
+source "$(dirname "$0")/../lib.sh"
 
 tmp="$bin.tmp.$$"
 rm -rf "$tmp"; mkdir -p "$tmp"
@@ -56,7 +47,7 @@ done
 export CGO_ENABLED=0 GOTOOLCHAIN=local
 log "building kubelet $k8s_version into $bin (cold: about 4 minutes on 2 cores; less after the control plane)"
 (cd "$here/kubelet" && GOFLAGS=-mod=mod go build -v -trimpath -ldflags "$ldflags" -o "$tmp/kubelet" \
-  k8s.io/kubernetes/cmd/kubelet 2>&1) | progress kubelet
+  k8s.io/kubernetes/cmd/kubelet 2>&1) | go_progress kubelet 200
 [ -x "$tmp/kubelet" ] || { log "kubelet build failed"; exit 1; }
 
 log "building containerd $containerd_version, containerd-shim-runc-v2, ctr (cold: about 2 minutes)"
@@ -64,7 +55,7 @@ cd_ldflags="-s -w -X github.com/containerd/containerd/v2/version.Version=$contai
 (cd "$tmp" && GOFLAGS= GOBIN="$tmp" go install -v -trimpath -ldflags "$cd_ldflags" \
   "github.com/containerd/containerd/v2/cmd/containerd@$containerd_version" \
   "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$containerd_version" \
-  "github.com/containerd/containerd/v2/cmd/ctr@$containerd_version" 2>&1) | progress containerd
+  "github.com/containerd/containerd/v2/cmd/ctr@$containerd_version" 2>&1) | go_progress containerd 200
 for b in containerd containerd-shim-runc-v2 ctr; do
   [ -x "$tmp/$b" ] || { log "$b build failed"; exit 1; }
 done

@@ -18,11 +18,12 @@ import pytest
 
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.devices import node_devices
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
+from tests.harness.claims_in_memory import ClaimsInMemory
 
 DRIVER = DEFAULT_DRIVER_NAME
 NODE = "h200-node"
@@ -146,19 +147,6 @@ def claim_object(
     }
 
 
-class OneClaim:
-    """The claim source of a hardware test: the claims it made, as the API server would serve them."""
-
-    def __init__(self, *claims: dict[str, Any]) -> None:
-        self.claims = {c["metadata"]["uid"]: c for c in claims}
-
-    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
-        return {r.uid: self.claims.get(r.uid) or ClaimRejected(f"no claim {r}") for r in refs}
-
-    async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
-        return list(self.claims.values())
-
-
 def mps_processes() -> list[str]:
     """Every nvidia-cuda-mps-* process on the host (pid and command line)."""
     found = []
@@ -175,15 +163,15 @@ def mps_processes() -> list[str]:
 
 
 def make_preparer(
-    tmp: Path, inventory: Any, driver_files: Any, claim: dict[str, Any], mps: MpsControl | None = None
+    tmp: Path, inventory: Any, driver_files: Any, *claims: dict[str, Any], mps: MpsControl | None = None
 ) -> NodePreparer:
-    """The driver's own preparer for this host, serving `claim`."""
+    """The driver's own preparer for this host, serving `claims`."""
     (tmp / "data").mkdir(parents=True, exist_ok=True)
     return NodePreparer(
         driver=DRIVER,
         pool=NODE,
         devices=node_devices(inventory),
-        claims=OneClaim(claim),
+        claims=ClaimsInMemory(*claims),
         driver_files=driver_files,
         cdi_dir=tmp / "cdi",
         data_dir=tmp / "data",

@@ -15,16 +15,12 @@ import re
 from typing import Any
 
 import pytest
-from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, OneClaim, Recorder, dra_driver, run, simulate_args, smi
+from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, Recorder, dra_driver, make_preparer, run, simulate_args, smi
 from hwworkloads import last_json
 
 from dra_driver import cdi
-from dra_driver.devices import node_devices
 from dra_driver.gpu.topology import nvlink_pairs, nvlink_topology
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.plugin.state import NodePreparer
-from dra_driver.sharing.mps import MpsControl
-from dra_driver.sharing.policy import Sharing
 from tests.harness import container as ctr
 
 pytestmark = [pytest.mark.hardware]
@@ -94,20 +90,6 @@ def test_nvlink_discovery_matches_nvidia_smi(two_or_more: Any, driver_root: str,
     )
 
 
-def _preparer(tmp: Any, inventory: Any, driver_files: Any, claims: list[dict[str, Any]]) -> NodePreparer:
-    (tmp / "data").mkdir(parents=True, exist_ok=True)
-    return NodePreparer(
-        driver=DRIVER,
-        pool=NODE,
-        devices=node_devices(inventory),
-        claims=OneClaim(*claims),
-        driver_files=driver_files,
-        cdi_dir=tmp / "cdi",
-        data_dir=tmp / "data",
-        sharing=Sharing(DRIVER, NODE, MpsControl(tmp / "mps", "/")),
-    )
-
-
 def _claim(uid: str, name: str, devices: list[str]) -> dict[str, Any]:
     return {
         "metadata": {"namespace": "default", "name": name, "uid": uid},
@@ -139,7 +121,7 @@ def test_two_claims_on_two_gpus_each_container_sees_only_its_own(
     a, b = two_or_more.gpus[0], two_or_more.gpus[1]
     claims = [_claim("multi-a", "multi-a", ["gpu-0"]), _claim("multi-b", "multi-b", ["gpu-1"])]
     refs = [ClaimRef("default", c["metadata"]["name"], c["metadata"]["uid"]) for c in claims]
-    preparer = _preparer(tmp_path, two_or_more, driver_files, claims)
+    preparer = make_preparer(tmp_path, two_or_more, driver_files, *claims)
 
     async def both() -> Any:
         await preparer.recover()
@@ -179,7 +161,7 @@ def test_a_linked_pair_claim_sees_nvlink_and_copies_peer_to_peer(
     pair = linked[0]
     claim = _claim("multi-pair", "multi-pair", [f"gpu-{pair.a}", f"gpu-{pair.b}"])
     ref = ClaimRef("default", "multi-pair", "multi-pair")
-    preparer = _preparer(tmp_path, two_or_more, driver_files, [claim])
+    preparer = make_preparer(tmp_path, two_or_more, driver_files, claim)
 
     async def prepare() -> Any:
         await preparer.recover()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, OneClaim, Recorder, mps_processes, run, smi
+from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, Recorder, mps_processes, run, smi
 from hwworkloads import last_json
 
 from dra_driver.devices import node_devices
@@ -32,6 +32,7 @@ from dra_driver.sharing.mps import MpsControl, default_root
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
 from tests.harness import container as ctr
+from tests.harness.claims_in_memory import ClaimsInMemory
 
 pytestmark = [pytest.mark.hardware, pytest.mark.container]
 
@@ -128,7 +129,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
         driver=DRIVER,
         pool=NODE,
         devices=devices,
-        claims=OneClaim(*claims.values()),
+        claims=ClaimsInMemory(*claims.values()),
         driver_files=driver_files,
         cdi_dir=tmp_path / "cdi",
         data_dir=tmp_path / "data",

@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from demo.run import RESOURCE_API, allocation_results, get_claim, get_pod, scheduler_reason
+from demo.run import RESOURCE_API, allocation_results, get_claim, get_pod, pod_events, scheduler_reason
 from tests.harness.driver import DRIVER
 from tests.harness.node import Node, descendants
 from tests.harness.objects import create_object, sync_request
@@ -86,16 +86,6 @@ def create(api: client.ApiClient, namespace: str, *docs: JSON) -> None:
         create_object(api, doc, namespace)
 
 
-def events(api: client.ApiClient, namespace: str, pod: str) -> list[JSON]:
-    items: list[JSON] = sync_request(
-        api,
-        "GET",
-        f"/api/v1/namespaces/{namespace}/events",
-        query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
-    )["items"]
-    return items
-
-
 def describe(api: client.ApiClient, namespace: str, pod: str) -> str:
     """The pod's phase, container states and events, for assertion messages."""
     try:
@@ -103,7 +93,7 @@ def describe(api: client.ApiClient, namespace: str, pod: str) -> str:
     except ApiException as e:
         return f"pod {namespace}/{pod}: {e.status}"
     states = [(s["name"], s.get("state")) for s in obj.get("status", {}).get("containerStatuses", [])]
-    evs = [f"{e.get('reason')}: {e.get('message')}" for e in events(api, namespace, pod)]
+    evs = [f"{e.get('reason')}: {e.get('message')}" for e in pod_events(api, namespace, pod)]
     return f"pod {namespace}/{pod} phase={obj['status'].get('phase')} containers={states} events={evs}"
 
 

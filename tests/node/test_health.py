@@ -138,7 +138,7 @@ def test_a_fatal_xid_taints_the_gpu_marks_the_pod_unhealthy_and_recovery_clears_
           f"{unhealthy_after:.2f} s; resources: {resources}")
     assert "XID 79" in str(resources[0].get("message", "XID 79")), resources
     wait_for("a DeviceUnhealthy Event on the pod",
-             lambda: [e for e in pods.events(cluster.api, namespace, "victim")
+             lambda: [e for e in pods.pod_events(cluster.api, namespace, "victim")
                       if e.get("reason") == "DeviceUnhealthy"],
              15)
     phase = get_pod(cluster.api, namespace, "victim")["status"]["phase"]

@@ -145,7 +145,7 @@ def test_refused_claim_config_shows_the_plugins_error_in_the_pod_events(
     deadline = time.monotonic() + 60
     messages: list[str] = []
     while time.monotonic() < deadline:
-        messages = [str(e.get("message")) for e in pods.events(cluster.api, namespace, "refused")]
+        messages = [str(e.get("message")) for e in pods.pod_events(cluster.api, namespace, "refused")]
         if any(expected in m for m in messages):
             break
         time.sleep(0.2)

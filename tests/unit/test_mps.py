@@ -15,7 +15,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.config import ConfigError, MpsConfig
 from dra_driver.sharing.mps import (
@@ -43,12 +43,14 @@ from dra_driver.sharing.mps import (
     settings_for_claim,
 )
 from dra_driver.sharing.policy import Sharing
+from tests.harness.claims_in_memory import ClaimsInMemory
 from tests.harness.fake_mps import install_fake_mps_control, set_mode
 
 GI = 2**30
 UID = "1c9e7d3a-1111-4222-8333-444455556666"
 DRIVER = "gpu.dra-driver.dev"
 POOL = "node-a"
+
 
 @pytest.fixture
 def fake_bin(tmp_path: Path) -> Path:
@@ -288,7 +290,7 @@ def make_preparer(tmp_path: Path, mps: MpsControl) -> Any:
             driver=DRIVER,
             pool=POOL,
             devices=node_devices(inventory),
-            claims=OneClaim(claim),
+            claims=ClaimsInMemory(claim),
             driver_files=files,
             cdi_dir=tmp_path / "cdi",
             data_dir=tmp_path / "data",
@@ -300,19 +302,6 @@ def make_preparer(tmp_path: Path, mps: MpsControl) -> Any:
 
 
 REF = ClaimRef("default", "shared", UID)
-
-
-class OneClaim:
-    """The API server, for a node that knows one claim."""
-
-    def __init__(self, claim: dict[str, Any]) -> None:
-        self.claim = claim
-
-    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
-        return {r.uid: self.claim for r in refs}
-
-    async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
-        return [self.claim]
 
 
 def prepare(preparer: NodePreparer) -> str | None:

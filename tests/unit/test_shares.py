@@ -23,7 +23,7 @@ from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.mps import MpsControl, client_env
@@ -36,6 +36,7 @@ from dra_driver.sharing.shares import (
     share_view_name,
     share_views,
 )
+from tests.harness.claims_in_memory import ClaimsInMemory
 from tests.harness.fake_mps import install_fake_mps_control, set_mode
 
 DRIVER = "gpu.dra-driver.dev"
@@ -280,19 +281,6 @@ def mps(fake_bin: Path) -> Iterator[MpsControl]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-class Claims:
-    """The API server, for a node that knows these claims."""
-
-    def __init__(self, *claims: dict[str, Any]) -> None:
-        self.claims = {c["metadata"]["uid"]: c for c in claims}
-
-    async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
-        return {r.uid: self.claims[r.uid] for r in refs}
-
-    async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
-        return list(self.claims.values())
-
-
 A = "aaaa0000-1111-4222-8333-444455556666"
 B = "bbbb0000-1111-4222-8333-444455556666"
 W = "cccc0000-1111-4222-8333-444455556666"
@@ -316,7 +304,7 @@ def node(tmp_path: Path, mps: MpsControl) -> Any:
             driver=DRIVER,
             pool=POOL,
             devices=devices,
-            claims=Claims(*claims),
+            claims=ClaimsInMemory(*claims),
             driver_files=files,
             cdi_dir=tmp_path / "cdi",
             data_dir=tmp_path / "data",
