@@ -259,9 +259,10 @@ class NodePreparer:
         with exclusive(self.lock_path):
             claims = dict(self._load_locked().claims)  # this transaction's working copy
             todo: list[_Plan] = []
+            planned: set[str] = set()
             for plan in plans:
                 uid = plan.ref.uid
-                if uid in results or any(p.ref.uid == uid for p in todo):
+                if uid in results or uid in planned:
                     continue  # two calls for one claim (two pods sharing it) in one batch
                 entry = claims.get(uid)
                 if entry is not None and entry.phase == ckpt.COMPLETED:  # the other instance, or a retry
@@ -275,6 +276,7 @@ class NodePreparer:
                     results[uid] = ClaimResult(error=conflict)
                     continue
                 todo.append(plan)
+                planned.add(uid)
                 claims[uid] = ckpt.started_entry(plan.ref.namespace, plan.ref.name, uid, plan.devices)
             # `started` must be on disk before anything a crash could leave behind that the
             # next locked section cannot find by itself: sharing daemons. A CDI spec alone
