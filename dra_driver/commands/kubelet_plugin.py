@@ -96,6 +96,14 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
     "path; default /run/<driver-name>/mps.",
 )
 @click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the record of prepared claims (checkpoint.json) and its lock live: a tmpfs, since "
+    "everything it records (CDI specs, MPS daemons) ends with the boot; mounted from the host at one path "
+    "for every instance on the node; default /run/<driver-name>/state.",
+)
+@click.option(
     "--rolling-update-uid",
     envvar="POD_UID",
     default=None,
@@ -138,6 +146,7 @@ def kubelet_plugin(
     host_driver_root: Path | None,
     dev_root: Path,
     mps_root: Path | None,
+    state_dir: Path | None,
     rolling_update_uid: str | None,
     claim_read_timeout: float,
     publish_slices: bool,
@@ -167,6 +176,7 @@ def kubelet_plugin(
         simulate=simulate,
         kubeconfig=kubeconfig,
         mps_root=mps_root,
+        state_dir=state_dir or default_state_dir(driver_name),
         rolling_update_uid=rolling_update_uid,
         claim_read_timeout=claim_read_timeout,
         list_attributes=list_attributes,
@@ -184,6 +194,10 @@ def kubelet_plugin(
         raise click.ClickException(str(e)) from None
 
 
+def default_state_dir(driver: str) -> Path:
+    return Path("/run") / driver / "state"
+
+
 @dataclass(frozen=True)
 class PluginOptions:
     node_name: str
@@ -195,6 +209,7 @@ class PluginOptions:
     host_driver_root: Path | None
     simulate: str | None
     kubeconfig: str | None
+    state_dir: Path
     mps_root: Path | None = None
     rolling_update_uid: str | None = None
     claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS
@@ -239,6 +254,7 @@ async def run_plugin(opts: PluginOptions) -> None:
     )
     paths: PluginPaths = plugin_paths(opts.kubelet_dir, opts.driver, opts.rolling_update_uid)
     paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     api = await kube.load_client(opts.kubeconfig)
     mps = MpsControl(opts.mps_root or mps_default_root(opts.driver), opts.driver_root or Path("/"))
@@ -249,7 +265,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         claims=ClaimReader(api, timeout=opts.claim_read_timeout),
         driver_files=driver_files,
         cdi_dir=opts.cdi_dir,
-        data_dir=paths.data_dir,
+        state_dir=opts.state_dir,
         sharing=Sharing(opts.driver, opts.node_name, mps),
     )
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)

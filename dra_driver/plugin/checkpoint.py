@@ -5,7 +5,8 @@ gone from the API server, so the plugin must remember what it prepared. Prepare 
 claim as `started` before it touches the node (CDI spec, sharing daemons) and as
 `completed` after, so a crash in between leaves a record of what may need cleaning up.
 
-The file is `<data dir>/checkpoint.json`, replaced atomically (temp file, rename), with a
+The file is `<state dir>/checkpoint.json` (default /run/<driver>/state: a tmpfs, because
+everything it describes ends with the boot), replaced atomically (temp file, rename), with a
 format version, the build that wrote it, the boot id of the boot that wrote it, and a
 SHA-256 of its payload so that a torn or edited file is detected rather than trusted. A
 checkpoint from an earlier boot is discarded: the tmpfs CDI specs and any daemons it
@@ -366,8 +367,8 @@ def decode(data: bytes, path: Path) -> Checkpoint:
 # --------------------------------------------------------------------------- I/O
 
 
-def checkpoint_path(data_dir: Path) -> Path:
-    return Path(data_dir) / CHECKPOINT_FILE
+def checkpoint_path(state_dir: Path) -> Path:
+    return Path(state_dir) / CHECKPOINT_FILE
 
 
 def read_boot_id(path: Path = BOOT_ID_PATH) -> str:

@@ -1,6 +1,6 @@
 """File locks that let two plugin instances on one node take turns (a rolling update).
 
-During an update the old and the new plugin pod run side by side over one data dir, and
+During an update the old and the new plugin pod run side by side over one state dir, and
 the kubelet may send either of them a call. `exclusive` serializes every checkpoint
 transaction across processes AND threads: each use opens the lock file anew, and `flock`
 locks belong to the open file, so two opens conflict even inside one process. The kernel

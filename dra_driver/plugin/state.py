@@ -2,7 +2,7 @@
 
 The checkpoint on disk is the only source of truth. Every Prepare, Unprepare and start-up
 recovery is ONE synchronous function that holds an exclusive file lock
-(`<data dir>/serialize.lock`), reads the checkpoint inside it and writes it back before it
+(`<state dir>/serialize.lock`), reads the checkpoint inside it and writes it back before it
 lets go; nothing is kept across calls. So two plugin instances on one node (a rolling
 update: the kubelet may call either) take turns on the same files and never undo each
 other's work. The async face (`prepare`, `unprepare`, `recover`) reads from the API server
@@ -19,7 +19,8 @@ a state that the next locked section repairs: a `started` entry is a dead transa
 (a live one holds the lock), so it is rolled back; at start a spec without an entry is
 removed and an entry whose spec vanished gets it rewritten.
 
-A checkpoint that cannot be read never costs a running pod its devices: it is moved aside,
+A checkpoint that cannot be read, or that is missing while this boot's specs are on disk
+(a wiped or moved state dir), never costs a running pod its devices: it is moved aside,
 and the specs on disk of claims that the API server says are allocated to this node are
 adopted into a new checkpoint; only specs of claims that are gone are removed, and none at
 all if the API server cannot say. A checkpoint from a newer build stops the plugin.
@@ -110,7 +111,7 @@ class NodePreparer:
         claims: ClaimSource,
         driver_files: DriverFiles,
         cdi_dir: Path,
-        data_dir: Path,
+        state_dir: Path,
         sharing: Sharing,
         boot_id: str | None = None,
     ) -> None:
@@ -120,7 +121,7 @@ class NodePreparer:
         self.claims = claims
         self.driver_files = driver_files
         self.cdi_dir = cdi_dir
-        self.data_dir = data_dir
+        self.state_dir = state_dir
         self.sharing = sharing
         self.boot_id = boot_id or ckpt.read_boot_id()
         self._prepares: GroupCommit[_Plan, ClaimResult] = GroupCommit(
@@ -132,11 +133,11 @@ class NodePreparer:
 
     @property
     def checkpoint_path(self) -> Path:
-        return ckpt.checkpoint_path(self.data_dir)
+        return ckpt.checkpoint_path(self.state_dir)
 
     @property
     def lock_path(self) -> Path:
-        return self.data_dir / LOCK_FILE
+        return self.state_dir / LOCK_FILE
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
@@ -164,10 +165,15 @@ class NodePreparer:
     async def recover(self) -> None:
         """Make checkpoint, CDI specs and sharing state agree again (at start)."""
         listed: list[JSON] | None = None
-        if await asyncio.to_thread(self._needs_adoption):
-            log.error("checkpoint unreadable: asking the API server which claims are allocated to this node")
+        adopt = await asyncio.to_thread(self._needs_adoption)
+        if adopt:
+            log.error(
+                "the checkpoint cannot say which claims are prepared here (unreadable, or missing while "
+                "this boot's CDI specs or sharing daemons exist): asking the API server which claims are "
+                "allocated to this node"
+            )
             listed = await self.claims.allocated_here(self.driver, self.pool)
-        await asyncio.to_thread(self._recover_locked, listed)
+        await asyncio.to_thread(self._recover_locked, adopt, listed)
 
     async def _prepare_chunk(
         self, refs: Sequence[ClaimRef], done: dict[str, tuple[PreparedDevice, ...]]
@@ -348,13 +354,18 @@ class NodePreparer:
     # -- recovery ----------------------------------------------------------------------
 
     def _needs_adoption(self) -> bool:
+        """The checkpoint is unreadable, or there is none (of this boot) although this boot's
+        CDI specs or sharing daemons are on disk: the state dir was wiped or moved, and only
+        the API server can tell which of them running pods use."""
         try:
-            self.read_checkpoint()
+            loaded = ckpt.load(self.checkpoint_path, self.boot_id)
         except ckpt.CheckpointUnreadable:
             return True
-        return False  # a newer version is raised by the locked section, with the lock held
+        except ckpt.CheckpointFromNewerVersion:
+            return False  # raised again by the locked section, with the lock held
+        return loaded.status != ckpt.LoadStatus.LOADED and bool(self._state_on_disk())
 
-    def _recover_locked(self, listed: list[JSON] | None) -> None:
+    def _recover_locked(self, adopt: bool, listed: list[JSON] | None) -> None:
         with exclusive(self.lock_path):
             keep: frozenset[str] = frozenset()
             try:
@@ -363,6 +374,8 @@ class NodePreparer:
             except ckpt.CheckpointUnreadable as e:
                 moved = ckpt.quarantine(self.checkpoint_path)
                 log.error("checkpoint unreadable; moved aside", error=str(e), moved_to=str(moved))
+                claims, changed, adopt = {}, True, True
+            if adopt and not claims:  # another instance may have written one meanwhile
                 claims, keep = self._adopt(listed)
                 changed = True
             for entry in list(claims.values()):
@@ -388,7 +401,7 @@ class NodePreparer:
     def _adopt(self, listed: list[JSON] | None) -> tuple[dict[str, ckpt.ClaimEntry], frozenset[str]]:
         """Entries for the specs and sharing state found on disk, from the claims the API
         server says are allocated here; and the UIDs to keep although not adopted."""
-        on_disk = self._specs_of_this_boot() | self.sharing.claims_with_state()
+        on_disk = self._state_on_disk()
         if listed is None:
             log.error(
                 "the API server could not say which claims are allocated here: keeping every CDI spec "
@@ -421,6 +434,9 @@ class NodePreparer:
                 keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
             log.warning("adopted a prepared claim into the new checkpoint", **ref.log_fields())
         return claims, frozenset(keep)
+
+    def _state_on_disk(self) -> frozenset[str]:
+        return self._specs_of_this_boot() | self.sharing.claims_with_state()
 
     def _specs_of_this_boot(self) -> frozenset[str]:
         """Claims with a CDI spec written since this boot (a persistent CDI dir may still hold

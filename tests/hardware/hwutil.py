@@ -166,7 +166,7 @@ def make_preparer(
     tmp: Path, inventory: Any, driver_files: Any, *claims: dict[str, Any], mps: MpsControl | None = None
 ) -> NodePreparer:
     """The driver's own preparer for this host, serving `claims`."""
-    (tmp / "data").mkdir(parents=True, exist_ok=True)
+    (tmp / "state").mkdir(parents=True, exist_ok=True)
     return NodePreparer(
         driver=DRIVER,
         pool=NODE,
@@ -174,7 +174,7 @@ def make_preparer(
         claims=ClaimsInMemory(*claims),
         driver_files=driver_files,
         cdi_dir=tmp / "cdi",
-        data_dir=tmp / "data",
+        state_dir=tmp / "state",
         sharing=Sharing(DRIVER, NODE, mps or MpsControl(tmp / "mps", "/")),
     )
 

@@ -132,10 +132,10 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
         claims=ClaimsInMemory(*claims.values()),
         driver_files=driver_files,
         cdi_dir=tmp_path / "cdi",
-        data_dir=tmp_path / "data",
+        state_dir=tmp_path / "state",
         sharing=Sharing(DRIVER, NODE, mps),
     )
-    (tmp_path / "data").mkdir()
+    (tmp_path / "state").mkdir()
     asyncio.run(preparer.recover())
     results = asyncio.run(preparer.prepare([A, B]))
     try:

@@ -66,6 +66,8 @@ class DriverProcess:
     env: dict[str, str] = field(default_factory=dict)
     detach: bool = False  # outlive this process (the demo's --keep); else die with it
     log_level: str = "debug"  # tests read the debug lines; benchmarks run at the default, info
+    # What a node keeps under /run (a tmpfs there): CDI specs, the checkpoint; default: `root`.
+    run_root: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,7 +76,11 @@ class DriverProcess:
 
     @property
     def cdi_dir(self) -> Path:
-        return self.root / "cdi"
+        return (self.run_root or self.root) / "cdi"
+
+    @property
+    def state_dir(self) -> Path:
+        return (self.run_root or self.root) / "state"
 
     @property
     def log_path(self) -> Path:
@@ -97,6 +103,8 @@ class DriverProcess:
             str(self.kubelet_dir),
             "--cdi-dir",
             str(self.cdi_dir),
+            "--state-dir",
+            str(self.state_dir),
             "--mps-root",
             str(self.root / "mps"),
             *self.extra_args,

@@ -99,13 +99,13 @@ def test_an_unreadable_checkpoint_never_removes_what_running_pods_use(
         assert _prepare(proc, running, deleted) == {running.uid: "", deleted.uid: ""}
         proc.stop()
         sync_request(api, "DELETE", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/deleted")
-        DAMAGE[damage](ckpt.checkpoint_path(proc.data_dir))
+        DAMAGE[damage](ckpt.checkpoint_path(proc.state_dir))
 
         proc.start()
         assert _specs(proc) == {running.uid}, "the running pod's spec stays; the deleted claim's goes"
-        assert list(proc.data_dir.glob("checkpoint.json.corrupt-*")), "moved aside for a person to read"
+        assert list(proc.state_dir.glob("checkpoint.json.corrupt-*")), "moved aside for a person to read"
         assert "unreadable checkpoint moved aside" in proc.log_tail(20000)
-        adopted = ckpt.load(ckpt.checkpoint_path(proc.data_dir), ckpt.read_boot_id()).checkpoint
+        adopted = ckpt.load(ckpt.checkpoint_path(proc.state_dir), ckpt.read_boot_id()).checkpoint
         assert set(adopted.claims) == {running.uid}
         thief = _claim(api, namespace, node, "thief", "gpu-0")
         assert "already prepared for claim" in _prepare(proc, thief)[thief.uid]
@@ -122,7 +122,7 @@ def test_a_checkpoint_from_a_newer_build_stops_the_plugin_and_is_kept(
         ref = _claim(api, namespace, node, "kept", "gpu-2")
         assert _prepare(proc, ref) == {ref.uid: ""}
         proc.stop()
-        path = ckpt.checkpoint_path(proc.data_dir)
+        path = ckpt.checkpoint_path(proc.state_dir)
         doc = json.loads(path.read_text())
         doc.update(version=ckpt.FORMAT_VERSION + 1, writtenBy="gpu-dra-driver 9.0.0")
         path.write_text(json.dumps(doc))

@@ -290,7 +290,7 @@ UNPREPARE_FAULTS = ["unprepare-after-cdi-removed", "unprepare-after-entry-remove
 
 def _state(proc: DriverProcess) -> tuple[set[str], set[str]]:
     """(claim UIDs in the checkpoint, claim UIDs with a CDI spec)."""
-    entries = set(load(checkpoint_path(proc.data_dir), read_boot_id()).checkpoint.claims)
+    entries = set(load(checkpoint_path(proc.state_dir), read_boot_id()).checkpoint.claims)
     specs = {p.stem.split("_", 1)[1] for p in proc.cdi_dir.glob(f"{DRIVER}-gpu_*.json")}
     return entries, specs
 

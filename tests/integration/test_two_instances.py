@@ -128,7 +128,7 @@ def test_two_instances_with_random_kills_keep_one_consistent_state(
 
     def agree(when: str) -> None:
         """Checkpoint, CDI specs and MPS daemons say what the kubelet was told, and nothing else."""
-        entries, specs = _state(instances[0].proc.data_dir, instances[0].proc.cdi_dir)
+        entries, specs = _state(instances[0].proc.state_dir, instances[0].proc.cdi_dir)
         assert set(entries) == set(prepared), f"{when}: the checkpoint holds exactly the prepared claims"
         assert all(e.phase == ckpt.COMPLETED for e in entries.values()), f"{when}: a half-done entry"
         assert specs == set(prepared), f"{when}: a spec for each prepared claim and for no other"
@@ -182,11 +182,11 @@ def test_two_instances_with_random_kills_keep_one_consistent_state(
         for inst in instances:
             inst.kill()
         instances[1].start()
-        assert _state(instances[0].proc.data_dir, instances[0].proc.cdi_dir)[1] == set(prepared)
+        assert _state(instances[0].proc.state_dir, instances[0].proc.cdi_dir)[1] == set(prepared)
         for uid in list(prepared):
             ref = next(r for r, _ in claims if r.uid == uid)
             assert call(instances[1], "unprepare", ref).error == ""
-        assert _state(instances[0].proc.data_dir, instances[0].proc.cdi_dir) == ({}, set())
+        assert _state(instances[0].proc.state_dir, instances[0].proc.cdi_dir) == ({}, set())
         assert mps.claim_uids() == set() and not any(mps.daemon_pids(uid) for uid in mps_claims)
     finally:
         for inst in instances:

@@ -285,7 +285,7 @@ def make_preparer(tmp_path: Path, mps: MpsControl) -> Any:
     files = scan_driver_files(None, "/dev", True, gpu_minors=[g.minor for g in inventory.gpus])
 
     def make(claim: dict[str, Any]) -> NodePreparer:
-        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "state").mkdir(exist_ok=True)
         return NodePreparer(
             driver=DRIVER,
             pool=POOL,
@@ -293,7 +293,7 @@ def make_preparer(tmp_path: Path, mps: MpsControl) -> Any:
             claims=ClaimsInMemory(claim),
             driver_files=files,
             cdi_dir=tmp_path / "cdi",
-            data_dir=tmp_path / "data",
+            state_dir=tmp_path / "state",
             sharing=Sharing(DRIVER, POOL, mps),
             boot_id="boot-1",
         )

@@ -299,7 +299,7 @@ def node(tmp_path: Path, mps: MpsControl) -> Any:
     devices.update(share_views(devices))
 
     def make(*claims: dict[str, Any]) -> NodePreparer:
-        (tmp_path / "data").mkdir(exist_ok=True)
+        (tmp_path / "state").mkdir(exist_ok=True)
         return NodePreparer(
             driver=DRIVER,
             pool=POOL,
@@ -307,7 +307,7 @@ def node(tmp_path: Path, mps: MpsControl) -> Any:
             claims=ClaimsInMemory(*claims),
             driver_files=files,
             cdi_dir=tmp_path / "cdi",
-            data_dir=tmp_path / "data",
+            state_dir=tmp_path / "state",
             sharing=Sharing(DRIVER, POOL, mps),
             boot_id="boot-1",
         )

@@ -47,6 +47,7 @@ class Node:
         self.claims: dict[str, dict[str, Any]] = {}
         self.api_up = True
         self.reads = 0
+        self.lists = 0
         self.inventory = discover("l4x4")
 
     async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
@@ -56,6 +57,7 @@ class Node:
         }
 
     async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
+        self.lists += 1
         return list(self.claims.values()) if self.api_up else None
 
     def preparer(self) -> NodePreparer:
@@ -66,7 +68,7 @@ class Node:
             claims=self,
             driver_files=simulated_driver_files([g.minor for g in self.inventory.gpus]),
             cdi_dir=self.root / "cdi",
-            data_dir=self.root / "data",
+            state_dir=self.root / "state",
             sharing=Sharing(DRIVER, NODE, MpsControl(self.root / "mps", "/nonexistent-driver-root")),
             boot_id=BOOT,
         )
@@ -81,7 +83,7 @@ class Node:
 
 
 async def _started(node: Node) -> NodePreparer:
-    (node.root / "data").mkdir(parents=True, exist_ok=True)
+    (node.root / "state").mkdir(parents=True, exist_ok=True)
     p = node.preparer()
     await p.recover()
     return p
@@ -176,7 +178,7 @@ def test_an_unreadable_checkpoint_keeps_what_running_pods_use(tmp_path: Path, da
         UNREADABLE[damage](p.checkpoint_path)
 
         restarted = await _started(node)
-        assert list((tmp_path / "data").glob("checkpoint.json.corrupt-*")), "moved aside for a person to read"
+        assert list((tmp_path / "state").glob("checkpoint.json.corrupt-*")), "moved aside, for a person"
         assert node.specs() == {running.uid}, "the running pod keeps its spec; the gone claim's is removed"
         entry = restarted.read_checkpoint().claims[running.uid]
         assert entry.phase == ckpt.COMPLETED and [d.device for d in entry.devices] == ["gpu-0"]
@@ -206,6 +208,46 @@ def test_an_unreadable_checkpoint_and_no_api_server_removes_nothing(tmp_path: Pa
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("api_up", [True, False])
+def test_a_wiped_state_dir_keeps_what_running_pods_use(tmp_path: Path, api_up: bool) -> None:
+    """No checkpoint at all, but this boot's specs on disk (the state dir was wiped, or moved
+    by a changed --state-dir): the API server decides, as for an unreadable one."""
+
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        running, finished = node.add("running", "gpu-0"), node.add("finished", "gpu-1")
+        await prepared(p, running)
+        await prepared(p, finished)
+        del node.claims[finished.uid]
+        p.checkpoint_path.unlink()
+        node.api_up = api_up
+
+        restarted = await _started(node)
+        if not api_up:
+            assert node.specs() == {running.uid, finished.uid}, "nobody can say a claim is gone"
+            return
+        assert node.specs() == {running.uid}, "the running pod keeps its spec; the gone claim's is removed"
+        assert [d.device for d in restarted.read_checkpoint().claims[running.uid].devices] == ["gpu-0"]
+        assert "already prepared for claim ns/running" in await refused(restarted, node.add("thief", "gpu-0"))
+
+    asyncio.run(run())
+
+
+def test_a_first_start_and_a_restart_ask_the_api_server_nothing(tmp_path: Path) -> None:
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        await prepared(p, node.add("a", "gpu-0"))
+        await _started(node)
+        assert node.lists == 0, "only a lost or unreadable checkpoint with specs on disk needs the list"
+        p.checkpoint_path.unlink()
+        await _started(node)
+        assert node.lists == 1
+
+    asyncio.run(run())
+
+
 def test_a_checkpoint_from_a_newer_build_stops_start_and_is_left_intact(tmp_path: Path) -> None:
     async def run() -> None:
         node = Node(tmp_path)
@@ -219,7 +261,7 @@ def test_a_checkpoint_from_a_newer_build_stops_start_and_is_left_intact(tmp_path
         with pytest.raises(ckpt.CheckpointFromNewerVersion, match=r"gpu-dra-driver 2\.0\.0"):
             await _started(node)
         assert p.checkpoint_path.read_bytes() == before and node.specs() == {ref.uid}
-        assert not list((tmp_path / "data").glob("checkpoint.json.corrupt-*"))
+        assert not list((tmp_path / "state").glob("checkpoint.json.corrupt-*"))
         # the old instance of an update keeps serving, but refuses to touch the newer state
         assert "gpu-dra-driver 2.0.0" in await refused(p, node.add("b", "gpu-1"))
         assert p.checkpoint_path.read_bytes() == before
