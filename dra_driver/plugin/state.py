@@ -3,11 +3,14 @@
 The checkpoint on disk is the only source of truth. Every Prepare, Unprepare and start-up
 recovery is ONE synchronous function that holds an exclusive file lock
 (`<state dir>/serialize.lock`), reads the checkpoint inside it and writes it back before it
-lets go; nothing is kept across calls. So two plugin instances on one node (a rolling
-update: the kubelet may call either) take turns on the same files and never undo each
-other's work. The async face (`prepare`, `unprepare`, `recover`) reads from the API server
-outside the lock (a slow API server never holds up other claims' bookkeeping) and reaches
-the locked section with one hop, `asyncio.to_thread`.
+lets go; nothing is kept across calls (a decoded checkpoint is reused only for the very
+same bytes). So two plugin instances on one node (a rolling update: the kubelet may call
+either) take turns on the same files and never undo each other's work. The async face
+(`prepare`, `unprepare`, `recover`) reads from the API server outside the lock (a slow API
+server never holds up other claims' bookkeeping) and reaches the locked section with one
+hop, `asyncio.to_thread`. Only the check for claims prepared already (a kubelet asking
+again needs no API read) reads the checkpoint in the event loop itself: the state dir is a
+tmpfs, so that read never waits for a disk.
 
 Prepare runs in two phases, each on disk before the next step: `started` (the devices we
 are about to hand out) -> sharing set up, CDI spec written -> `completed`; a claim
@@ -124,6 +127,7 @@ class NodePreparer:
         self.state_dir = state_dir
         self.sharing = sharing
         self.boot_id = boot_id or ckpt.read_boot_id()
+        self._decoded = ckpt.DecodeCache()
         self._prepares: GroupCommit[_Plan, ClaimResult] = GroupCommit(
             lambda plans: self._locked(self._prepare_locked, plans)
         )
@@ -141,14 +145,14 @@ class NodePreparer:
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
-        return ckpt.load(self.checkpoint_path, self.boot_id).checkpoint
+        return ckpt.load(self.checkpoint_path, self.boot_id, self._decoded).checkpoint
 
     # -- the async face ----------------------------------------------------------------
 
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
         """Prepare every claim; each gets its own answer (one bad claim never fails the rest)."""
         results: dict[str, ClaimResult] = {}
-        done = await asyncio.to_thread(self._completed_now)
+        done = self._completed_now()
         for chunk in _chunks(refs, CHUNK):
             results.update(await self._prepare_chunk(chunk, done))
         return results
@@ -252,7 +256,7 @@ class NodePreparer:
     # -- locked sections (blocking; run in a worker thread) ------------------------------
 
     def _load_locked(self) -> ckpt.Checkpoint:
-        result = ckpt.load(self.checkpoint_path, self.boot_id)
+        result = ckpt.load(self.checkpoint_path, self.boot_id, self._decoded)
         if result.discarded is not None:
             log.warning(
                 "checkpoint from an earlier boot discarded (its CDI specs died with the tmpfs)",
@@ -308,7 +312,7 @@ class NodePreparer:
         return results
 
     def _save(self, claims: dict[str, ckpt.ClaimEntry]) -> None:
-        ckpt.save(self.checkpoint_path, ckpt.Checkpoint(self.boot_id, dict(claims)))
+        ckpt.save(self.checkpoint_path, ckpt.Checkpoint(self.boot_id, dict(claims)), self._decoded)
 
     def _set_up(self, plan: _Plan) -> str | None:
         """Sharing, then the CDI spec, for one claim already recorded as started; the error
@@ -349,7 +353,8 @@ class NodePreparer:
         cdi.remove_claim_spec(self.cdi_dir, self.driver, ref.uid)
         _fault("unprepare-after-cdi-removed")
         self.sharing.release(ref.uid)
-        log.info("claim state removed", reason=why, **ref.log_fields())
+        # the service already says "unprepared" for the ordinary case
+        (log.debug if why == "unprepare" else log.info)("claim state removed", reason=why, **ref.log_fields())
 
     # -- recovery ----------------------------------------------------------------------
 

@@ -101,6 +101,19 @@ def test_save_then_load_round_trips(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["checkpoint.json"]
 
 
+def test_a_decode_cache_reuses_only_the_very_same_bytes(tmp_path: Path) -> None:
+    path, cache = ckpt.checkpoint_path(tmp_path), ckpt.DecodeCache()
+    ckpt.save(path, sample(), cache)
+    first = ckpt.load(path, BOOT, cache).checkpoint
+    assert first == sample() and ckpt.load(path, BOOT, cache).checkpoint is first
+    other = ckpt.without(sample(), UID_B)
+    ckpt.save(path, other)  # another instance's write, which this cache did not see
+    assert ckpt.load(path, BOOT, cache).checkpoint == other
+    path.write_bytes(path.read_bytes()[:-20])  # and torn after a good read: still refused
+    with pytest.raises(ckpt.CheckpointUnreadable):
+        ckpt.load(path, BOOT, cache)
+
+
 def test_timestamps_in_other_zones_are_stored_as_utc(tmp_path: Path) -> None:
     cest = datetime(2026, 12, 2, 17, 0, 0, tzinfo=timezone(timedelta(hours=2)))
     cp = ckpt.with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [], now=cest)

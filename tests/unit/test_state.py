@@ -344,10 +344,10 @@ def test_concurrent_calls_share_checkpoint_writes(tmp_path: Path, monkeypatch: p
     saves = 0
     real_save = ckpt.save
 
-    def counted(path: Path, cp: ckpt.Checkpoint) -> None:
+    def counted(path: Path, cp: ckpt.Checkpoint, cache: ckpt.DecodeCache | None = None) -> None:
         nonlocal saves
         saves += 1
-        real_save(path, cp)
+        real_save(path, cp, cache)
 
     async def run() -> None:
         node = Node(tmp_path)
