@@ -8,9 +8,11 @@ same bytes). So two plugin instances on one node (a rolling update: the kubelet 
 either) take turns on the same files and never undo each other's work. The async face
 (`prepare`, `unprepare`, `recover`) reads from the API server outside the lock (a slow API
 server never holds up other claims' bookkeeping) and reaches the locked section with one
-hop, `asyncio.to_thread`. Only the check for claims prepared already (a kubelet asking
-again needs no API read) reads the checkpoint in the event loop itself: the state dir is a
-tmpfs, so that read never waits for a disk.
+hop, `asyncio.to_thread`, unless the section cannot wait for anything: a batch of at most
+`INLINE_MAX` claims without sharing daemons to start or stop, with the lock free. That
+one touches only the state and CDI dirs (tmpfs), so it runs on the event loop itself (the
+hop to a worker and back cost ~0.25 ms of a ~3 ms Prepare); so does the check for claims
+prepared already (a kubelet asking again needs no API read).
 
 Prepare runs in two phases, each on disk before the next step: `started` (the devices we
 are about to hand out) -> sharing set up, CDI spec written -> `completed`; a claim
@@ -57,7 +59,7 @@ from dra_driver.plugin.claims import (
     describe,
 )
 from dra_driver.plugin.group_commit import GroupCommit
-from dra_driver.plugin.lock import exclusive
+from dra_driver.plugin.lock import LockBusy, exclusive
 from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.sharing.policy import ConfigError, Sharing, SharingError, SharingPlan
 
@@ -66,6 +68,7 @@ log = structlog.get_logger(__name__)
 FAULT_ENV: Final = "DRA_DRIVER_FAULT"
 LOCK_FILE: Final = "serialize.lock"
 CHUNK: Final = 1000  # claims per transaction; bounds what one huge kubelet call holds at once
+INLINE_MAX: Final = 16  # claims a section may handle on the event loop (~20 us each)
 
 JSON = dict[str, Any]
 
@@ -100,6 +103,9 @@ class _Plan:
     devices: tuple[PreparedDevice, ...]  # in allocation order, as answered
     hardware: tuple[NodeDevice, ...]  # each device once, for the CDI spec
     sharing: SharingPlan | None
+
+
+_Work = Sequence[_Plan] | Sequence[ClaimRef]
 
 
 class NodePreparer:
@@ -204,15 +210,13 @@ class NodePreparer:
             results.update((p.ref.uid, batch[p.ref.uid]) for p in plans)
         return results
 
-    async def _locked(
-        self, section: Any, work: Sequence[_Plan] | Sequence[ClaimRef]
-    ) -> dict[str, ClaimResult]:
+    async def _locked(self, section: Any, work: _Work) -> dict[str, ClaimResult]:
         """Run a locked section; a checkpoint found unreadable mid-life is repaired like at
         start, then the section runs once more. A newer instance's checkpoint (this one is
         the old pod of an update) refuses the calls: the kubelet turns to the newer one."""
         try:
             try:
-                result: dict[str, ClaimResult] = await asyncio.to_thread(section, work)
+                result: dict[str, ClaimResult] = await self._section(section, work)
             except ckpt.CheckpointUnreadable:
                 await self.recover()
                 result = await asyncio.to_thread(section, work)
@@ -220,6 +224,22 @@ class NodePreparer:
             uids = [w.ref.uid if isinstance(w, _Plan) else w.uid for w in work]
             return {uid: ClaimResult(error=str(e)) for uid in uids}
         return result
+
+    async def _section(self, section: Any, work: _Work) -> dict[str, ClaimResult]:
+        """Run `section` on the event loop if it cannot wait for anything, else in a thread."""
+        if len(work) <= INLINE_MAX and not any(self._may_wait(w) for w in work):
+            try:
+                result: dict[str, ClaimResult] = section(work, False)
+                return result
+            except LockBusy:  # the other instance is in a section: wait for it in a thread
+                pass
+        return await asyncio.to_thread(section, work)
+
+    def _may_wait(self, work: _Plan | ClaimRef) -> bool:
+        """Whether a claim's part of a section may wait for a sharing daemon to start or stop."""
+        if isinstance(work, _Plan):
+            return work.sharing is not None
+        return self.sharing.has_state(work.uid)
 
     def _completed_now(self) -> dict[str, tuple[PreparedDevice, ...]]:
         try:
@@ -264,9 +284,9 @@ class NodePreparer:
             )
         return result.checkpoint
 
-    def _prepare_locked(self, plans: Sequence[_Plan]) -> dict[str, ClaimResult]:
+    def _prepare_locked(self, plans: Sequence[_Plan], wait: bool = True) -> dict[str, ClaimResult]:
         results: dict[str, ClaimResult] = {}
-        with exclusive(self.lock_path):
+        with exclusive(self.lock_path, wait):
             claims = dict(self._load_locked().claims)  # this transaction's working copy
             todo: list[_Plan] = []
             planned: set[str] = set()
@@ -329,9 +349,9 @@ class NodePreparer:
             return f"internal error preparing claim {ref}: writing its CDI spec failed: {describe(e)}"
         return None
 
-    def _unprepare_locked(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
+    def _unprepare_locked(self, refs: Sequence[ClaimRef], wait: bool = True) -> dict[str, ClaimResult]:
         results: dict[str, ClaimResult] = {}
-        with exclusive(self.lock_path):
+        with exclusive(self.lock_path, wait):
             claims = dict(self._load_locked().claims)
             changed = False
             for ref in refs:

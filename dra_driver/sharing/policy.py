@@ -96,6 +96,10 @@ class Sharing:
         """Tear down whatever sharing the claim had; idempotent."""
         self.mps.stop(claim_uid)
 
+    def has_state(self, claim_uid: str) -> bool:
+        """Whether the claim has sharing state here (so releasing it may wait for a daemon)."""
+        return self.mps.dirs(claim_uid).base.exists()
+
     def saved_plan(self, claim_uid: str) -> SharingPlan | None:
         """The plan a claim's sharing was applied with (it survives a plugin restart)."""
         return self.mps.saved_settings(claim_uid)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from dra_driver.driver_root import simulated_driver_files
 from dra_driver.gpu import discover
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
@@ -383,5 +386,64 @@ def test_a_spec_from_an_earlier_boot_is_never_adopted(tmp_path: Path) -> None:
         p.checkpoint_path.write_text("{}")  # e.g. torn by the power loss that ended that boot
         restarted = await _started(node)
         assert node.specs() == set() and restarted.read_checkpoint().claims == {}
+
+    asyncio.run(run())
+
+
+def test_plain_claims_are_prepared_on_the_event_loop_without_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hops: list[str] = []
+    real_to_thread = asyncio.to_thread
+
+    async def counted(func: Any, /, *args: Any) -> Any:
+        hops.append(getattr(func, "__name__", repr(func)))
+        return await real_to_thread(func, *args)
+
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        monkeypatch.setattr(asyncio, "to_thread", counted)
+        ref = node.add("a", "gpu-0")
+        assert await prepared(p, ref) == ["gpu-0"]
+        assert await p.unprepare([ref]) == {ref.uid: ClaimResult()}
+        assert hops == [], f"a section that cannot wait hopped to a thread: {hops}"
+
+    asyncio.run(run())
+
+
+def test_a_lock_held_by_the_other_instance_never_blocks_the_event_loop(tmp_path: Path) -> None:
+    """The section then waits in a thread; the loop (health, probes, other claims) runs on."""
+
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        ref = node.add("a", "gpu-0")
+        held = threading.Event()
+
+        def other_instance() -> None:
+            with exclusive(p.lock_path):
+                held.set()
+                time.sleep(0.3)
+
+        holder = threading.Thread(target=other_instance)
+        holder.start()
+        held.wait()
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticking = asyncio.create_task(ticker())
+        start = time.monotonic()
+        assert await prepared(p, ref) == ["gpu-0"]
+        waited = time.monotonic() - start
+        ticking.cancel()
+        holder.join()
+        assert waited > 0.2, "the prepare waited for the other instance's section"
+        assert ticks >= 10, f"the event loop stood still ({ticks} ticks in {waited:.2f} s)"
 
     asyncio.run(run())
