@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
@@ -15,19 +16,27 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: Path, data: bytes, mode: int = 0o644, durable: bool = True) -> None:
+def write_file_atomic(
+    path: str | os.PathLike[str], data: bytes, mode: int = 0o644, durable: bool = True
+) -> None:
     """Replace `path` with `data` so that a reader or a crash sees the old file or the new
     one, never a part: temp file in the same directory, fsync, rename, fsync the directory.
     `durable=False` leaves out both fsyncs: readers and a crashed process still see whole
     files (the page cache survives the process), only a crash of the machine may not.
+    The directory is created if missing.
 
     The temp name starts with '.' and ends in '.tmp', so CDI runtimes (which read only
     *.json and *.yaml) never pick it up."""
-    path = Path(path)
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{path.name}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    # Plain strings rather than pathlib: this runs on every Prepare and Unprepare.
+    target = os.fspath(path)
+    directory, name = os.path.split(target)
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, mode)
+    except FileNotFoundError:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(tmp, flags, mode)
     try:
         try:
             view = memoryview(data)
@@ -38,9 +47,10 @@ def write_file_atomic(path: Path, data: bytes, mode: int = 0o644, durable: bool 
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     if durable:
-        fsync_dir(directory)
+        fsync_dir(Path(directory))

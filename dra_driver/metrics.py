@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -118,12 +118,26 @@ def api_error(component: str, error: BaseException) -> None:
     api_errors.labels(component=component, code=str(status) if isinstance(status, int) else "network").inc()
 
 
+_children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+
+def _child(metric: Counter | Gauge | Histogram, *labels: str) -> Any:
+    """`metric.labels(*labels)`, looked up once: every kubelet call counts, and the client
+    library's lookup takes a lock and builds its key each time."""
+    key = (metric, labels)
+    found = _children.get(key)
+    if found is None:
+        found = _children[key] = metric.labels(*labels)
+    return found
+
+
 @contextmanager
 def timed_request(operation: Operation) -> Iterator[list[str]]:
     """Time one kubelet call: yields a list; append a claim's result ("success" or "error")
     for each claim answered. The call counts as an error if any of its claims failed."""
     results: list[str] = []
-    requests_inflight.labels(operation=operation).inc()
+    inflight = _child(requests_inflight, operation)
+    inflight.inc()
     start = time.perf_counter()
     try:
         yield results
@@ -131,8 +145,8 @@ def timed_request(operation: Operation) -> Iterator[list[str]]:
         results.append("error")
         raise
     finally:
-        requests_inflight.labels(operation=operation).dec()
-        for result in results:
-            claims.labels(operation=operation, result=result).inc()
+        inflight.dec()
+        for result in set(results):
+            _child(claims, operation, result).inc(results.count(result))
         outcome = "error" if "error" in results else "success"
-        request_duration.labels(operation=operation, result=outcome).observe(time.perf_counter() - start)
+        _child(request_duration, operation, outcome).observe(time.perf_counter() - start)

@@ -162,9 +162,11 @@ def build_claim_spec(
     *,
     extra_edits: Mapping[str, ContainerEdits] | None = None,
     layout: ContainerLayout | None = None,
+    common: ContainerEdits | None = None,
 ) -> CdiSpec:
     """The transient spec of one claim: one CDI device `<claimUID>-<device>` per allocated
-    device; `extra_edits` (by device name, e.g. sharing settings) are added to that device."""
+    device; `extra_edits` (by device name, e.g. sharing settings) are added to that device.
+    `common`: `common_edits(files, layout)` made once by a caller that builds many specs."""
     if not devices:
         raise ValueError(f"claim {claim_uid}: a CDI spec needs at least one device")
     names = [d.name for d in devices]
@@ -184,7 +186,7 @@ def build_claim_spec(
     return CdiSpec(
         kind=kind_for(vendor),
         devices=cdi_devices,
-        container_edits=common_edits(files, layout),
+        container_edits=common if common is not None else common_edits(files, layout),
         claim_uid=claim_uid,
     )
 

@@ -242,22 +242,26 @@ def _payload(cp: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _checksum(payload: Any) -> str:
-    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def _canonical(payload: Any) -> str:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _checksum_of(canonical: str) -> str:
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _checksum(payload: Any) -> str:
+    return _checksum_of(_canonical(payload))
+
+
 def encode(cp: Checkpoint) -> bytes:
-    """The file's bytes: {version, writtenBy, checksum, payload}."""
-    payload = _payload(cp)
-    doc = {
-        "version": FORMAT_VERSION,
-        "writtenBy": WRITTEN_BY,
-        "checksum": _checksum(payload),
-        "payload": payload,
-    }
-    # compact: the file is rewritten on every transaction and may hold thousands of claims
-    return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    """The file's bytes: {checksum, payload, version, writtenBy}, compact (the file is
+    rewritten on every transaction and may hold thousands of claims). The payload is
+    encoded once, for its checksum and for the file."""
+    canonical = _canonical(_payload(cp))
+    checksum, written_by = json.dumps(_checksum_of(canonical)), json.dumps(WRITTEN_BY)
+    head = f'{{"checksum":{checksum},"payload":'
+    return f'{head}{canonical},"version":{FORMAT_VERSION},"writtenBy":{written_by}}}\n'.encode()
 
 
 class _Shape(Exception):

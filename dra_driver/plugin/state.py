@@ -131,9 +131,12 @@ class NodePreparer:
         self.driver_files = driver_files
         self.cdi_dir = cdi_dir
         self.state_dir = state_dir
+        self.checkpoint_path = ckpt.checkpoint_path(state_dir)
+        self.lock_path = state_dir / LOCK_FILE
         self.sharing = sharing
         self.boot_id = boot_id or ckpt.read_boot_id()
         self._decoded = ckpt.DecodeCache()
+        self._spec_edits = cdi.RenderedEdits.of(cdi.common_edits(driver_files))
         self._prepares: GroupCommit[_Plan, ClaimResult] = GroupCommit(
             lambda plans: self._locked(self._prepare_locked, plans)
         )
@@ -141,13 +144,6 @@ class NodePreparer:
             lambda refs: self._locked(self._unprepare_locked, refs)
         )
 
-    @property
-    def checkpoint_path(self) -> Path:
-        return ckpt.checkpoint_path(self.state_dir)
-
-    @property
-    def lock_path(self) -> Path:
-        return self.state_dir / LOCK_FILE
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
@@ -271,7 +267,10 @@ class NodePreparer:
 
     def _spec(self, uid: str, hardware: Sequence[NodeDevice], sharing: SharingPlan | None) -> cdi.CdiSpec:
         extra = self.sharing.edits(sharing, hardware)
-        return cdi.build_claim_spec(self.driver, uid, list(hardware), self.driver_files, extra_edits=extra)
+        common = self._spec_edits.edits
+        return cdi.build_claim_spec(
+            self.driver, uid, list(hardware), self.driver_files, extra_edits=extra, common=common
+        )
 
     # -- locked sections (blocking; run in a worker thread) ------------------------------
 
@@ -343,7 +342,7 @@ class NodePreparer:
         except SharingError as e:
             return f"claim {ref}: GPU sharing could not be set up on this node: {e}"
         try:
-            cdi.write_spec(self.cdi_dir, self._spec(ref.uid, plan.hardware, plan.sharing))
+            cdi.write_spec(self.cdi_dir, self._spec(ref.uid, plan.hardware, plan.sharing), self._spec_edits)
         except OSError as e:
             log.exception("writing the CDI spec failed", **ref.log_fields())
             return f"internal error preparing claim {ref}: writing its CDI spec failed: {describe(e)}"
@@ -491,7 +490,8 @@ class NodePreparer:
             )
             return False
         hardware = list({d.device: self.devices[d.device] for d in entry.devices}.values())
-        cdi.write_spec(self.cdi_dir, self._spec(entry.uid, hardware, self.sharing.saved_plan(entry.uid)))
+        spec = self._spec(entry.uid, hardware, self.sharing.saved_plan(entry.uid))
+        cdi.write_spec(self.cdi_dir, spec, self._spec_edits)
         log.warning("rewrote a missing CDI spec", **ref.log_fields())
         return True
 

@@ -91,6 +91,7 @@ class DriverProcess:
         return self.kubelet_dir / "plugins" / DRIVER
 
     def start(self, wait: bool = True) -> DriverProcess:
+        self.root.mkdir(parents=True, exist_ok=True)
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
         args = [
             "kubelet-plugin",

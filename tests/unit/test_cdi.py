@@ -280,6 +280,19 @@ def test_claim_spec_level_edits_hold_control_nodes_driver_files_and_isolation_en
     assert all(m.options == ("ro", "nosuid", "nodev", "bind") and m.type is None for m in common.mounts)
 
 
+def test_spec_edits_rendered_once_give_the_same_file() -> None:
+    files = h200_files()
+    common = cdi.RenderedEdits.of(cdi.common_edits(files, LAYOUT))
+    for uid in (UID, UID_LETTER):  # cdiVersion 0.5.0 and 0.3.0: the version is the whole spec's
+        spec = cdi.build_claim_spec(
+            VENDOR, uid, [Dev("gpu-0", gpu(0)), Dev("gpu-1", gpu(1))], files, common=common.edits
+        )
+        assert cdi.spec_to_json(spec, common) == cdi.spec_to_json(spec)
+        assert json.loads(cdi.spec_to_json(spec, common)) == cdi.spec_to_dict(spec)
+    other = cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files, layout=LAYOUT)
+    assert cdi.spec_to_json(other, common) == cdi.spec_to_json(other), "not its edits: rendered anew"
+
+
 def test_mig_device_gets_parent_node_and_its_two_access_caps() -> None:
     m = mig_device(parent=1, gi=2, ci=0)
     parent = gpu(1, minor=3, mig=(m,))
