@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import secrets
 from pathlib import Path
+
+# Temp names unique across processes (two plugin instances share a directory; in their
+# containers both may be pid 1) and within one, without a random draw per write.
+_TOKEN = secrets.token_hex(4)
+_SEQUENCE = itertools.count()
 
 
 def fsync_dir(directory: Path) -> None:
@@ -30,7 +36,7 @@ def write_file_atomic(
     # Plain strings rather than pathlib: this runs on every Prepare and Unprepare.
     target = os.fspath(path)
     directory, name = os.path.split(target)
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    tmp = os.path.join(directory, f".{name}.{_TOKEN}{next(_SEQUENCE)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, mode)

@@ -21,7 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
-LINE_LIMIT = 1 << 16  # a status line, a header or a chunk-size line
+LINE_LIMIT = 1 << 16  # the status line and headers together, or a chunk-size line
 _Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
@@ -139,9 +139,7 @@ class ConnectionPool:
                 try:
                     writer.write(self._head(method, target, headers, body) + (body or b""))
                     await writer.drain()
-                    status_line = await reader.readline()
-                    if not status_line:
-                        raise ConnectionError("the server closed the connection without an answer")
+                    head = await _read_head(reader)
                 except (ConnectionError, ssl.SSLError):
                     writer.close()
                     if reused and attempt == 1 and method in IDEMPOTENT:
@@ -149,8 +147,9 @@ class ConnectionPool:
                     raise
                 break
             try:
+                status_line, *header_lines = head.split(b"\r\n")
                 status, reason = _status(status_line)
-                response_headers = await _headers(reader)
+                response_headers = _headers(header_lines)
                 response_body = Body(reader, response_headers)
                 yield status, reason, response_headers, response_body
             except BaseException:
@@ -180,16 +179,26 @@ def _status(line: bytes) -> tuple[int, str]:
     return int(parts[1]), parts[2] if len(parts) > 2 else ""
 
 
-async def _headers(reader: asyncio.StreamReader) -> dict[str, str]:
+async def _read_head(reader: asyncio.StreamReader) -> bytes:
+    """The status line and headers, without the blank line that ends them: one read, not
+    one per line."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            raise ConnectionError("the server closed the connection without an answer") from None
+        raise ConnectionError("the connection closed in the middle of the response headers") from None
+    except asyncio.LimitOverrunError:
+        raise ProtocolError(f"response headers longer than {LINE_LIMIT} bytes") from None
+    return head[:-4]
+
+
+def _headers(lines: list[bytes]) -> dict[str, str]:
     headers: dict[str, str] = {}
-    while True:
-        line = await reader.readline()
-        if not line.endswith(b"\n"):
-            raise ConnectionError("the connection closed in the middle of the response headers")
-        text = line.decode("latin-1").rstrip("\r\n")
-        if not text:
-            return headers
+    for line in lines:
+        text = line.decode("latin-1")
         name, sep, value = text.partition(":")
         if not sep:
             raise ProtocolError(f"not an HTTP header line: {text[:100]!r}")
         headers[name.strip().lower()] = value.strip()
+    return headers

@@ -77,6 +77,8 @@ class ClaimReader:
                 where = f"ResourceClaim {ref.namespace}/{ref.name}"
                 return ClaimRejected(f"reading {where} from the API server failed: {_describe(e)}")
 
+        if len(refs) == 1:  # the usual call: no task to gather
+            return {refs[0].uid: await guarded(refs[0])}
         answers = await asyncio.gather(*(guarded(r) for r in refs))
         return {r.uid: a for r, a in zip(refs, answers, strict=True)}
 

@@ -73,8 +73,11 @@ INLINE_MAX: Final = 16  # claims a section may handle on the event loop (~20 us 
 JSON = dict[str, Any]
 
 
+_FAULT_POINT: Final = os.environ.get(FAULT_ENV)  # read once: the check sits on every Prepare
+
+
 def _fault(point: str) -> None:
-    if os.environ.get(FAULT_ENV) == point:
+    if point == _FAULT_POINT:
         log.warning("fault injection: dying", point=point)
         os._exit(137)
 

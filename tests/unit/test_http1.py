@@ -113,6 +113,8 @@ def test_watch_lines_stream_and_a_broken_body_is_an_error() -> None:
         (b"SSH-2.0-OpenSSH\r\n\r\n", r"not an HTTP/1\.1 status line"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "not a chunk size line"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "not a Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "not an HTTP header line"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X-Long: " + b"x" * 70000 + b"\r\n\r\n", "response headers longer than"),
     ],
 )
 def test_an_answer_that_is_not_http_is_a_protocol_error(answer: bytes, message: str) -> None:
@@ -124,6 +126,20 @@ def test_an_answer_that_is_not_http_is_a_protocol_error(answer: bytes, message: 
 
     async def test(pool: ConnectionPool) -> None:
         with pytest.raises(ProtocolError, match=message):
+            await pool.request("GET", "/", {})
+
+    asyncio.run(_with_server(handler, test))
+
+
+def test_an_answer_cut_off_in_its_headers_is_a_connection_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")
+        await writer.drain()
+        writer.close()
+
+    async def test(pool: ConnectionPool) -> None:
+        with pytest.raises(ConnectionError, match="in the middle of the response headers"):
             await pool.request("GET", "/", {})
 
     asyncio.run(_with_server(handler, test))

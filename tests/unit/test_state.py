@@ -4,11 +4,12 @@ conflicts, batches, and two instances over one data dir."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -342,8 +343,30 @@ def test_an_invalid_sharing_config_is_refused_with_what_to_fix(tmp_path: Path) -
     asyncio.run(run())
 
 
-def test_concurrent_calls_share_checkpoint_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """16 concurrent Prepares (two of them for one shared claim) cost far fewer than 32 writes."""
+@contextlib.contextmanager
+def _held_by_another_instance(lock: Path, seconds: float) -> Iterator[None]:
+    """The lock taken by a thread (as another plugin instance would) for `seconds` from now."""
+    held = threading.Event()
+
+    def other_instance() -> None:
+        with exclusive(lock):
+            held.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=other_instance)
+    holder.start()
+    held.wait()
+    try:
+        yield
+    finally:
+        holder.join()
+
+
+def test_calls_queued_behind_a_busy_lock_share_checkpoint_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 concurrent Prepares (two of them for one shared claim) that find the other
+    instance in a section queue up and cost far fewer than 32 writes."""
     saves = 0
     real_save = ckpt.save
 
@@ -358,14 +381,16 @@ def test_concurrent_calls_share_checkpoint_writes(tmp_path: Path, monkeypatch: p
         p = await _started(node)
         refs = [node.add(f"c{i}", f"gpu-{i}") for i in range(8)] * 2  # each claim from two pods
         monkeypatch.setattr(ckpt, "save", counted)
-        results = await asyncio.gather(*(p.prepare([r]) for r in refs))
+        with _held_by_another_instance(p.lock_path, 0.2):
+            results = await asyncio.gather(*(p.prepare([r]) for r in refs))
         for ref, result in zip(refs, results, strict=True):
             assert result[ref.uid].error is None, result[ref.uid].error
             assert [d.device for d in result[ref.uid].devices] == [f"gpu-{ref.name[1:]}"]
         assert node.specs() == {r.uid for r in refs}
         assert saves <= 6, f"{saves} checkpoint writes for 16 concurrent calls: not grouped"
         saves_before = saves
-        await asyncio.gather(*(p.unprepare([r]) for r in refs))
+        with _held_by_another_instance(p.lock_path, 0.2):
+            await asyncio.gather(*(p.unprepare([r]) for r in refs))
         assert node.specs() == set() and p.read_checkpoint().claims == {}
         assert saves - saves_before <= 3
 
@@ -419,16 +444,6 @@ def test_a_lock_held_by_the_other_instance_never_blocks_the_event_loop(tmp_path:
         node = Node(tmp_path)
         p = await _started(node)
         ref = node.add("a", "gpu-0")
-        held = threading.Event()
-
-        def other_instance() -> None:
-            with exclusive(p.lock_path):
-                held.set()
-                time.sleep(0.3)
-
-        holder = threading.Thread(target=other_instance)
-        holder.start()
-        held.wait()
         ticks = 0
 
         async def ticker() -> None:
@@ -437,12 +452,12 @@ def test_a_lock_held_by_the_other_instance_never_blocks_the_event_loop(tmp_path:
                 await asyncio.sleep(0.01)
                 ticks += 1
 
-        ticking = asyncio.create_task(ticker())
-        start = time.monotonic()
-        assert await prepared(p, ref) == ["gpu-0"]
-        waited = time.monotonic() - start
-        ticking.cancel()
-        holder.join()
+        with _held_by_another_instance(p.lock_path, 0.3):
+            ticking = asyncio.create_task(ticker())
+            start = time.monotonic()
+            assert await prepared(p, ref) == ["gpu-0"]
+            waited = time.monotonic() - start
+            ticking.cancel()
         assert waited > 0.2, "the prepare waited for the other instance's section"
         assert ticks >= 10, f"the event loop stood still ({ticks} ticks in {waited:.2f} s)"
 
