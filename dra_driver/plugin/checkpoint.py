@@ -225,20 +225,21 @@ def _device_to_dict(d: PreparedDevice) -> dict[str, Any]:
     return out
 
 
+def _entry_to_dict(c: ClaimEntry) -> dict[str, Any]:
+    return {
+        "uid": c.uid,
+        "namespace": c.namespace,
+        "name": c.name,
+        "phase": c.phase.value,
+        "devices": [_device_to_dict(d) for d in c.devices],
+        "updatedAt": _timestamp(c.updated_at),
+    }
+
+
 def _payload(cp: Checkpoint) -> dict[str, Any]:
     return {
         "bootId": cp.boot_id,
-        "claims": [
-            {
-                "uid": c.uid,
-                "namespace": c.namespace,
-                "name": c.name,
-                "phase": c.phase.value,
-                "devices": [_device_to_dict(d) for d in c.devices],
-                "updatedAt": _timestamp(c.updated_at),
-            }
-            for c in sorted(cp.claims.values(), key=lambda c: c.uid)
-        ],
+        "claims": [_entry_to_dict(c) for c in sorted(cp.claims.values(), key=lambda c: c.uid)],
     }
 
 
@@ -254,11 +255,15 @@ def _checksum(payload: Any) -> str:
     return _checksum_of(_canonical(payload))
 
 
-def encode(cp: Checkpoint) -> bytes:
+def encode(cp: Checkpoint, cache: CodecCache | None = None) -> bytes:
     """The file's bytes: {checksum, payload, version, writtenBy}, compact (the file is
     rewritten on every transaction and may hold thousands of claims). The payload is
-    encoded once, for its checksum and for the file."""
-    canonical = _canonical(_payload(cp))
+    encoded once, for its checksum and for the file; with a `cache`, each entry only when
+    it changed (a node's every Prepare rewrites all of its claims)."""
+    entry_json = cache.entry_json if cache is not None else (lambda c: _canonical(_entry_to_dict(c)))
+    entries = ",".join(entry_json(c) for c in sorted(cp.claims.values(), key=lambda c: c.uid))
+    # the canonical form of _payload(cp), as _canonical would write it: keys sorted
+    canonical = f'{{"bootId":{json.dumps(cp.boot_id, ensure_ascii=False)},"claims":[{entries}]}}'
     checksum, written_by = json.dumps(_checksum_of(canonical)), json.dumps(WRITTEN_BY)
     head = f'{{"checksum":{checksum},"payload":'
     return f'{head}{canonical},"version":{FORMAT_VERSION},"writtenBy":{written_by}}}\n'.encode()
@@ -392,14 +397,18 @@ def boot_time(stat_path: Path = Path("/proc/stat")) -> float:
     raise ValueError(f"{stat_path} has no btime line")
 
 
-class DecodeCache:
-    """The bytes last decoded and their checkpoint, so that an unchanged file skips the
-    parse and the checksum. The file is still read on every load (another instance may have
-    replaced it); a Checkpoint is immutable, so handing out the same one is safe. Usable from
-    any thread: one attribute, replaced whole."""
+class CodecCache:
+    """What one process's loads and saves can reuse: the bytes last decoded with their
+    checkpoint, so that an unchanged file skips the parse and the checksum, and each entry's
+    canonical JSON. The file is still read on every load (another instance may have
+    replaced it); a Checkpoint and its entries are immutable, so handing out the same ones
+    is safe, and an entry's JSON is reused only for that very entry object. The decoded
+    pair is one attribute, replaced whole (loads run on the event loop and in threads);
+    entries are encoded only under the transaction lock."""
 
     def __init__(self) -> None:
         self._last: tuple[bytes, Checkpoint] | None = None
+        self._entries: dict[str, tuple[ClaimEntry, str]] = {}
 
     def decode(self, data: bytes, path: Path) -> Checkpoint:
         last = self._last
@@ -409,11 +418,22 @@ class DecodeCache:
         self._last = (data, cp)
         return cp
 
-    def remember(self, data: bytes, cp: Checkpoint) -> None:
+    def entry_json(self, entry: ClaimEntry) -> str:
+        hit = self._entries.get(entry.uid)
+        if hit is not None and hit[0] is entry:
+            return hit[1]
+        text = _canonical(_entry_to_dict(entry))
+        self._entries[entry.uid] = (entry, text)
+        return text
+
+    def saved(self, data: bytes, cp: Checkpoint) -> None:
+        """`cp` was written as `data`: the next load of those bytes returns it."""
         self._last = (data, cp)
+        if len(self._entries) > len(cp.claims):  # forget the claims that are gone
+            self._entries = {uid: e for uid, e in self._entries.items() if uid in cp.claims}
 
 
-def load(path: Path, boot_id: str, cache: DecodeCache | None = None) -> LoadResult:
+def load(path: Path, boot_id: str, cache: CodecCache | None = None) -> LoadResult:
     """The checkpoint at `path` for this boot.
 
     Missing file: empty. Written in another boot: empty, status STALE_BOOT, the old one
@@ -438,13 +458,13 @@ def load(path: Path, boot_id: str, cache: DecodeCache | None = None) -> LoadResu
     return LoadResult(checkpoint=cp, status=LoadStatus.LOADED)
 
 
-def save(path: Path, cp: Checkpoint, cache: DecodeCache | None = None) -> None:
+def save(path: Path, cp: Checkpoint, cache: CodecCache | None = None) -> None:
     """Replace the file with `cp` atomically: a reader, or this process after a crash, finds
     the old checkpoint or the new one (not fsync'd: see the module docstring)."""
-    data = encode(cp)
+    data = encode(cp, cache)
     write_file_atomic(path, data, mode=0o600, durable=False)
     if cache is not None:
-        cache.remember(data, cp)
+        cache.saved(data, cp)
 
 
 def quarantine(path: Path, now: datetime | None = None) -> Path:

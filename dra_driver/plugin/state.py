@@ -138,7 +138,7 @@ class NodePreparer:
         self.lock_path = state_dir / LOCK_FILE
         self.sharing = sharing
         self.boot_id = boot_id or ckpt.read_boot_id()
-        self._decoded = ckpt.DecodeCache()
+        self._decoded = ckpt.CodecCache()
         self._spec_edits = cdi.RenderedEdits.of(cdi.common_edits(driver_files))
         self._prepares: GroupCommit[_Plan, ClaimResult] = GroupCommit(
             lambda plans: self._locked(self._prepare_locked, plans)

@@ -102,7 +102,7 @@ def test_save_then_load_round_trips(tmp_path: Path) -> None:
 
 
 def test_a_decode_cache_reuses_only_the_very_same_bytes(tmp_path: Path) -> None:
-    path, cache = ckpt.checkpoint_path(tmp_path), ckpt.DecodeCache()
+    path, cache = ckpt.checkpoint_path(tmp_path), ckpt.CodecCache()
     ckpt.save(path, sample(), cache)
     first = ckpt.load(path, BOOT, cache).checkpoint
     assert first == sample() and ckpt.load(path, BOOT, cache).checkpoint is first
@@ -112,6 +112,16 @@ def test_a_decode_cache_reuses_only_the_very_same_bytes(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-20])  # and torn after a good read: still refused
     with pytest.raises(ckpt.CheckpointUnreadable):
         ckpt.load(path, BOOT, cache)
+
+
+def test_an_encode_cache_gives_the_same_bytes_and_follows_changed_entries(tmp_path: Path) -> None:
+    cache, cp = ckpt.CodecCache(), sample()
+    assert ckpt.encode(cp, cache) == ckpt.encode(cp)
+    doc = json.loads(ckpt.encode(cp, cache))
+    assert doc["checksum"] == ckpt._checksum(ckpt._payload(cp)), "the canonical form of the payload"
+    changed = ckpt.with_completed(cp, UID_B, now=T1)  # a new entry object under the same UID
+    assert ckpt.encode(changed, cache) == ckpt.encode(changed)
+    assert ckpt.decode(ckpt.encode(changed, cache), tmp_path / "x") == changed
 
 
 def test_timestamps_in_other_zones_are_stored_as_utc(tmp_path: Path) -> None:

@@ -370,7 +370,7 @@ def test_calls_queued_behind_a_busy_lock_share_checkpoint_writes(
     saves = 0
     real_save = ckpt.save
 
-    def counted(path: Path, cp: ckpt.Checkpoint, cache: ckpt.DecodeCache | None = None) -> None:
+    def counted(path: Path, cp: ckpt.Checkpoint, cache: ckpt.CodecCache | None = None) -> None:
         nonlocal saves
         saves += 1
         real_save(path, cp, cache)
