@@ -1,10 +1,12 @@
 """Group commit: the work of concurrent calls shares one locked transaction.
 
-While one transaction runs, the claims of every call that arrives meanwhile queue up, and
-the next transaction takes them all at once: 16 concurrent Prepare calls cost two or three
-checkpoint reads and writes instead of sixteen, and no call waits for more than the one
-transaction in flight plus its own. Each caller gets the results of the whole batch, keyed
-by claim UID, and picks its own.
+While one transaction runs (in a worker thread: it waits for the other instance's lock or
+for a sharing daemon), the claims of every call that arrives meanwhile queue up, and the
+next transaction takes them all at once: 16 such calls cost two or three checkpoint reads
+and writes instead of sixteen, and no call waits for more than the one transaction in
+flight plus its own. A call that finds nothing in flight runs its own transaction in its
+own task. Each caller gets the results of the whole batch, keyed by claim UID, and picks
+its own.
 
 It must not know what the work is, nor run two batches at once (the file lock would
 serialize them anyway; a second worker would only split the batch).

@@ -157,7 +157,7 @@ class NodePreparer:
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
         """Prepare every claim; each gets its own answer (one bad claim never fails the rest)."""
         results: dict[str, ClaimResult] = {}
-        done = self._completed_now()
+        done = self._completed_now(refs)
         for chunk in _chunks(refs, CHUNK):
             results.update(await self._prepare_chunk(chunk, done))
         return results
@@ -240,12 +240,14 @@ class NodePreparer:
             return work.sharing is not None
         return self.sharing.has_state(work.uid)
 
-    def _completed_now(self) -> dict[str, tuple[PreparedDevice, ...]]:
+    def _completed_now(self, refs: Sequence[ClaimRef]) -> dict[str, tuple[PreparedDevice, ...]]:
+        """The devices of those of `refs` that are prepared already."""
         try:
             cp = self.read_checkpoint()
         except (ckpt.CheckpointUnreadable, ckpt.CheckpointFromNewerVersion):
             return {}  # the locked section decides what to do about it
-        return {uid: e.devices for uid, e in cp.claims.items() if e.phase == ckpt.COMPLETED}
+        entries = (cp.claims.get(r.uid) for r in refs)
+        return {e.uid: e.devices for e in entries if e is not None and e.phase == ckpt.COMPLETED}
 
     # -- pure planning -----------------------------------------------------------------
 
