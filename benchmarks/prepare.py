@@ -3,24 +3,27 @@
 Method: one `dra-driver kubelet-plugin` subprocess for a simulated 16-GPU node (L4s, no
 NVLink) with a driver root of ELF stand-ins, a real etcd/apiserver; claims are created
 by the benchmark with an admin-written allocation (one GPU each), so the plugin does
-its real work: a GET of the claim from the API server, the two-phase checkpoint, the
-CDI spec write. Latency is measured on the client side of the unix socket (the
-kubelet's view), `time.perf_counter` around each RPC. "Concurrent" sends 16 claims as
-16 simultaneous RPCs from 16 threads. RSS is the plugin's VmRSS from /proc after
-warm-up and after 1000 prepare/unprepare cycles of one claim. The plugin logs at `info`,
-the chart's default. Start-to-registered runs
-from spawning the process to the registration socket answering GetInfo.
+its real work: a GET of the claim from the API server, the checkpoint, the CDI spec.
+Its CDI and state dirs are on a tmpfs (/dev/shm), as /var/run/cdi and /run are on a node.
+The calls come from `kubelet-client` (benchmarks/kubeletclient, grpc-go on one connection,
+as the kubelet calls a plugin), which times each RPC on its side of the unix socket:
+200 sequential calls per phase after 10 untimed ones; "concurrent" sends 16 claims as 16
+simultaneous RPCs, 20 rounds. RSS is the plugin's VmRSS from /proc after those phases and
+after 1000 more prepare/unprepare cycles of one claim. The plugin logs at `info`, the
+chart's default. Start-to-registered runs from spawning the process to the registration
+socket answering GetInfo.
 
 The floor, measured in the same run on the same machine, so that figures from noisy
 machines compare: `floor.get` a GET of the same claim on a keep-alive HTTPS connection
-(http.client, no client library); `floor.durable_write` one 4 KiB write + fsync +
-rename in the plugin's data dir; `floor.grpc_empty` an empty NodePrepareResources on a
-minimal grpc.aio server of the same proto in its own process. The floor of a Prepare is
-GET + empty call + the durable writes it needs (none: see dra_driver.plugin.checkpoint);
-of an Unprepare, the empty call. `ratios` divide each p50 by its floor; the concurrent
-figures are also divided by the sequential p50, beside the same ratio of the empty call
-(`floor.grpc_empty_16_concurrent`: 16 threads of a Python client on a small machine are
-themselves several times slower than one).
+(http.client, no client library); `floor.durable_write` one 4 KiB write + fsync + rename
+in the kubelet's plugin dir (on disk: what a durable checkpoint would cost there);
+`floor.grpc_empty` an empty NodePrepareResources from kubelet-client to a minimal
+grpc.aio server of the same proto in its own process. The floor of a Prepare is GET +
+empty call + the durable writes it needs (none: see dra_driver.plugin.checkpoint); of an
+Unprepare, the empty call. `ratios` divide each p50 by its floor; the concurrent figures
+are also divided by the sequential p50, beside the same ratio of the empty call to the
+minimal server (`floor_16_concurrent_to_sequential`: one Python process answers the 16
+calls one after another, so even empty calls are several times slower at 16 than at 1).
 
 Run alone: `python -m benchmarks.prepare` (prints JSON; writes benchmarks/results/prepare.json).
 """
@@ -34,14 +37,16 @@ import ssl
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from benchmarks import fresh_control_plane, report
+from benchmarks import fresh_control_plane, kubelet_client, report
+from dra_driver.driver_root import COMPUTE_LIBRARIES, UTILITY_BINARIES
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from tests.harness.cluster import ADMIN_TOKEN, ControlPlane
@@ -82,10 +87,16 @@ def _profile(path: Path) -> Path:
 
 
 def _driver_root(root: Path) -> Path:
+    """A driver root shaped like a real node's: every current compute library (real file,
+    SONAME link) and the utility binaries, as ELF stand-ins; its CDI specs then carry as
+    many mounts as the H200 host's (89: tests/hardware/RESULTS.md)."""
     (root / "lib64").mkdir(parents=True)
-    for name in ("libcuda.so", "libnvidia-ml.so"):
+    (root / "bin").mkdir()
+    for name in COMPUTE_LIBRARIES[:-2]:  # the last two are for drivers older than 525
         shutil.copy("/bin/true", root / "lib64" / f"{name}.570.124.06")
         (root / "lib64" / f"{name}.1").symlink_to(f"{name}.570.124.06")
+    for name in UTILITY_BINARIES:
+        shutil.copy("/bin/true", root / "bin" / name)
     return root
 
 
@@ -106,7 +117,7 @@ def _rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def _timings(call: Any, n: int) -> list[float]:
+def _timings(call: Callable[[], object], n: int) -> list[float]:
     samples = []
     for _ in range(n):
         t = time.perf_counter()
@@ -174,35 +185,29 @@ def serve_empty(socket: str) -> None:
     asyncio.run(serve())
 
 
-def _floor_grpc(work: Path, n: int) -> tuple[list[float], list[float]]:
-    """Empty calls to the minimal server: one at a time, and 16 at once from 16 threads (the
-    same client pattern as the concurrent figures, so its own ratio shows what the client
-    and the two-core machine cost before the plugin does anything)."""
-    import grpc
-
+def _floor_grpc(binary: Path, work: Path, rounds: int) -> dict[str, list[float]]:
+    """Empty calls from kubelet-client to the minimal server: one at a time, and 16 at once
+    (its own ratio shows what a grpc.aio server costs on this machine before the plugin
+    does anything)."""
     socket = work / "floor.sock"
     server = subprocess.Popen(
         [sys.executable, "-c", f"from benchmarks.prepare import serve_empty; serve_empty({str(socket)!r})"]
     )
     try:
-        with grpc.insecure_channel(f"unix://{socket}") as channel:
-            grpc.channel_ready_future(channel).result(timeout=30)
-            stub = dra_v1_grpc.DRAPluginStub(channel)
-            request = dra_v1.NodePrepareResourcesRequest()
-
-            def call() -> None:
-                stub.NodePrepareResources(request, timeout=10)
-
-            call()
-            sequential = _timings(call, n)
-            concurrent: list[float] = []
-            with ThreadPoolExecutor(GPUS) as pool:
-                for _ in range(max(n // 10, 5)):
-                    concurrent += [t[0] for t in pool.map(lambda _: _timings(call, 1), range(GPUS))]
-            return sequential, concurrent
+        return kubelet_client.run(binary, socket, [], rounds, max(rounds // 10, 5), only_empty=True)
     finally:
         server.kill()
         server.wait()
+
+
+def _run_root() -> tuple[Path, str]:
+    """Where the plugin's CDI specs and checkpoint go: a tmpfs, as /run is on a node."""
+    shm = Path("/dev/shm")
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    kind = next((fields[2] for fields in mounts if fields[1] == str(shm)), "")
+    if kind == "tmpfs":
+        return Path(tempfile.mkdtemp(prefix="dra-bench-run-", dir=shm)), kind
+    return Path(tempfile.mkdtemp(prefix="dra-bench-run-")), "not a tmpfs (no /dev/shm)"
 
 
 def _ratios(result: dict[str, Any]) -> dict[str, float]:
@@ -224,6 +229,9 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
             result["unprepare_16_concurrent"]["p50_ms"], result["unprepare_sequential"]["p50_ms"]
         ),
         "plugin_empty_call_to_floor": ratio(result["plugin_empty_call"]["p50_ms"], unprepare_floor),
+        "plugin_empty_16_concurrent_to_sequential": ratio(
+            result["plugin_empty_16_concurrent"]["p50_ms"], result["plugin_empty_call"]["p50_ms"]
+        ),
         "floor_16_concurrent_to_sequential": ratio(
             floor["grpc_empty_16_concurrent"]["p50_ms"], floor["grpc_empty"]["p50_ms"]
         ),
@@ -267,6 +275,7 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
             )
             claims.append(ClaimName("bench", f"c{i}", claim["metadata"]["uid"]))
 
+        run_root, run_fs = _run_root()
         plugin = DriverProcess(
             NODE,
             str(_profile(work / "bench16.yaml")),
@@ -274,58 +283,47 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
             work / "p",
             extra_args=("--driver-root", str(_driver_root(work / "driver-root"))),
             log_level="info",  # as the chart runs it
+            run_root=run_root,
         )
+        binary = kubelet_client.build()
         t0 = time.perf_counter()
         plugin.start(wait=False)
         plugin.wait_serving(timeout=60)
         start_to_registered = time.perf_counter() - t0
         assert plugin.proc is not None
-        kubelet = KubeletSide(plugin.registration_socket())
-
-        def timed(call: Any, *args: ClaimName) -> float:
-            t = time.perf_counter()
-            response = call(*args)
-            elapsed = time.perf_counter() - t
-            errors = [r.error for r in response.claims.values() if r.error]
-            assert not errors, errors
-            return elapsed
-
-        empty_call = _timings(lambda: kubelet.prepare(), rounds)
-        seq_prepare, seq_unprepare = [], []
-        for _ in range(rounds):
-            seq_prepare.append(timed(kubelet.prepare, claims[0]))
-            seq_unprepare.append(timed(kubelet.unprepare, claims[0]))
-
-        conc_prepare, conc_unprepare = [], []
-        with ThreadPoolExecutor(GPUS) as pool:
-            for _ in range(max(rounds // 10, 5)):
-                conc_prepare += list(pool.map(lambda c: timed(kubelet.prepare, c), claims))
-                conc_unprepare += list(pool.map(lambda c: timed(kubelet.unprepare, c), claims))
-
-        rss_before = _rss_kib(plugin.proc.pid)
-        for _ in range(cycles):
-            kubelet.prepare(claims[1])
-            kubelet.unprepare(claims[1])
-        rss_after = _rss_kib(plugin.proc.pid)
-        kubelet.close()
-        plugin.stop()
+        try:
+            kubelet = KubeletSide(plugin.registration_socket())  # registers, as the kubelet does
+            refs = [(c.namespace, c.name, c.uid) for c in claims]
+            socket = Path(kubelet.info.endpoint)
+            phases = kubelet_client.run(binary, socket, refs, rounds, max(rounds // 10, 5))
+            rss_before = _rss_kib(plugin.proc.pid)
+            for _ in range(cycles):
+                kubelet.prepare(claims[1])
+                kubelet.unprepare(claims[1])
+            rss_after = _rss_kib(plugin.proc.pid)
+            kubelet.close()
+        finally:
+            plugin.stop()
+            shutil.rmtree(run_root, ignore_errors=True)
+        floor_calls = _floor_grpc(binary, work, rounds)
         floor = {
             "get": _percentiles(_floor_get(cp, f"{CLAIMS}/c0", rounds)),
             "durable_write": _percentiles(_floor_durable_write(plugin.data_dir, rounds)),
+            "grpc_empty": _percentiles(floor_calls["empty"]),
+            "grpc_empty_16_concurrent": _percentiles(floor_calls["empty_concurrent"]),
         }
-        grpc_sequential, grpc_concurrent = _floor_grpc(work, rounds)
-        floor["grpc_empty"] = _percentiles(grpc_sequential)
-        floor["grpc_empty_16_concurrent"] = _percentiles(grpc_concurrent)
         result = {
             "start_to_registered_s": round(start_to_registered, 3),
-            "prepare_sequential": _percentiles(seq_prepare),
-            "unprepare_sequential": _percentiles(seq_unprepare),
-            "prepare_16_concurrent": _percentiles(conc_prepare),
-            "unprepare_16_concurrent": _percentiles(conc_unprepare),
+            "state_and_cdi_dirs": run_fs,
+            "prepare_sequential": _percentiles(phases["prepare_sequential"]),
+            "unprepare_sequential": _percentiles(phases["unprepare_sequential"]),
+            "prepare_16_concurrent": _percentiles(phases["prepare_concurrent"]),
+            "unprepare_16_concurrent": _percentiles(phases["unprepare_concurrent"]),
             "rss_kib_after_warmup": rss_before,
             f"rss_kib_after_{cycles}_cycles": rss_after,
             "rss_growth_kib": rss_after - rss_before,
-            "plugin_empty_call": _percentiles(empty_call),
+            "plugin_empty_call": _percentiles(phases["empty"]),
+            "plugin_empty_16_concurrent": _percentiles(phases["empty_concurrent"]),
             "floor": floor,
         }
         return {**result, "ratios": _ratios(result)}

@@ -1,0 +1,243 @@
+// Command kubelet-client plays the kubelet's side of the DRA gRPC API against one plugin,
+// for the benchmarks: it holds one grpc-go ClientConn (insecure, unix socket), as the
+// kubelet's DRA plugin manager does, and times NodePrepareResources /
+// NodeUnprepareResources calls. It only measures: it never registers with the plugin
+// (the caller found the DRA socket already) and changes nothing but the claims it is given.
+//
+// Stdin: a JSON array of claims, [{"namespace": ..., "name": ..., "uid": ...}, ...], at
+// least -width of them (may be empty with -only-empty). Stdout: one JSON object, phase
+// name -> latency of each call in seconds. Progress and errors go to stderr; any failed
+// call or any claim missing from an answer or answered with an error exits 1.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	drav1 "k8s.io/kubelet/pkg/apis/dra/v1"
+)
+
+// callTimeout is the deadline of every call.
+const callTimeout = 30 * time.Second
+
+// warmups is the number of untimed calls (or prepare/unprepare cycles) before a sequential phase.
+const warmups = 10
+
+type claimRef struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
+	UID       string `json:"uid"`
+}
+
+func fatalf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "kubelet-client: "+format+"\n", args...)
+	os.Exit(1)
+}
+
+func progressf(format string, args ...any) {
+	fmt.Fprintf(os.Stderr, "kubelet-client: "+format+"\n", args...)
+}
+
+// client is the one connection to the plugin and the calls the benchmark makes on it.
+type client struct {
+	dra drav1.DRAPluginClient
+}
+
+func toProto(claims []claimRef) []*drav1.Claim {
+	out := make([]*drav1.Claim, len(claims))
+	for i, c := range claims {
+		out[i] = &drav1.Claim{Namespace: c.Namespace, Name: c.Name, Uid: c.UID}
+	}
+	return out
+}
+
+// prepare calls NodePrepareResources for claims and returns the time the RPC took. Any
+// error, a claim missing from the answer or a claim answered with an error is returned
+// as an error.
+func (c *client) prepare(claims []claimRef, opts ...grpc.CallOption) (time.Duration, error) {
+	req := &drav1.NodePrepareResourcesRequest{Claims: toProto(claims)}
+	ctx, cancel := context.WithTimeout(context.Background(), callTimeout)
+	defer cancel()
+	start := time.Now()
+	resp, err := c.dra.NodePrepareResources(ctx, req, opts...)
+	took := time.Since(start)
+	if err != nil {
+		return took, fmt.Errorf("NodePrepareResources of %d claim(s) %v: %w", len(claims), claims, err)
+	}
+	for _, claim := range claims {
+		result, ok := resp.GetClaims()[claim.UID]
+		if !ok {
+			return took, fmt.Errorf("NodePrepareResources: claim %s/%s (uid %s) missing from the answer",
+				claim.Namespace, claim.Name, claim.UID)
+		}
+		if e := result.GetError(); e != "" {
+			return took, fmt.Errorf("NodePrepareResources: claim %s/%s (uid %s): %s",
+				claim.Namespace, claim.Name, claim.UID, e)
+		}
+	}
+	return took, nil
+}
+
+// unprepare is prepare's counterpart for NodeUnprepareResources.
+func (c *client) unprepare(claims []claimRef) (time.Duration, error) {
+	req := &drav1.NodeUnprepareResourcesRequest{Claims: toProto(claims)}
+	ctx, cancel := context.WithTimeout(context.Background(), callTimeout)
+	defer cancel()
+	start := time.Now()
+	resp, err := c.dra.NodeUnprepareResources(ctx, req)
+	took := time.Since(start)
+	if err != nil {
+		return took, fmt.Errorf("NodeUnprepareResources of %d claim(s) %v: %w", len(claims), claims, err)
+	}
+	for _, claim := range claims {
+		result, ok := resp.GetClaims()[claim.UID]
+		if !ok {
+			return took, fmt.Errorf("NodeUnprepareResources: claim %s/%s (uid %s) missing from the answer",
+				claim.Namespace, claim.Name, claim.UID)
+		}
+		if e := result.GetError(); e != "" {
+			return took, fmt.Errorf("NodeUnprepareResources: claim %s/%s (uid %s): %s",
+				claim.Namespace, claim.Name, claim.UID, e)
+		}
+	}
+	return took, nil
+}
+
+// together runs call(0) .. call(width-1), each in its own goroutine, released at once
+// when all of them are started, and returns when all have returned: the latency of each
+// in order. The first error is fatal.
+func together(width int, call func(i int) (time.Duration, error)) []float64 {
+	var ready, done sync.WaitGroup
+	release := make(chan struct{})
+	took := make([]time.Duration, width)
+	errs := make([]error, width)
+	ready.Add(width)
+	done.Add(width)
+	for i := range width {
+		go func() {
+			defer done.Done()
+			ready.Done()
+			<-release
+			took[i], errs[i] = call(i)
+		}()
+	}
+	ready.Wait()
+	close(release)
+	done.Wait()
+	out := make([]float64, width)
+	for i := range width {
+		if errs[i] != nil {
+			fatalf("%v", errs[i])
+		}
+		out[i] = took[i].Seconds()
+	}
+	return out
+}
+
+func must(took time.Duration, err error) float64 {
+	if err != nil {
+		fatalf("%v", err)
+	}
+	return took.Seconds()
+}
+
+func readClaims() []claimRef {
+	var claims []claimRef
+	dec := json.NewDecoder(os.Stdin)
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&claims); err != nil {
+		fatalf("stdin: want a JSON array of {\"namespace\", \"name\", \"uid\"} claims: %v", err)
+	}
+	seen := map[string]bool{}
+	for i, c := range claims {
+		if c.Namespace == "" || c.Name == "" || c.UID == "" {
+			fatalf("stdin: claim %d (%+v) needs a namespace, a name and a uid", i, c)
+		}
+		if seen[c.UID] {
+			fatalf("stdin: claim %d (%+v): uid given twice", i, c)
+		}
+		seen[c.UID] = true
+	}
+	return claims
+}
+
+func main() {
+	socket := flag.String("socket", "", "unix socket of the plugin's DRA service (required)")
+	rounds := flag.Int("rounds", 200, "timed calls (or prepare/unprepare cycles) of each sequential phase")
+	concurrentRounds := flag.Int("concurrent-rounds", 20, "rounds of -width simultaneous calls of each concurrent phase")
+	width := flag.Int("width", 16, "simultaneous calls in a concurrent round; claims needed on stdin")
+	onlyEmpty := flag.Bool("only-empty", false, "run only the empty-call phases (no claims needed)")
+	flag.Parse()
+	if *socket == "" || flag.NArg() != 0 {
+		fmt.Fprintln(os.Stderr, "usage: kubelet-client -socket PATH [flags] < claims.json")
+		flag.PrintDefaults()
+		os.Exit(2)
+	}
+	if *rounds < 1 || *concurrentRounds < 1 || *width < 1 {
+		fatalf("-rounds, -concurrent-rounds and -width must be at least 1")
+	}
+	claims := readClaims()
+	if !*onlyEmpty && len(claims) < *width {
+		fatalf("stdin has %d claim(s), -width %d needs at least %d (or -only-empty)", len(claims), *width, *width)
+	}
+
+	// One connection for everything, as the kubelet keeps one per plugin: created lazily
+	// by grpc.NewClient, connected by the first call.
+	conn, err := grpc.NewClient("unix://"+*socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		fatalf("connection to %s: %v", *socket, err)
+	}
+	defer func() { _ = conn.Close() }()
+	c := &client{dra: drav1.NewDRAPluginClient(conn)}
+	out := map[string][]float64{}
+
+	// Phase 1: empty calls. The first warm-up waits for the socket to accept (within the
+	// call's deadline), so a server that is still starting is not an error.
+	progressf("empty: %d warm-up + %d sequential calls, %d rounds of %d concurrent", warmups, *rounds, *concurrentRounds, *width)
+	must(c.prepare(nil, grpc.WaitForReady(true)))
+	for range warmups - 1 {
+		must(c.prepare(nil))
+	}
+	for range *rounds {
+		out["empty"] = append(out["empty"], must(c.prepare(nil)))
+	}
+	for range *concurrentRounds {
+		out["empty_concurrent"] = append(out["empty_concurrent"],
+			together(*width, func(int) (time.Duration, error) { return c.prepare(nil) })...)
+	}
+
+	if !*onlyEmpty {
+		// Phase 2: one claim at a time, each prepare followed by its unprepare.
+		progressf("sequential: %d warm-up + %d prepare/unprepare cycles of claim %s/%s",
+			warmups, *rounds, claims[0].Namespace, claims[0].Name)
+		first := claims[:1]
+		for range warmups {
+			must(c.prepare(first))
+			must(c.unprepare(first))
+		}
+		for range *rounds {
+			out["prepare_sequential"] = append(out["prepare_sequential"], must(c.prepare(first)))
+			out["unprepare_sequential"] = append(out["unprepare_sequential"], must(c.unprepare(first)))
+		}
+
+		// Phase 3: -width claims at once, one call each; all unprepared at once afterwards.
+		progressf("concurrent: %d rounds of %d prepares then %d unprepares", *concurrentRounds, *width, *width)
+		for range *concurrentRounds {
+			out["prepare_concurrent"] = append(out["prepare_concurrent"],
+				together(*width, func(i int) (time.Duration, error) { return c.prepare(claims[i : i+1]) })...)
+			out["unprepare_concurrent"] = append(out["unprepare_concurrent"],
+				together(*width, func(i int) (time.Duration, error) { return c.unprepare(claims[i : i+1]) })...)
+		}
+	}
+
+	if err := json.NewEncoder(os.Stdout).Encode(out); err != nil {
+		fatalf("stdout: %v", err)
+	}
+}
