@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-import yaml
-
 from dra_driver.http1 import ConnectionPool
 from dra_driver.jsontypes import JSON
 
@@ -165,6 +163,8 @@ def _material(section: JSON, key: str, base: Path) -> tuple[str | None, bytes | 
 
 
 async def _from_kubeconfig(path: Path) -> Credentials:
+    import yaml  # here: a plugin in a pod uses its service account and never needs YAML
+
     try:
         doc = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
