@@ -71,18 +71,7 @@ func (c *client) prepare(claims []claimRef, opts ...grpc.CallOption) (time.Durat
 	if err != nil {
 		return took, fmt.Errorf("NodePrepareResources of %d claim(s) %v: %w", len(claims), claims, err)
 	}
-	for _, claim := range claims {
-		result, ok := resp.GetClaims()[claim.UID]
-		if !ok {
-			return took, fmt.Errorf("NodePrepareResources: claim %s/%s (uid %s) missing from the answer",
-				claim.Namespace, claim.Name, claim.UID)
-		}
-		if e := result.GetError(); e != "" {
-			return took, fmt.Errorf("NodePrepareResources: claim %s/%s (uid %s): %s",
-				claim.Namespace, claim.Name, claim.UID, e)
-		}
-	}
-	return took, nil
+	return took, checkAnswers("NodePrepareResources", claims, resp.GetClaims())
 }
 
 // unprepare is prepare's counterpart for NodeUnprepareResources.
@@ -96,18 +85,22 @@ func (c *client) unprepare(claims []claimRef) (time.Duration, error) {
 	if err != nil {
 		return took, fmt.Errorf("NodeUnprepareResources of %d claim(s) %v: %w", len(claims), claims, err)
 	}
+	return took, checkAnswers("NodeUnprepareResources", claims, resp.GetClaims())
+}
+
+// checkAnswers: every claim has an answer, and none is an error.
+func checkAnswers[A interface{ GetError() string }](method string, claims []claimRef, answers map[string]A) error {
 	for _, claim := range claims {
-		result, ok := resp.GetClaims()[claim.UID]
+		result, ok := answers[claim.UID]
 		if !ok {
-			return took, fmt.Errorf("NodeUnprepareResources: claim %s/%s (uid %s) missing from the answer",
-				claim.Namespace, claim.Name, claim.UID)
+			return fmt.Errorf("%s: claim %s/%s (uid %s) missing from the answer",
+				method, claim.Namespace, claim.Name, claim.UID)
 		}
 		if e := result.GetError(); e != "" {
-			return took, fmt.Errorf("NodeUnprepareResources: claim %s/%s (uid %s): %s",
-				claim.Namespace, claim.Name, claim.UID, e)
+			return fmt.Errorf("%s: claim %s/%s (uid %s): %s", method, claim.Namespace, claim.Name, claim.UID, e)
 		}
 	}
-	return took, nil
+	return nil
 }
 
 // together runs call(0) .. call(width-1), each in its own goroutine, released at once

@@ -27,7 +27,7 @@ class GroupCommit(Generic[Item, Result]):
         self._run = run
         self._queue: list[tuple[list[Item], asyncio.Future[dict[str, Result]]]] = []
         self._busy = False
-        self._worker: asyncio.Task[None] | None = None
+        self._worker: asyncio.Task[None] | None = None  # the loop keeps only a weak reference
 
     async def submit(self, items: Sequence[Item]) -> dict[str, Result]:
         """Run `items` in the next batch; the batch's results by claim UID. With nothing in

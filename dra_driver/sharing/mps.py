@@ -321,6 +321,11 @@ class MpsControl:
         except FileNotFoundError:
             return frozenset()
 
+    def has_state(self, claim_uid: str) -> bool:
+        """Whether the claim has a daemon directory (every start creates it first: no
+        directory, no daemon)."""
+        return self.dirs(claim_uid).base.exists()
+
     def saved_settings(self, claim_uid: str) -> MpsSettings | None:
         try:
             text = self.dirs(claim_uid).settings.read_text()
@@ -466,9 +471,9 @@ class MpsControl:
 
         Idempotent. `quit` first (the daemon stops its servers); processes still there after
         `stop_timeout` get SIGTERM, then SIGKILL. Raises MpsError only if one survives that."""
-        dirs = self.dirs(claim_uid)
-        if not dirs.base.exists():  # every start creates it first: no directory, no daemon
+        if not self.has_state(claim_uid):
             return False
+        dirs = self.dirs(claim_uid)
         pids = self.daemon_pids(claim_uid)
         if pids and (dirs.pipe / "control").exists():
             try:

@@ -98,7 +98,7 @@ class Sharing:
 
     def has_state(self, claim_uid: str) -> bool:
         """Whether the claim has sharing state here (so releasing it may wait for a daemon)."""
-        return self.mps.dirs(claim_uid).base.exists()
+        return self.mps.has_state(claim_uid)
 
     def saved_plan(self, claim_uid: str) -> SharingPlan | None:
         """The plan a claim's sharing was applied with (it survives a plugin restart)."""
