@@ -18,13 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
 
 import click
-import grpc
 import structlog
 
 from controller.publisher import ListAttributesMode, SliceController, slice_controller
@@ -50,11 +48,12 @@ from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS, ClaimReader
 from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_using, keep_fresh, mirror
 from dra_driver.plugin.lock import Lease
-from dra_driver.plugin.registration import RegistrationService, add_registration
-from dra_driver.plugin.service import add_services
-from dra_driver.plugin.sockets import PluginPaths, plugin_paths, prepare_socket_path, restrict_socket
+from dra_driver.plugin.registration import RegistrationService, registration_methods
+from dra_driver.plugin.service import dra_methods
+from dra_driver.plugin.sockets import SOCKET_MODE, PluginPaths, plugin_paths, prepare_socket_path
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.probes import Heartbeat, plugin_probes
+from dra_driver.rpc.server import Method, RpcServer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.mps import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
@@ -222,13 +221,10 @@ class PluginOptions:
     simulate_health_events: Path | None = None
 
 
-async def _serve(socket: Path, register: Callable[[grpc.aio.Server], None], name: str) -> grpc.aio.Server:
-    server = grpc.aio.server()
-    register(server)
+async def _serve(socket: Path, methods: list[Method], name: str) -> RpcServer:
+    server = RpcServer(methods, name)
     prepare_socket_path(socket)
-    server.add_insecure_port(f"unix://{socket}")
-    restrict_socket(socket)
-    await server.start()
+    await server.start(socket, SOCKET_MODE)
     log.info("serving", server=name, socket=str(socket))
     return server
 
@@ -294,11 +290,10 @@ async def run_plugin(opts: PluginOptions) -> None:
             publisher = _publish(api, opts, inventory, lease, keeper, heartbeat)
             tasks.append(asyncio.create_task(publisher, name="slice-publisher"))
             tasks[-1].add_done_callback(heartbeat.task_ended)
-        dra_server = await _serve(paths.dra_socket, lambda s: add_services(s, preparer, board), "dra")
+        dra_server = await _serve(paths.dra_socket, dra_methods(preparer, board), "dra")
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
-        reg_server = await _serve(
-            paths.registration_socket, lambda s: add_registration(s, registration), "registration"
-        )
+        reg_methods = registration_methods(registration)
+        reg_server = await _serve(paths.registration_socket, reg_methods, "registration")
         await asyncio.Event().wait()
     finally:
         await probes.stop()

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import grpc
 import structlog
 
 from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2 as reg
-from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from dra_driver.rpc.server import Method, service_methods
 
 log = structlog.get_logger(__name__)
 
@@ -29,14 +28,14 @@ SUPPORTED_SERVICES = (
 )
 
 
-class RegistrationService(reg_grpc.RegistrationServicer):  # type: ignore[misc]
+class RegistrationService:
     def __init__(self, driver: str, endpoint: str) -> None:
         self._driver = driver
         self._endpoint = endpoint
         self.registered = asyncio.Event()
         self.last_error: str | None = None
 
-    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def GetInfo(self, request: Any) -> Any:
         log.info("kubelet asked for plugin info", endpoint=self._endpoint)
         return reg.PluginInfo(
             type="DRAPlugin",
@@ -45,7 +44,7 @@ class RegistrationService(reg_grpc.RegistrationServicer):  # type: ignore[misc]
             supported_versions=list(SUPPORTED_SERVICES),
         )
 
-    async def NotifyRegistrationStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def NotifyRegistrationStatus(self, request: Any) -> Any:
         if request.plugin_registered:
             self.last_error = None
             self.registered.set()
@@ -57,5 +56,5 @@ class RegistrationService(reg_grpc.RegistrationServicer):  # type: ignore[misc]
         return reg.RegistrationStatusResponse()
 
 
-def add_registration(server: grpc.aio.Server, service: RegistrationService) -> None:
-    reg_grpc.add_RegistrationServicer_to_server(service, server)
+def registration_methods(service: RegistrationService) -> list[Method]:
+    return service_methods(reg.DESCRIPTOR.services_by_name["Registration"], service)

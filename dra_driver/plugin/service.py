@@ -13,22 +13,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
-import grpc
 import structlog
 
 from dra_driver import metrics
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
-from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
-from dra_driver.kubeletapi.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as health_v1
-from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
-from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from dra_driver.plugin.claims import ClaimRef, describe
 from dra_driver.plugin.health import DeviceHealthBoard
 from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.plugin.state import ClaimResult
+from dra_driver.rpc.server import Method, service_methods
 
 log = structlog.get_logger(__name__)
 
@@ -47,7 +43,7 @@ class _DraService:
         self._pb = pb
         self._with_share_id = with_share_id
 
-    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def NodePrepareResources(self, request: Any) -> Any:
         def answer(result: ClaimResult) -> Any:
             if result.error is not None:
                 return self._pb.NodePrepareResourceResponse(error=result.error)
@@ -57,7 +53,7 @@ class _DraService:
         claims = await _per_claim(self._preparer.prepare, request, "prepare", answer)
         return self._pb.NodePrepareResourcesResponse(claims=claims)
 
-    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def NodeUnprepareResources(self, request: Any) -> Any:
         def answer(result: ClaimResult) -> Any:
             if result.error is not None:
                 return self._pb.NodeUnprepareResourceResponse(error=result.error)
@@ -121,16 +117,6 @@ async def _answer_all(
     }
 
 
-class DraV1Service(_DraService, dra_v1_grpc.DRAPluginServicer):  # type: ignore[misc]
-    def __init__(self, preparer: ClaimPreparer) -> None:
-        super().__init__(preparer, dra_v1, with_share_id=True)
-
-
-class DraV1beta1Service(_DraService, dra_v1beta1_grpc.DRAPluginServicer):  # type: ignore[misc]
-    def __init__(self, preparer: ClaimPreparer) -> None:
-        super().__init__(preparer, dra_v1beta1, with_share_id=False)
-
-
 class _HealthService:
     """NodeWatchResources: the complete device list, then again on every change."""
 
@@ -138,7 +124,7 @@ class _HealthService:
         self._board = board
         self._pb = pb
 
-    async def NodeWatchResources(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def NodeWatchResources(self, request: Any) -> AsyncIterator[Any]:
         async for snapshot in self._board.follow():
             yield self._pb.NodeWatchResourcesResponse(
                 devices=[
@@ -154,18 +140,12 @@ class _HealthService:
             )
 
 
-class HealthV1Service(_HealthService, health_v1_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
-    def __init__(self, board: DeviceHealthBoard) -> None:
-        super().__init__(board, health_v1)
-
-
-class HealthV1alpha1Service(_HealthService, health_v1alpha1_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
-    def __init__(self, board: DeviceHealthBoard) -> None:
-        super().__init__(board, health_v1alpha1)
-
-
-def add_services(server: grpc.aio.Server, preparer: ClaimPreparer, board: DeviceHealthBoard) -> None:
-    dra_v1_grpc.add_DRAPluginServicer_to_server(DraV1Service(preparer), server)
-    dra_v1beta1_grpc.add_DRAPluginServicer_to_server(DraV1beta1Service(preparer), server)
-    health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1Service(board), server)
-    health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1alpha1Service(board), server)
+def dra_methods(preparer: ClaimPreparer, board: DeviceHealthBoard) -> list[Method]:
+    """The DRA socket's methods: DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1."""
+    services = [
+        (dra_v1, "DRAPlugin", _DraService(preparer, dra_v1, with_share_id=True)),
+        (dra_v1beta1, "DRAPlugin", _DraService(preparer, dra_v1beta1, with_share_id=False)),
+        (health_v1, "DRAResourceHealth", _HealthService(board, health_v1)),
+        (health_v1alpha1, "DRAResourceHealth", _HealthService(board, health_v1alpha1)),
+    ]
+    return [m for pb, s, impl in services for m in service_methods(pb.DESCRIPTOR.services_by_name[s], impl)]

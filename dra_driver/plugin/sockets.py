@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +66,5 @@ def prepare_socket_path(path: Path) -> None:
         path.unlink()
 
 
-def restrict_socket(path: Path) -> None:
-    """Only the owner (the kubelet runs as root) may connect."""
-    os.chmod(path, 0o600)
+# Only the owner (the kubelet runs as root) may connect.
+SOCKET_MODE = 0o600

@@ -14,15 +14,15 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
 import pytest
 
 from dra_driver import metrics
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.plugin.registration import RegistrationService, add_registration
-from dra_driver.plugin.service import add_services
+from dra_driver.plugin.registration import RegistrationService, registration_methods
+from dra_driver.plugin.service import dra_methods
 from dra_driver.plugin.state import ClaimResult
 from dra_driver.probes import CheckResult, Heartbeat, ProbeServer, plugin_probes
+from dra_driver.rpc.server import RpcServer
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -117,14 +117,10 @@ def test_plugin_probes_follow_the_sockets(tmp_path: Path) -> None:
 
     async def main() -> None:
         dra_socket, reg_socket = tmp_path / "dra.sock", tmp_path / "reg.sock"
-        dra = grpc.aio.server()
-        add_services(dra, _Preparer(), _Board())  # type: ignore[arg-type]
-        dra.add_insecure_port(f"unix://{dra_socket}")
-        reg = grpc.aio.server()
-        add_registration(reg, RegistrationService("gpu.example.com", str(dra_socket)))
-        reg.add_insecure_port(f"unix://{reg_socket}")
-        await dra.start()
-        await reg.start()
+        dra = RpcServer(dra_methods(_Preparer(), _Board()), "dra")  # type: ignore[arg-type]
+        reg = RpcServer(registration_methods(RegistrationService("gpu.example.com", str(dra_socket))), "reg")
+        await dra.start(dra_socket)
+        await reg.start(reg_socket)
         beat = Heartbeat("slice-publisher", stuck_after=60)
         server = plugin_probes(dra_socket, reg_socket, beat)
         port = await server.start("127.0.0.1", 0)
