@@ -176,11 +176,9 @@ def _request(method: Method, body: bytes | None) -> Message:
         )
     try:
         return method.request_type.FromString(body[_PREFIX:])
-    except DecodeError as e:
-        raise RpcError(
-            Status.INVALID_ARGUMENT,
-            f"cannot parse the request as {method.request_type.DESCRIPTOR.full_name}: {e}",
-        ) from None
+    except DecodeError:
+        name = method.request_type.DESCRIPTOR.full_name
+        raise RpcError(Status.INVALID_ARGUMENT, f"cannot parse the request as a {name}") from None
 
 
 async def _unary_call(conn: Connection, stream: int, method: Method, request: Message) -> None:
