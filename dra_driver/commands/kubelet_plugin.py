@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 import click
 import structlog
 
-from controller.publisher import ListAttributesMode, SliceController, slice_controller
 from dra_driver import kube, metrics
 from dra_driver.commands.options import (
     cluster_options,
@@ -59,6 +59,9 @@ from dra_driver.sharing.mps import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
 from dra_driver.signals import run_until_signalled
+
+if TYPE_CHECKING:
+    from controller.publisher import ListAttributesMode, SliceController
 
 log = structlog.get_logger(__name__)
 
@@ -285,15 +288,15 @@ async def run_plugin(opts: PluginOptions) -> None:
         else:
             board = DeviceHealthBoard(opts.node_name, devices)
             tasks += _health_tasks(api, opts, health, board, preparer, paths.data_dir)
-        keeper = health.keeper if health else None
-        if opts.publish_slices:
-            publisher = _publish(api, opts, inventory, lease, keeper, heartbeat)
-            tasks.append(asyncio.create_task(publisher, name="slice-publisher"))
-            tasks[-1].add_done_callback(heartbeat.task_ended)
         dra_server = await _serve(paths.dra_socket, dra_methods(preparer, board), "dra")
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
         reg_methods = registration_methods(registration)
         reg_server = await _serve(paths.registration_socket, reg_methods, "registration")
+        if opts.publish_slices:
+            keeper = health.keeper if health else None
+            publisher = _publish(api, opts, inventory, lease, keeper, heartbeat)
+            tasks.append(asyncio.create_task(publisher, name="slice-publisher"))
+            tasks[-1].add_done_callback(heartbeat.task_ended)
         await asyncio.Event().wait()
     finally:
         await probes.stop()
@@ -387,7 +390,9 @@ async def _publish(
             waiting_logged = True
         await asyncio.sleep(LEASE_POLL_SECONDS)
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
-    ctl = await slice_controller(
+    # ~80 ms of imports, in a thread: the kubelet's first calls are answered meanwhile.
+    publisher = await asyncio.to_thread(importlib.import_module, "controller.publisher")
+    ctl = await publisher.slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares
     )
     ctl.heartbeat = heartbeat

@@ -66,7 +66,7 @@ def find_registration_socket(kubelet_dir: Path, driver: str, timeout: float = 30
         )
         if found:
             return found[-1]
-        time.sleep(0.05)
+        time.sleep(0.01)  # fine-grained: benchmarks/prepare.py times start-to-registered with it
     raise TimeoutError(f"no registration socket for {driver} appeared in {registry} within {timeout}s")
 
 
