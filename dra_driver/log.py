@@ -93,5 +93,5 @@ def configure(level: str = "info", fmt: LogFormat = "auto") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
-    for noisy in ("urllib3", "kubernetes.client.rest", "asyncio", "hpack"):
+    for noisy in ("urllib3", "kubernetes.client.rest", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -31,7 +31,9 @@ from dra_driver.cdi.spec import (
     DeviceNode,
     Hook,
     Mount,
+    edits_minimum_version,
     is_claim_uid,
+    newest_version,
     validate_claim_uid,
     validate_vendor,
 )
@@ -119,10 +121,11 @@ class RenderedEdits:
 
     edits: ContainerEdits
     text: str
+    version: str  # the lowest cdiVersion that holds these edits
 
     @classmethod
     def of(cls, edits: ContainerEdits) -> RenderedEdits:
-        return cls(edits, json.dumps(_edits_to_dict(edits)))
+        return cls(edits, json.dumps(_edits_to_dict(edits)), edits_minimum_version(edits))
 
 
 def spec_to_json(spec: CdiSpec, spec_edits: RenderedEdits | None = None) -> str:
@@ -132,7 +135,7 @@ def spec_to_json(spec: CdiSpec, spec_edits: RenderedEdits | None = None) -> str:
     if spec_edits is None or spec.container_edits is not spec_edits.edits or spec_edits.edits.is_empty():
         return json.dumps(spec_to_dict(spec)) + "\n"
     head = spec_to_dict(replace(spec, container_edits=ContainerEdits()))
-    head["cdiVersion"] = spec.cdi_version  # of the whole spec, edits included
+    head["cdiVersion"] = newest_version(head["cdiVersion"], spec_edits.version)  # the whole spec's
     return f'{json.dumps(head)[:-1]}, "containerEdits": {spec_edits.text}}}\n'
 
 
@@ -155,7 +158,9 @@ def claim_spec_path(cdi_dir: Path, vendor: str, claim_uid: str) -> Path:
     return Path(cdi_dir) / claim_spec_filename(vendor, claim_uid)
 
 
-def write_spec_file(path: Path, spec: CdiSpec, spec_edits: RenderedEdits | None = None) -> None:
+def write_spec_file(
+    path: str | os.PathLike[str], spec: CdiSpec, spec_edits: RenderedEdits | None = None
+) -> None:
     """Write `spec` to exactly `path`, atomically.
 
     Not fsync'd: a claim spec only matters within the boot that wrote it (the CDI dir is a
@@ -171,22 +176,23 @@ def write_spec(cdi_dir: Path, spec: CdiSpec, spec_edits: RenderedEdits | None = 
     transient name if it has a claim UID, else the static name); returns the path.
     `spec_edits`: see `spec_to_json`."""
     if spec.claim_uid is not None:
-        path = claim_spec_path(cdi_dir, spec.vendor, spec.claim_uid)
+        name = claim_spec_filename(spec.vendor, spec.claim_uid)
     else:
-        path = Path(cdi_dir) / static_spec_filename(spec.vendor)
+        name = static_spec_filename(spec.vendor)
+    path = os.path.join(cdi_dir, name)  # strings, not pathlib: this runs on every Prepare
     write_spec_file(path, spec, spec_edits)
-    log.debug("CDI spec written", path=str(path), devices=list(spec.qualified_ids()))
-    return path
+    log.debug("CDI spec written", path=path, devices=list(spec.qualified_ids()))
+    return Path(path)
 
 
 def remove_claim_spec(cdi_dir: Path, vendor: str, claim_uid: str) -> bool:
     """Remove a claim's spec; True if there was one. Removing a missing spec is not an error."""
-    path = claim_spec_path(cdi_dir, vendor, claim_uid)
+    path = os.path.join(cdi_dir, claim_spec_filename(vendor, claim_uid))
     try:
-        path.unlink()
+        os.unlink(path)
     except FileNotFoundError:
         return False
-    log.debug("CDI spec removed", path=str(path))
+    log.debug("CDI spec removed", path=path)
     return True
 
 

@@ -143,39 +143,37 @@ def _all_edits(spec: CdiSpec) -> Iterable[ContainerEdits]:
         yield d.container_edits
 
 
-def _needs_0_7_0(spec: CdiSpec) -> bool:
-    return any(e.additional_gids for e in _all_edits(spec))
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
 
 
-def _needs_0_6_0(spec: CdiSpec) -> bool:
-    return bool(spec.annotations) or any(d.annotations for d in spec.devices) or "." in spec.cdi_class
+def edits_minimum_version(edits: ContainerEdits) -> str:
+    """The lowest cdiVersion whose schema holds these container edits."""
+    if edits.additional_gids:
+        return "0.7.0"
+    if any(n.host_path for n in edits.device_nodes):
+        return "0.5.0"
+    if any(m.type for m in edits.mounts):
+        return "0.4.0"
+    return "0.3.0"
 
 
-def _needs_0_5_0(spec: CdiSpec) -> bool:
-    if any(d.name[:1].isdigit() for d in spec.devices):
-        return True
-    return any(n.host_path for e in _all_edits(spec) for n in e.device_nodes)
-
-
-def _needs_0_4_0(spec: CdiSpec) -> bool:
-    return any(m.type for e in _all_edits(spec) for m in e.mounts)
-
-
-# Newest first, as in the CDI library's specs-go/version.go: the first rule that holds wins.
-_VERSION_RULES: Final = (
-    ("0.7.0", _needs_0_7_0),
-    ("0.6.0", _needs_0_6_0),
-    ("0.5.0", _needs_0_5_0),
-    ("0.4.0", _needs_0_4_0),
-)
+def newest_version(*versions: str) -> str:
+    return max(versions, key=_version_key)
 
 
 def minimum_version(spec: CdiSpec) -> str:
-    """The lowest cdiVersion whose schema holds everything `spec` uses (0.3.0 at least)."""
-    for version, needed in _VERSION_RULES:
-        if needed(spec):
-            return version
-    return "0.3.0"
+    """The lowest cdiVersion whose schema holds everything `spec` uses (0.3.0 at least): the
+    newest that any part needs, as the CDI library's specs-go/version.go decides it (0.7.0
+    additional GIDs; 0.6.0 annotations or a '.' in the class; 0.5.0 a device name starting
+    with a digit or a device node with a host path; 0.4.0 a mount type)."""
+    if spec.annotations or any(d.annotations for d in spec.devices) or "." in spec.cdi_class:
+        own = "0.6.0"
+    elif any(d.name[:1].isdigit() for d in spec.devices):
+        own = "0.5.0"
+    else:
+        own = "0.3.0"
+    return newest_version(own, *(edits_minimum_version(e) for e in _all_edits(spec)))
 
 
 # --------------------------------------------------------------------------- names
@@ -183,7 +181,13 @@ def minimum_version(spec: CdiSpec) -> str:
 _CLAIM_UID = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,126}[A-Za-z0-9])?")
 
 
+_VENDOR_OR_CLASS = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?")
+_DEVICE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
+
+
 def _check_vendor_or_class(what: str, name: str) -> None:
+    if _VENDOR_OR_CLASS.fullmatch(name):
+        return
     if not name:
         raise CdiNameError(f"CDI {what} is empty")
     if not name[0].isascii() or not name[0].isalpha():
@@ -213,6 +217,8 @@ def validate_class(cdi_class: str) -> None:
 
 
 def validate_device_name(name: str) -> None:
+    if _DEVICE_NAME.fullmatch(name):
+        return
     if not name:
         raise CdiNameError("CDI device name is empty")
     if not (name[0].isascii() and name[0].isalnum()) or not (name[-1].isascii() and name[-1].isalnum()):

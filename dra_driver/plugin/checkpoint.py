@@ -440,7 +440,7 @@ def load(path: Path, boot_id: str, cache: CodecCache | None = None) -> LoadResul
     in `discarded`. Anything at the path that cannot be trusted: CheckpointUnreadable (see
     `quarantine`); written by a newer build: CheckpointFromNewerVersion."""
     try:
-        data = path.read_bytes()
+        data = _read(path)
     except FileNotFoundError:
         return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.MISSING)
     except OSError as e:  # a directory, a dangling mount, no permission...
@@ -456,6 +456,18 @@ def load(path: Path, boot_id: str, cache: CodecCache | None = None) -> LoadResul
         )
         return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.STALE_BOOT, discarded=cp)
     return LoadResult(checkpoint=cp, status=LoadStatus.LOADED)
+
+
+def _read(path: Path) -> bytes:
+    """The whole file, without io's buffering and tty checks (read twice per Prepare)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def save(path: Path, cp: Checkpoint, cache: CodecCache | None = None) -> None:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol
 
-import hpack
 import structlog
 
 from dra_driver.rpc import frames
 from dra_driver.rpc.frames import ErrorCode, Flag, FrameType, Setting
+from dra_driver.rpc.headers import HeaderDecoder, HeaderError
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +89,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = b""
         self._preface_seen = False
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST_SIZE)
+        self._decoder = HeaderDecoder(max_list_size=MAX_HEADER_LIST_SIZE)
         self._streams: dict[int, _Stream] = {}
         self._last_stream = 0
         self._continuation: tuple[int, int, bytearray] | None = None  # (stream, flags, block so far)
@@ -119,7 +119,7 @@ class Connection(asyncio.Protocol):
             log.warning("closing a kubelet connection that broke HTTP/2", error=str(e), code=e.code.name)
             self._out.append(frames.goaway(self._last_stream, e.code, str(e)))
             self._close_now()
-        except hpack.HPACKError as e:
+        except HeaderError as e:
             log.warning("closing a kubelet connection with undecodable headers", error=str(e))
             self._out.append(frames.goaway(self._last_stream, ErrorCode.COMPRESSION_ERROR, str(e)))
             self._close_now()
@@ -288,7 +288,7 @@ class Connection(asyncio.Protocol):
 
     def _header_block(self, flags: int, stream: int, block: bytes) -> None:
         # Decoded even for a stream we refuse: the block may change the shared dynamic table.
-        headers = cast(Headers, self._decoder.decode(block, raw=True))  # raw: (bytes, bytes) pairs
+        headers = self._decoder.decode(block)
         state = self._streams.get(stream)
         if state is not None:  # trailers from the client end its side; nothing in them is used
             if flags & Flag.END_STREAM:

@@ -324,7 +324,8 @@ class MpsControl:
     def has_state(self, claim_uid: str) -> bool:
         """Whether the claim has a daemon directory (every start creates it first: no
         directory, no daemon)."""
-        return self.dirs(claim_uid).base.exists()
+        cdi.validate_claim_uid(claim_uid)
+        return os.path.exists(os.path.join(self.root, claim_uid))  # asked on every Unprepare: no pathlib
 
     def saved_settings(self, claim_uid: str) -> MpsSettings | None:
         try:
