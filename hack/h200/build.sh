@@ -35,7 +35,7 @@ debs=(containernetworking-plugins catatonit busybox-static libc6 libgcc-s1 libst
 wheels=(grpcio==1.85.3 kubernetes==37.0.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
         typing-inspection==0.4.5 typing-extensions==4.16.0 durationpy==0.11 oauthlib==4.0.1
         requests-oauthlib==2.0.0 websocket-client==1.9.2 structlog==26.1.0 urllib3==2.8.0
-        python-dateutil==4.0.0 idna==3.20 click==8.5.1)
+        python-dateutil==4.0.0 idna==3.20 click==8.5.1 hpack==4.2.0)
 cache_root=${DRA_H200_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver/h200}
 recipe="kube $k8s_version; containerd $containerd_version; runc $runc_version seccomp static; -trimpath -s -w; xz -9e; debs ${debs[*]}"
 key=$( (echo "$recipe"; cat "$here"/kube/go.mod "$here"/kube/go.sum "$here"/kube/main.go \
