@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,6 +67,15 @@ def build() -> Path:
     return binary
 
 
+@dataclass(frozen=True)
+class ApiServer:
+    """Where kubelet-client also GETs the claims from (the API server's own figure)."""
+
+    url: str
+    ca_file: Path
+    token_file: Path
+
+
 def run(
     binary: Path,
     socket: Path,
@@ -74,13 +84,15 @@ def run(
     concurrent_rounds: int,
     width: int = 16,
     only_empty: bool = False,
+    api: ApiServer | None = None,
 ) -> dict[str, list[float]]:
     """Time the plugin behind `socket` (its DRA service) from kubelet-client.
 
     `claims` are (namespace, name, uid) of allocated claims, at least `width` of them
     unless `only_empty`. Returns phase -> per-call latency in seconds: `empty`,
     `empty_concurrent`, and unless `only_empty` also `prepare_sequential`,
-    `unprepare_sequential`, `prepare_concurrent`, `unprepare_concurrent`. Raises
+    `unprepare_sequential`, `prepare_concurrent`, `unprepare_concurrent`, and with `api`
+    `get_sequential` and `get_concurrent` (GETs of the same claims). Raises
     RuntimeError with the client's stderr if it fails (a call failing or a claim answered
     with an error included).
     """
@@ -97,6 +109,8 @@ def run(
     ]
     if only_empty:
         args.append("-only-empty")
+    if api is not None:
+        args += ["-api-server", api.url, "-api-ca", str(api.ca_file), "-api-token-file", str(api.token_file)]
     claims_json = json.dumps([{"namespace": ns, "name": name, "uid": uid} for ns, name, uid in claims])
     done = subprocess.run(args, input=claims_json, capture_output=True, text=True, check=False)
     if done.returncode != 0:

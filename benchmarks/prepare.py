@@ -22,8 +22,10 @@ grpc.aio server of the same proto in its own process. The floor of a Prepare is 
 empty call + the durable writes it needs (none: see dra_driver.plugin.checkpoint); of an
 Unprepare, the empty call. `ratios` divide each p50 by its floor; the concurrent figures
 are also divided by the sequential p50, beside the same ratio of the empty call to the
-minimal server (`floor_16_concurrent_to_sequential`: one Python process answers the 16
-calls one after another, so even empty calls are several times slower at 16 than at 1).
+minimal server (`floor_16_concurrent_to_sequential`) and of the API server's own GETs
+(`get_go`, `get_go_16_concurrent`: kubelet-client GETs the same claims, one and 16 at
+once, on keep-alive connections from Go; on a 2-core machine the API server and etcd
+share the cores with the plugin, so 16 GETs at once take several times one GET).
 
 Run alone: `python -m benchmarks.prepare` (prints JSON; writes benchmarks/results/prepare.json).
 """
@@ -235,6 +237,12 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
         "floor_16_concurrent_to_sequential": ratio(
             floor["grpc_empty_16_concurrent"]["p50_ms"], floor["grpc_empty"]["p50_ms"]
         ),
+        "get_16_concurrent_to_sequential": ratio(
+            floor["get_go_16_concurrent"]["p50_ms"], floor["get_go"]["p50_ms"]
+        ),
+        "prepare_16_concurrent_to_get_16_concurrent": ratio(
+            result["prepare_16_concurrent"]["p50_ms"], floor["get_go_16_concurrent"]["p50_ms"]
+        ),
     }
 
 
@@ -295,7 +303,10 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
             kubelet = KubeletSide(plugin.registration_socket())  # registers, as the kubelet does
             refs = [(c.namespace, c.name, c.uid) for c in claims]
             socket = Path(kubelet.info.endpoint)
-            phases = kubelet_client.run(binary, socket, refs, rounds, max(rounds // 10, 5))
+            token_file = work / "bench.token"
+            token_file.write_text(ADMIN_TOKEN)
+            api_server = kubelet_client.ApiServer(cp.server, cp.ca_file, token_file)
+            phases = kubelet_client.run(binary, socket, refs, rounds, max(rounds // 10, 5), api=api_server)
             rss_before = _rss_kib(plugin.proc.pid)
             for _ in range(cycles):
                 kubelet.prepare(claims[1])
@@ -311,6 +322,8 @@ def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
             "durable_write": _percentiles(_floor_durable_write(plugin.data_dir, rounds)),
             "grpc_empty": _percentiles(floor_calls["empty"]),
             "grpc_empty_16_concurrent": _percentiles(floor_calls["empty_concurrent"]),
+            "get_go": _percentiles(phases["get_sequential"]),
+            "get_go_16_concurrent": _percentiles(phases["get_concurrent"]),
         }
         result = {
             "start_to_registered_s": round(start_to_registered, 3),

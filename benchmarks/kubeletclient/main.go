@@ -5,17 +5,24 @@
 // (the caller found the DRA socket already) and changes nothing but the claims it is given.
 //
 // Stdin: a JSON array of claims, [{"namespace": ..., "name": ..., "uid": ...}, ...], at
-// least -width of them (may be empty with -only-empty). Stdout: one JSON object, phase
+// least -width of them (may be empty with -only-empty). With -api-server it also times
+// GETs of those claims from the API server, as the plugin makes them, so that the
+// benchmark knows what the API server alone allows. Stdout: one JSON object, phase
 // name -> latency of each call in seconds. Progress and errors go to stderr; any failed
 // call or any claim missing from an answer or answered with an error exits 1.
 package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -134,6 +141,57 @@ func together(width int, call func(i int) (time.Duration, error)) []float64 {
 	return out
 }
 
+// claimGetter GETs claims from the API server as the plugin does before a Prepare: one
+// keep-alive HTTP/1.1 connection per simultaneous request, JSON, a bearer token. It gives
+// the benchmark the API server's own figure for 1 and for -width simultaneous GETs.
+type claimGetter struct {
+	server, token string
+	http          *http.Client
+}
+
+func newClaimGetter(server, caFile, tokenFile string, width int) *claimGetter {
+	ca, err := os.ReadFile(caFile)
+	if err != nil {
+		fatalf("-api-ca: %v", err)
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(ca) {
+		fatalf("-api-ca %s: no PEM certificate in it", caFile)
+	}
+	token, err := os.ReadFile(tokenFile)
+	if err != nil {
+		fatalf("-api-token-file: %v", err)
+	}
+	transport := &http.Transport{
+		TLSClientConfig:     &tls.Config{RootCAs: pool},
+		MaxIdleConnsPerHost: width,
+		TLSNextProto:        map[string]func(string, *tls.Conn) http.RoundTripper{}, // HTTP/1.1, as ours
+	}
+	return &claimGetter{strings.TrimRight(server, "/"), strings.TrimSpace(string(token)), &http.Client{Transport: transport}}
+}
+
+func (g *claimGetter) get(c claimRef) (time.Duration, error) {
+	url := fmt.Sprintf("%s/apis/resource.k8s.io/v1/namespaces/%s/resourceclaims/%s", g.server, c.Namespace, c.Name)
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Authorization", "Bearer "+g.token)
+	req.Header.Set("Accept", "application/json")
+	start := time.Now()
+	resp, err := g.http.Do(req)
+	if err != nil {
+		return time.Since(start), fmt.Errorf("GET %s: %w", url, err)
+	}
+	_, err = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	took := time.Since(start)
+	if err == nil && resp.StatusCode != http.StatusOK {
+		err = fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	return took, err
+}
+
 func must(took time.Duration, err error) float64 {
 	if err != nil {
 		fatalf("%v", err)
@@ -167,6 +225,9 @@ func main() {
 	concurrentRounds := flag.Int("concurrent-rounds", 20, "rounds of -width simultaneous calls of each concurrent phase")
 	width := flag.Int("width", 16, "simultaneous calls in a concurrent round; claims needed on stdin")
 	onlyEmpty := flag.Bool("only-empty", false, "run only the empty-call phases (no claims needed)")
+	apiServer := flag.String("api-server", "", "with -api-ca and -api-token-file: also time GETs of the claims from this API server")
+	apiCA := flag.String("api-ca", "", "CA bundle of -api-server")
+	apiTokenFile := flag.String("api-token-file", "", "file holding a bearer token for -api-server")
 	flag.Parse()
 	if *socket == "" || flag.NArg() != 0 {
 		fmt.Fprintln(os.Stderr, "usage: kubelet-client -socket PATH [flags] < claims.json")
@@ -227,6 +288,22 @@ func main() {
 				together(*width, func(i int) (time.Duration, error) { return c.prepare(claims[i : i+1]) })...)
 			out["unprepare_concurrent"] = append(out["unprepare_concurrent"],
 				together(*width, func(i int) (time.Duration, error) { return c.unprepare(claims[i : i+1]) })...)
+		}
+	}
+
+	if *apiServer != "" && !*onlyEmpty {
+		// Phase 4: the API server alone, the same claims: a GET of one, then -width at once.
+		g := newClaimGetter(*apiServer, *apiCA, *apiTokenFile, *width)
+		progressf("claim GETs: %d warm-up + %d sequential, %d rounds of %d concurrent", warmups, *rounds, *concurrentRounds, *width)
+		for range warmups {
+			must(g.get(claims[0]))
+		}
+		for range *rounds {
+			out["get_sequential"] = append(out["get_sequential"], must(g.get(claims[0])))
+		}
+		for range *concurrentRounds {
+			out["get_concurrent"] = append(out["get_concurrent"],
+				together(*width, func(i int) (time.Duration, error) { return g.get(claims[i]) })...)
 		}
 	}
 
