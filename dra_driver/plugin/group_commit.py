@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -29,7 +29,8 @@ class GroupCommit(Generic[Item, Result]):
         self._run = run
         self._queue: list[tuple[list[Item], asyncio.Future[dict[str, Result]] | None]] = []
         self._busy = False
-        self._worker: asyncio.Task[None] | None = None  # the loop keeps only a weak reference
+        # The drain task or shielded batch in flight: the loop keeps only a weak reference.
+        self._worker: asyncio.Future[Any] | None = None
 
     async def submit(self, items: Sequence[Item]) -> dict[str, Result]:
         """Run `items` in the next batch; the batch's results by claim UID. With nothing in
@@ -43,11 +44,27 @@ class GroupCommit(Generic[Item, Result]):
         self._busy = True
         try:
             await asyncio.sleep(0)
-            joined, self._queue = self._queue, []
-            return await self._run_batch([(list(items), None), *joined])
-        finally:
-            self._busy = False
-            self._start_draining()
+        except BaseException:
+            self._batch_done()
+            raise
+        joined, self._queue = self._queue, []
+        batch = [(list(items), None), *joined]
+        if not joined:
+            try:
+                return await self._run_batch(batch)
+            finally:
+                self._batch_done()
+        # Others wait on this batch: it must finish even if this caller is cancelled (the
+        # kubelet gave up on its RPC) while a worker thread runs it.
+        runner = self._worker = asyncio.ensure_future(self._run_batch(batch))
+        runner.add_done_callback(self._batch_done)
+        return await asyncio.shield(runner)
+
+    def _batch_done(self, runner: asyncio.Future[dict[str, Result]] | None = None) -> None:
+        if runner is not None and not runner.cancelled():
+            runner.exception()  # retrieved: its callers got it, or the one caller left
+        self._busy = False
+        self._start_draining()
 
     def _start_draining(self) -> None:
         if self._queue and not self._busy:
