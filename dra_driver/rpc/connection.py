@@ -202,10 +202,6 @@ class Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
-    @property
-    def active_calls(self) -> int:
-        return sum(1 for s in self._streams.values() if s.task is not None and not s.task.done())
-
     # -- receiving ---------------------------------------------------------------------
 
     def _receive(self, data: bytes) -> None:

@@ -90,13 +90,14 @@ class RpcServer:
     async def start(self, socket: Path, mode: int = 0o600) -> None:
         """Listen on `socket` (which must not exist) with `mode` set before the first accept."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(
-            lambda: Connection(self, _PREFIX + MAX_MESSAGE, self._connections.discard),
-            str(socket),
-            start_serving=False,
-        )
+        self._server = await loop.create_unix_server(self._connection, str(socket), start_serving=False)
         os.chmod(socket, mode)
         await self._server.start_serving()
+
+    def _connection(self) -> Connection:
+        conn = Connection(self, _PREFIX + MAX_MESSAGE, self._connections.discard)
+        self._connections.add(conn)
+        return conn
 
     async def stop(self, grace: float | None) -> None:
         """Refuse new calls, let unary calls finish for `grace` seconds (streams end at

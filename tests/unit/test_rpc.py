@@ -29,7 +29,8 @@ PREPARE = f"/{dra_v1.DESCRIPTOR.services_by_name['DRAPlugin'].full_name}/NodePre
 
 
 class _Plugin:
-    """Answers by the first claim's name: ok, boom (raises), refused (RpcError), slow, big."""
+    """Answers by the first claim's name: ok, boom (raises), refused (RpcError), brief (0.3 s),
+    slow (30 s), big."""
 
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
@@ -40,6 +41,8 @@ class _Plugin:
             raise ValueError("the handler broke")
         if name == "refused":
             raise RpcError(Status.INVALID_ARGUMENT, "claim names must be lower case: ünicode")
+        if name == "brief":
+            await asyncio.sleep(0.3)
         if name == "slow":
             try:
                 await asyncio.sleep(30)
@@ -209,11 +212,18 @@ def test_stop_ends_streams_as_unavailable_and_lets_unary_calls_finish(socket_pat
             )
             for _ in range(3):
                 await call.read()
+            stub = dra_v1_grpc.DRAPluginStub(channel)
+            in_flight = asyncio.ensure_future(stub.NodePrepareResources(_claim("brief"), timeout=10))
+            await asyncio.sleep(0.1)
             await server.stop(grace=5)
+            assert list((await in_flight).claims) == ["uid-1"]  # finished within the grace
             with pytest.raises(grpc.aio.AioRpcError) as ended:
                 await call.read()
             assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
             assert health.ended.is_set()
+            with pytest.raises(grpc.aio.AioRpcError) as closed:  # the connection is gone too
+                await stub.NodePrepareResources(_claim("ok"), timeout=5)
+            assert closed.value.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(ConnectionRefusedError):
             await asyncio.open_unix_connection(str(socket_path))
 
