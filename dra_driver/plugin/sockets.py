@@ -2,7 +2,8 @@
 
     <kubelet-dir>/plugins_registry/<driver>-reg.sock   registration (the kubelet watches this dir)
     <kubelet-dir>/plugins/<driver>/dra.sock            DRA and health services
-    <kubelet-dir>/plugins/<driver>/                    plugin data (checkpoint)
+    <kubelet-dir>/plugins/<driver>/                    plugin data (publisher lease, health history;
+                                                       the checkpoint lives in --state-dir)
 
 With rolling updates (two plugin pods on one node for a while) both socket names carry
 the pod UID, so old and new instance can be registered at once.
