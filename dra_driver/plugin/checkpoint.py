@@ -260,7 +260,7 @@ def encode(cp: Checkpoint, cache: CodecCache | None = None) -> bytes:
     rewritten on every transaction and may hold thousands of claims). The payload is
     encoded once, for its checksum and for the file; with a `cache`, each entry only when
     it changed (a node's every Prepare rewrites all of its claims)."""
-    entry_json = cache.entry_json if cache is not None else (lambda c: _canonical(_entry_to_dict(c)))
+    entry_json = (cache or CodecCache()).entry_json
     entries = ",".join(entry_json(c) for c in sorted(cp.claims.values(), key=lambda c: c.uid))
     # the canonical form of _payload(cp), as _canonical would write it: keys sorted
     canonical = f'{{"bootId":{json.dumps(cp.boot_id, ensure_ascii=False)},"claims":[{entries}]}}'

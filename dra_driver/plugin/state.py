@@ -17,7 +17,7 @@ prepared already (a kubelet asking again needs no API read).
 Prepare runs in two phases, each on disk before the next step: `started` (the devices we
 are about to hand out) -> sharing set up, CDI spec written -> `completed`; a claim
 without sharing skips the `started` write (see `_prepare_locked`). The claims of one
-kubelet call, and of all calls that arrive while a transaction runs (`GroupCommit`), share
+kubelet call, and of all calls that arrive together or while a transaction runs (`GroupCommit`), share
 a transaction (one lock, one `started` write, one `completed` write), in chunks of `CHUNK`,
 which also bounds the memory a huge call holds. A crash anywhere leaves
 a state that the next locked section repairs: a `started` entry is a dead transaction's
@@ -146,7 +146,6 @@ class NodePreparer:
         self._unprepares: GroupCommit[ClaimRef, ClaimResult] = GroupCommit(
             lambda refs: self._locked(self._unprepare_locked, refs)
         )
-
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""

@@ -67,8 +67,8 @@ class _Stream:
         "trailers",
     )
 
-    def __init__(self, send_window: int) -> None:
-        self.headers: Headers | None = None
+    def __init__(self, headers: Headers, send_window: int) -> None:
+        self.headers = headers
         self.body: bytearray | None = bytearray()  # None once over the limit
         self.recv_unacked = 0
         self.send_window = send_window
@@ -113,20 +113,22 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._out = []
+        broken = False
         try:
             self._receive(data)
-        except ProtocolError as e:
-            log.warning("closing a kubelet connection that broke HTTP/2", error=str(e), code=e.code.name)
-            self._out.append(frames.goaway(self._last_stream, e.code, str(e)))
-            self._close_now()
-        except HeaderError as e:
-            log.warning("closing a kubelet connection with undecodable headers", error=str(e))
-            self._out.append(frames.goaway(self._last_stream, ErrorCode.COMPRESSION_ERROR, str(e)))
-            self._close_now()
+        except (ProtocolError, HeaderError) as e:
+            # Undecodable headers: the shared HPACK table can no longer be trusted either.
+            code = e.code if isinstance(e, ProtocolError) else ErrorCode.COMPRESSION_ERROR
+            log.warning("closing a kubelet connection that broke HTTP/2", error=str(e), code=code.name)
+            self._out.append(frames.goaway(self._last_stream, code, str(e)))
+            broken = True
         finally:
             out, self._out = self._out, None
-            if out and self._transport is not None:
-                self._transport.write(b"".join(out))
+            if self._transport is not None:
+                if out:
+                    self._transport.write(b"".join(out))
+                if broken:
+                    self._transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -228,8 +230,6 @@ class Connection(asyncio.Protocol):
             start = pos + frames.FRAME_HEADER_SIZE
             pos = start + length
             self._frame(kind, flags, stream, buf[start:pos])
-            if self._transport is None:
-                return
         self._buffer = buf[pos:]
 
     def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
@@ -296,8 +296,7 @@ class Connection(asyncio.Protocol):
         if self._going_away or len(self._streams) >= MAX_CONCURRENT_STREAMS:
             self._write(frames.rst_stream(stream, ErrorCode.REFUSED_STREAM))
             return
-        state = _Stream(self._peer_initial_window)
-        state.headers = headers
+        state = _Stream(headers, self._peer_initial_window)
         self._streams[stream] = state
         if flags & Flag.END_STREAM:
             self._remote_end(stream, state)
@@ -331,7 +330,6 @@ class Connection(asyncio.Protocol):
         if state.done:
             return
         state.done = True
-        assert state.headers is not None
         body = bytes(state.body) if state.body is not None else None
         state.task = self._dispatcher.dispatch(self, stream, state.headers, body)
 
@@ -399,7 +397,7 @@ class Connection(asyncio.Protocol):
             del state.pending[:size]
             state.send_window -= size
             self._send_window -= size
-            for f in frames.data_frames(stream, chunk, self._peer_max_frame, end_stream=False):
+            for f in frames.data_frames(stream, chunk, self._peer_max_frame):
                 self._write(f)
         if state.pending:
             self._blocked.add(stream)
@@ -425,13 +423,6 @@ class Connection(asyncio.Protocol):
         self._blocked.discard(stream)
         if state is not None and not state.done:
             self._write(frames.rst_stream(stream, ErrorCode.NO_ERROR))
-
-    def _close_now(self) -> None:
-        if self._transport is not None:
-            transport = self._transport
-            out, self._out = self._out or [], None
-            transport.write(b"".join(out))
-            transport.close()
 
 
 def _unpad(flags: int, payload: bytes) -> bytes:

@@ -89,16 +89,13 @@ def goaway(last_stream: int, code: ErrorCode, debug: str = "") -> bytes:
     return frame(FrameType.GOAWAY, 0, 0, payload)
 
 
-def data_frames(stream: int, data: bytes | bytearray, max_frame: int, end_stream: bool) -> list[bytes]:
-    """`data` cut into DATA frames of at most `max_frame` bytes; END_STREAM on the last."""
-    if not data:
-        return [frame(FrameType.DATA, Flag.END_STREAM if end_stream else 0, stream)]
-    out = []
-    for start in range(0, len(data), max_frame):
-        chunk = bytes(data[start : start + max_frame])
-        last = end_stream and start + max_frame >= len(data)
-        out.append(frame(FrameType.DATA, Flag.END_STREAM if last else 0, stream, chunk))
-    return out
+def data_frames(stream: int, data: bytes | bytearray, max_frame: int) -> list[bytes]:
+    """`data` (not empty) cut into DATA frames of at most `max_frame` bytes; the stream
+    ends with trailers, never with a DATA frame."""
+    return [
+        frame(FrameType.DATA, 0, stream, bytes(data[start : start + max_frame]))
+        for start in range(0, len(data), max_frame)
+    ]
 
 
 def hpack_int(value: int, prefix_bits: int, first: int) -> bytes:

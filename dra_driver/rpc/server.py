@@ -186,16 +186,11 @@ async def _unary_call(conn: Connection, stream: int, method: Method, request: Me
     handler: Callable[[Message], Awaitable[Message]] = method.handler
     try:
         response = await handler(request)
-    except asyncio.CancelledError as e:
+    except (asyncio.CancelledError, Exception) as e:
         # After a reset by the caller the stream is gone and this answer goes nowhere.
-        _refuse(conn, stream, *_cancelled(e))
-    except RpcError as e:
-        _refuse(conn, stream, e.status, str(e))
-    except Exception as e:
-        log.exception("call failed", method=method.path.decode())
-        _refuse(conn, stream, Status.UNKNOWN, f"{type(e).__name__}: {e}")
+        _refuse(conn, stream, *_failure(e, method))
     else:
-        conn.respond(stream, frames.GRPC_RESPONSE_HEADERS, _framed(response), _trailers(Status.OK, ""))
+        conn.respond(stream, frames.GRPC_RESPONSE_HEADERS, _framed(response), _OK_TRAILERS)
 
 
 async def _stream_call(conn: Connection, stream: int, method: Method, request: Message) -> None:
@@ -208,13 +203,8 @@ async def _stream_call(conn: Connection, stream: int, method: Method, request: M
                 started = True
             conn.send_data(stream, _framed(response))
             await conn.drained(stream)
-    except asyncio.CancelledError as e:
-        status, message = _cancelled(e)
-    except RpcError as e:
-        status, message = e.status, str(e)
-    except Exception as e:
-        log.exception("call failed", method=method.path.decode())
-        status, message = Status.UNKNOWN, f"{type(e).__name__}: {e}"
+    except (asyncio.CancelledError, Exception) as e:
+        status, message = _failure(e, method)
     else:
         status, message = Status.OK, ""
     if started:
@@ -232,10 +222,18 @@ _DEADLINE = "deadline exceeded"
 _STOPPING = "the plugin is stopping; call again"
 
 
-def _cancelled(e: asyncio.CancelledError) -> tuple[Status, str]:
-    if e.args == (_DEADLINE,):
-        return Status.DEADLINE_EXCEEDED, _DEADLINE
-    return Status.UNAVAILABLE, _STOPPING
+def _failure(e: BaseException, method: Method) -> tuple[Status, str]:
+    """The status for a call that ended without its answer."""
+    if isinstance(e, asyncio.CancelledError):  # the deadline, or the server stopping
+        return (
+            (Status.DEADLINE_EXCEEDED, _DEADLINE)
+            if e.args == (_DEADLINE,)
+            else (Status.UNAVAILABLE, _STOPPING)
+        )
+    if isinstance(e, RpcError):
+        return e.status, str(e)
+    log.exception("call failed", method=method.path.decode())
+    return Status.UNKNOWN, f"{type(e).__name__}: {e}"
 
 
 def _framed(message: Message) -> bytes:

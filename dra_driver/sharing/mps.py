@@ -324,8 +324,7 @@ class MpsControl:
     def has_state(self, claim_uid: str) -> bool:
         """Whether the claim has a daemon directory (every start creates it first: no
         directory, no daemon)."""
-        cdi.validate_claim_uid(claim_uid)
-        return os.path.exists(os.path.join(self.root, claim_uid))  # asked on every Unprepare: no pathlib
+        return self.dirs(claim_uid).base.exists()
 
     def saved_settings(self, claim_uid: str) -> MpsSettings | None:
         try:
