@@ -13,6 +13,7 @@ runs in the event loop's protocol callbacks, one connection at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -37,6 +38,9 @@ OUR_SETTINGS = {
     Setting.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
     Setting.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST_SIZE,
 }
+
+
+_GOAWAY_PING = b"goaway\x00\x00"
 
 
 class Dispatcher(Protocol):
@@ -100,6 +104,7 @@ class Connection(asyncio.Protocol):
         self._blocked: set[int] = set()  # streams with data waiting for the connection window
         self._out: list[bytes] | None = None  # frames batched while handling one read
         self._going_away = False
+        self._ping_answered: asyncio.Future[None] | None = None  # while going away
         self.closed = asyncio.get_running_loop().create_future()
 
     # -- asyncio.Protocol --------------------------------------------------------------
@@ -140,6 +145,8 @@ class Connection(asyncio.Protocol):
         self._streams.clear()
         if not self.closed.done():
             self.closed.set_result(None)
+        if self._ping_answered is not None and not self._ping_answered.done():
+            self._ping_answered.set_result(None)
         self._on_close(self)
 
     # -- what the dispatcher calls -----------------------------------------------------
@@ -194,11 +201,20 @@ class Connection(asyncio.Protocol):
         state.drained.clear()
         await state.drained.wait()
 
-    def go_away(self) -> None:
-        """Accept no new streams; the peer finishes what it started, then closes."""
-        if not self._going_away and self._transport is not None:
-            self._going_away = True
-            self._write(frames.goaway(self._last_stream, ErrorCode.NO_ERROR, "server stopping"))
+    async def go_away(self, timeout: float) -> None:
+        """Accept no new streams, in two steps (RFC 9113 6.8): a GOAWAY that still allows
+        every stream and a PING; once the PING is answered, every stream the peer opened
+        before it has arrived, and the final GOAWAY names the last one. A single GOAWAY
+        would race with requests already on their way, which the peer then sees fail."""
+        if self._going_away or self._transport is None:
+            return
+        self._write(frames.goaway(frames.MAX_STREAM, ErrorCode.NO_ERROR, "server stopping"))
+        self._write(frames.frame(FrameType.PING, 0, 0, _GOAWAY_PING))
+        self._ping_answered = asyncio.get_running_loop().create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._ping_answered), timeout)
+        self._going_away = True
+        self._write(frames.goaway(self._last_stream, ErrorCode.NO_ERROR, "server stopping"))
 
     def close(self) -> None:
         if self._transport is not None:
@@ -259,6 +275,8 @@ class Connection(asyncio.Protocol):
                 raise ProtocolError(ErrorCode.PROTOCOL_ERROR, "PING must be 8 bytes on stream 0")
             if not flags & Flag.ACK:
                 self._write(frames.frame(FrameType.PING, Flag.ACK, 0, payload))
+            elif payload == _GOAWAY_PING and self._ping_answered and not self._ping_answered.done():
+                self._ping_answered.set_result(None)
         elif kind == FrameType.WINDOW_UPDATE:
             self._window_update(stream, payload)
         elif kind == FrameType.RST_STREAM:

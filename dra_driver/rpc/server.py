@@ -13,6 +13,7 @@ It must not know HTTP/2 framing (connection.py) or what the methods do (the serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -86,12 +87,14 @@ class RpcServer:
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[Connection] = set()
         self._calls: dict[asyncio.Task[None], bool] = {}  # task -> streaming
+        self._socket: tuple[Path, os.stat_result] | None = None  # as bound
 
     async def start(self, socket: Path, mode: int = 0o600) -> None:
         """Listen on `socket` (which must not exist) with `mode` set before the first accept."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._connection, str(socket), start_serving=False)
         os.chmod(socket, mode)
+        self._socket = (socket, socket.stat())
         await self._server.start_serving()
 
     def _connection(self) -> Connection:
@@ -100,12 +103,14 @@ class RpcServer:
         return conn
 
     async def stop(self, grace: float | None) -> None:
-        """Refuse new calls, let unary calls finish for `grace` seconds (streams end at
-        once: they would never finish by themselves), then cancel the rest and close."""
+        """Remove the socket (the kubelet's watcher deregisters a plugin whose registration
+        socket goes), refuse new calls, let unary calls finish for `grace` seconds (streams
+        end at once: they would never finish by themselves), then cancel the rest and close."""
+        self._remove_socket()
         if self._server is not None:
             self._server.close()
-        for conn in self._connections:
-            conn.go_away()
+        if self._connections:
+            await asyncio.wait([asyncio.create_task(c.go_away(timeout=1)) for c in self._connections])
         for task, streaming in list(self._calls.items()):
             if streaming:
                 task.cancel(_STOPPING)
@@ -120,6 +125,17 @@ class RpcServer:
             conn.close()
         if connections:
             await asyncio.wait([conn.closed for conn in connections], timeout=1)
+
+    def _remove_socket(self) -> None:
+        """Unlink the socket we bound, unless another instance has bound a new one there."""
+        if self._socket is None:
+            return
+        path, bound = self._socket
+        self._socket = None
+        with contextlib.suppress(FileNotFoundError):
+            now = path.lstat()
+            if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
+                path.unlink()
 
     # -- the connection's Dispatcher ---------------------------------------------------
 

@@ -224,8 +224,82 @@ def test_stop_ends_streams_as_unavailable_and_lets_unary_calls_finish(socket_pat
             with pytest.raises(grpc.aio.AioRpcError) as closed:  # the connection is gone too
                 await stub.NodePrepareResources(_claim("ok"), timeout=5)
             assert closed.value.code() == grpc.StatusCode.UNAVAILABLE
-        with pytest.raises(ConnectionRefusedError):
-            await asyncio.open_unix_connection(str(socket_path))
+        assert not socket_path.exists()  # the kubelet's watcher deregisters a plugin whose socket goes
+
+    asyncio.run(main())
+
+
+def test_stop_leaves_a_socket_that_another_instance_bound_at_the_same_path(socket_path: Path) -> None:
+    async def main() -> None:
+        old = _server(_Plugin(), _Health())
+        await old.start(socket_path)
+        socket_path.unlink()  # what the next instance's start does with a stale socket
+        new = _server(_Plugin(), _Health())
+        await new.start(socket_path)
+        await old.stop(1)
+        assert socket_path.exists()
+        async with grpc.aio.insecure_channel(f"unix://{socket_path}") as channel:
+            assert (
+                await dra_v1_grpc.DRAPluginStub(channel).NodePrepareResources(_claim("ok"), timeout=10)
+            ).claims
+        await new.stop(1)
+        assert not socket_path.exists()
+
+    asyncio.run(main())
+
+
+def test_a_request_sent_while_the_server_starts_going_away_is_still_answered(socket_path: Path) -> None:
+    """First GOAWAY allows every stream and comes with a PING; a request the peer sent before
+    answering that PING is served, and only then the final GOAWAY names it as the last."""
+
+    async def main() -> None:
+        server = _server(_Plugin(), _Health())
+        await server.start(socket_path)
+        reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        writer.write(frames.PREFACE + frames.settings({}))
+        stopping = asyncio.create_task(server.stop(grace=5))
+        seen: list[tuple[int, int, int, bytes]] = []
+        buffer = b""
+
+        async def until(kind: int) -> tuple[int, int, int, bytes]:
+            nonlocal buffer
+            while True:
+                for f in _frames(buffer)[len(seen) :]:
+                    seen.append(f)
+                    if f[0] == kind:
+                        return f
+                buffer += await asyncio.wait_for(reader.read(65536), 5)
+
+        first = await until(frames.FrameType.GOAWAY)
+        assert int.from_bytes(first[3][:4], "big") == frames.MAX_STREAM
+        ping = await until(frames.FrameType.PING)
+        block = hpack.Encoder().encode(
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", PREPARE),
+                ("content-type", "application/grpc"),
+            ]
+        )
+        message = _claim("ok").SerializeToString()
+        writer.write(
+            frames.frame(frames.FrameType.HEADERS, frames.Flag.END_HEADERS, 1, block)
+            + frames.frame(
+                frames.FrameType.DATA,
+                frames.Flag.END_STREAM,
+                1,
+                b"\x00" + len(message).to_bytes(4, "big") + message,
+            )
+            + frames.frame(frames.FrameType.PING, frames.Flag.ACK, 0, ping[3])
+        )
+        final = await until(frames.FrameType.GOAWAY)
+        assert int.from_bytes(final[3][:4], "big") == 1
+        while not any(k == frames.FrameType.HEADERS and f & frames.Flag.END_STREAM for k, f, _, _ in seen):
+            await until(frames.FrameType.HEADERS)
+        answer = b"".join(p for k, _, stream, p in seen if k == frames.FrameType.DATA and stream == 1)
+        assert dra_v1.NodePrepareResourcesResponse.FromString(answer[5:]).claims["uid-1"].error == ""
+        writer.close()
+        await stopping
 
     asyncio.run(main())
 
