@@ -50,6 +50,7 @@ PROFILE = "hgx-h200"
 SPECS = (NodeSpec("helm-a", PROFILE), NodeSpec("helm-b", PROFILE))
 LOAD_NODE = "helm-a"
 RELEASE = "gpu-dra-driver"
+OVERLAP_S = 6  # kubeletPlugin.minReadySeconds during the upgrade: both plugin pods serve this long
 NAMESPACE = "gpu-dra-driver"
 GPU_LABEL = "nvidia.com/gpu.present"
 ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
@@ -284,8 +285,9 @@ class _Load:
     api: client.ApiClient
     namespace: str
     node: str
-    # Each worker makes ~0.4 calls/s; with 3 the ~3 s overlap of the two plugin pods saw no
-    # call at all in one CI run out of ~30 (expected ~3.6): 6 make that ~0.1 %.
+    # Each worker makes ~0.2-0.4 calls/s: 6 make 7-15 in the OVERLAP_S the test holds both
+    # plugin pods for (left to the plugin's start time the overlap was 1.4 s, and one CI run
+    # saw no call in it).
     workers: int = 6
     stop: threading.Event = field(default_factory=threading.Event)
     cycles: int = 0
@@ -339,7 +341,8 @@ def test_upgrade_under_load_loses_nothing(env: HelmCluster) -> None:
         time.sleep(5)
         t0 = time.monotonic()
         env.helm.run("upgrade", RELEASE, str(CHART), "-n", NAMESPACE, "--reuse-values",
-                     "--set", f"image.tag={env.upgrade_tag}")
+                     "--set", f"image.tag={env.upgrade_tag}",
+                     "--set", f"kubeletPlugin.minReadySeconds={OVERLAP_S}")
         overlap_start: tuple[float, dict[tuple[str, str], int]] | None = None
         overlap_end: tuple[float, dict[tuple[str, str], int]] | None = None
         deadline = time.monotonic() + 180
