@@ -177,6 +177,25 @@ def _http(pod: JSON, path: str) -> tuple[int, str]:
         return int(e.code), e.read().decode()
 
 
+def _wait_metrics_count_published(pod: JSON, devices: int) -> None:
+    """Wait (10 s at most) until the plugin pod's /metrics count `devices` published in its
+    node's pool and a slice created. The publisher counts a slice when the API server's
+    answer to its write arrives, which may be a moment after the test saw the slice."""
+    published = f'gpu_dra_published_devices{{pool="{pod["spec"]["nodeName"]}"}} {float(devices)}'
+    created = 'gpu_dra_resourceslice_writes_total{operation="create"}'
+    deadline = time.monotonic() + 10
+    while True:
+        code, body = _http(pod, "/metrics")
+        if code == 200 and published in body and created in body:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{pod['metadata']['name']}'s /metrics never showed {published!r} and {created!r}; "
+                f"the last answer: HTTP {code}\n{body[-2000:]}"
+            )
+        time.sleep(0.2)
+
+
 def _kubelet_calls(node: Node) -> dict[tuple[str, str], int]:
     """(method, grpc status) -> NodePrepare/NodeUnprepare calls the kubelet made to our driver."""
     calls: dict[tuple[str, str], int] = {}
@@ -246,11 +265,7 @@ def test_install_runs_the_image_on_every_node_and_publishes_slices(env: HelmClus
         assert status["restartCount"] == 0, status
         code, body = _http(pod, "/readyz")
         assert code == 200, body
-        code, body = _http(pod, "/metrics")
-        assert code == 200
-        published = f'gpu_dra_published_devices{{pool="{pod["spec"]["nodeName"]}"}} 8.0'
-        assert published in body, body[-2000:]
-        assert 'gpu_dra_resourceslice_writes_total{operation="create"}' in body
+        _wait_metrics_count_published(pod, devices=8)
     # The chart's cluster-wide objects are the ones the driver and its users rely on.
     assert {DRIVER, f"mig.{DRIVER}"} <= _device_classes(env.api)
     policies = sync_request(env.api, "GET", f"{ADMISSION_API}/validatingadmissionpolicies")
