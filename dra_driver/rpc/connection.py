@@ -128,12 +128,9 @@ class Connection(asyncio.Protocol):
             self._out.append(frames.goaway(self._last_stream, code, str(e)))
             broken = True
         finally:
-            out, self._out = self._out, None
-            if self._transport is not None:
-                if out:
-                    self._transport.write(b"".join(out))
-                if broken:
-                    self._transport.close()
+            self._send_batch()
+            if broken and self._transport is not None:
+                self._transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -162,9 +159,7 @@ class Connection(asyncio.Protocol):
             self.send_trailers(stream, trailers)
         finally:
             if batched:
-                out, self._out = self._out, None
-                if out and self._transport is not None:
-                    self._transport.write(b"".join(out))
+                self._send_batch()
 
     def send_headers(self, stream: int, block: bytes, end_stream: bool = False) -> None:
         if stream not in self._streams:
@@ -407,6 +402,12 @@ class Connection(asyncio.Protocol):
             self._out.append(data)
         elif self._transport is not None:
             self._transport.write(data)
+
+    def _send_batch(self) -> None:
+        """Write the frames gathered in `_out` as one write, and stop gathering."""
+        out, self._out = self._out, None
+        if out and self._transport is not None:
+            self._transport.write(b"".join(out))
 
     def _flush(self, stream: int, state: _Stream) -> None:
         size = min(len(state.pending), state.send_window, self._send_window)

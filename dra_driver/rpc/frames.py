@@ -2,8 +2,8 @@
 and the HPACK encoding of our own response headers.
 
 Pure functions on bytes. It must not keep connection state (connection.py does) and
-must not decode header blocks (hpack's Decoder does, with the dynamic table the peer
-built). Our own header blocks never use the dynamic table, so no encoder state exists.
+must not decode header blocks (headers.py does, with the dynamic table the peer built).
+Our own header blocks never use the dynamic table, so no encoder state exists.
 """
 
 from __future__ import annotations

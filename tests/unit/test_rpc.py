@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket as socketlib
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,13 @@ def _claim(name: str, uid: str = "uid-1") -> Any:
     return dra_v1.NodePrepareResourcesRequest(claims=[dra_v1.Claim(namespace="ns", name=name, uid=uid)])
 
 
+async def _rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
+    """The error `call` ends with; the test fails if it succeeds."""
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await call
+    return failed.value
+
+
 def run(socket_path: Path, body: Any) -> None:
     """Start a server on `socket_path`, run `body(channel, plugin, health, server)`, stop."""
 
@@ -143,32 +150,27 @@ def test_an_answer_larger_than_the_flow_control_windows_arrives_whole(socket_pat
 def test_errors_say_what_happened_and_the_server_keeps_serving(socket_path: Path) -> None:
     async def body(channel: grpc.aio.Channel, plugin: _Plugin, health: _Health, server: RpcServer) -> None:
         stub = dra_v1_grpc.DRAPluginStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as broke:
-            await stub.NodePrepareResources(_claim("boom"), timeout=10)
-        assert broke.value.code() == grpc.StatusCode.UNKNOWN
-        assert broke.value.details() == "ValueError: the handler broke"
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.NodePrepareResources(_claim("refused"), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert refused.value.details() == "claim names must be lower case: ünicode"
+        broke = await _rpc_error(stub.NodePrepareResources(_claim("boom"), timeout=10))
+        assert broke.code() == grpc.StatusCode.UNKNOWN
+        assert broke.details() == "ValueError: the handler broke"
+        refused = await _rpc_error(stub.NodePrepareResources(_claim("refused"), timeout=10))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.details() == "claim names must be lower case: ünicode"
 
         unknown = channel.unary_unary("/v1.DRAPlugin/NodeExplode")
-        with pytest.raises(grpc.aio.AioRpcError) as missing:
-            await unknown(b"", timeout=10)
-        assert missing.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert "/v1.DRAPlugin/NodeExplode" in (missing.value.details() or "")
+        missing = await _rpc_error(unknown(b"", timeout=10))
+        assert missing.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "/v1.DRAPlugin/NodeExplode" in (missing.details() or "")
 
         garbage = channel.unary_unary(PREPARE)
-        with pytest.raises(grpc.aio.AioRpcError) as malformed:
-            await garbage(b"\xff\xff\xff", timeout=10)
-        assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert malformed.value.details() == (
+        malformed = await _rpc_error(garbage(b"\xff\xff\xff", timeout=10))
+        assert malformed.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert malformed.details() == (
             "cannot parse the request as a k8s.io.kubelet.pkg.apis.dra.v1.NodePrepareResourcesRequest"
         )
 
-        with pytest.raises(grpc.aio.AioRpcError) as huge:
-            await garbage(b"\x0a" + b"\x00" * (5 << 20), timeout=20)
-        assert huge.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        huge = await _rpc_error(garbage(b"\x0a" + b"\x00" * (5 << 20), timeout=20))
+        assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
         answer = await stub.NodePrepareResources(_claim("ok"), timeout=10)
         assert list(answer.claims) == ["uid-1"]
@@ -179,9 +181,8 @@ def test_errors_say_what_happened_and_the_server_keeps_serving(socket_path: Path
 def test_the_callers_deadline_cancels_the_handler(socket_path: Path) -> None:
     async def body(channel: grpc.aio.Channel, plugin: _Plugin, health: _Health, server: RpcServer) -> None:
         stub = dra_v1_grpc.DRAPluginStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as late:
-            await stub.NodePrepareResources(_claim("slow"), timeout=0.3)
-        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        late = await _rpc_error(stub.NodePrepareResources(_claim("slow"), timeout=0.3))
+        assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await asyncio.wait_for(plugin.cancelled.wait(), 5)
         assert (await stub.NodePrepareResources(_claim("ok"), timeout=10)).claims
 
@@ -217,13 +218,12 @@ def test_stop_ends_streams_as_unavailable_and_lets_unary_calls_finish(socket_pat
             await asyncio.sleep(0.1)
             await server.stop(grace=5)
             assert list((await in_flight).claims) == ["uid-1"]  # finished within the grace
-            with pytest.raises(grpc.aio.AioRpcError) as ended:
-                await call.read()
-            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+            ended = await _rpc_error(call.read())
+            assert ended.code() == grpc.StatusCode.UNAVAILABLE
             assert health.ended.is_set()
-            with pytest.raises(grpc.aio.AioRpcError) as closed:  # the connection is gone too
-                await stub.NodePrepareResources(_claim("ok"), timeout=5)
-            assert closed.value.code() == grpc.StatusCode.UNAVAILABLE
+            # the connection is gone too
+            closed = await _rpc_error(stub.NodePrepareResources(_claim("ok"), timeout=5))
+            assert closed.code() == grpc.StatusCode.UNAVAILABLE
         assert not socket_path.exists()  # the kubelet's watcher deregisters a plugin whose socket goes
 
     asyncio.run(main())
@@ -304,7 +304,9 @@ def test_a_request_sent_while_the_server_starts_going_away_is_still_answered(soc
     asyncio.run(main())
 
 
-def _raw_exchange(path: Path, data: bytes) -> bytes:
+def _raw_exchange(path: Path, data: bytes, headers_of: int | None = None) -> bytes:
+    """Send `data` on a new connection; what comes back until the server closes it, or with
+    `headers_of`, the payload of the first HEADERS frame on that stream."""
     with socketlib.socket(socketlib.AF_UNIX) as s:
         s.settimeout(5)
         s.connect(str(path))
@@ -312,6 +314,11 @@ def _raw_exchange(path: Path, data: bytes) -> bytes:
         received = b""
         while chunk := s.recv(65536):
             received += chunk
+            if headers_of is None:
+                continue
+            for kind, _, stream, payload in _frames(received):
+                if kind == frames.FrameType.HEADERS and stream == headers_of:
+                    return payload
         return received
 
 
@@ -386,24 +393,11 @@ def test_a_request_that_is_not_grpc_gets_http_415(socket_path: Path) -> None:
         )
         sent = frames.PREFACE + frames.settings({}) + frames.frame(frames.FrameType.HEADERS, 5, 1, block)
         sent += frames.goaway(0, frames.ErrorCode.NO_ERROR)
-        received = await asyncio.to_thread(_raw_exchange_until_headers, socket_path, sent)
+        received = await asyncio.to_thread(_raw_exchange, socket_path, sent, 1)
         headers = hpack.Decoder().decode(received)
         assert (":status", "415") in headers
 
     run(socket_path, body)
-
-
-def _raw_exchange_until_headers(path: Path, data: bytes) -> bytes:
-    with socketlib.socket(socketlib.AF_UNIX) as s:
-        s.settimeout(5)
-        s.connect(str(path))
-        s.sendall(data)
-        received = b""
-        while True:
-            received += s.recv(65536)
-            for kind, _, stream, payload in _frames(received):
-                if kind == frames.FrameType.HEADERS and stream == 1:
-                    return payload
 
 
 @pytest.mark.parametrize("value", [0, 14, 15, 127, 128, 300, 16_384, 2**21])
