@@ -48,12 +48,12 @@ from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS, ClaimReader
 from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_using, keep_fresh, mirror
 from dra_driver.plugin.lock import Lease
-from dra_driver.plugin.registration import RegistrationService, registration_methods
-from dra_driver.plugin.service import dra_methods
-from dra_driver.plugin.sockets import SOCKET_MODE, PluginPaths, plugin_paths, prepare_socket_path
+from dra_driver.plugin.registration import RegistrationService, add_registration
+from dra_driver.plugin.server import SocketServer
+from dra_driver.plugin.service import add_dra_services
+from dra_driver.plugin.sockets import PluginPaths, plugin_paths
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.probes import Heartbeat, plugin_probes
-from dra_driver.rpc.server import Method, RpcServer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.mps import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
@@ -224,14 +224,6 @@ class PluginOptions:
     simulate_health_events: Path | None = None
 
 
-async def _serve(socket: Path, methods: list[Method], name: str) -> RpcServer:
-    server = RpcServer(methods, name)
-    prepare_socket_path(socket)
-    await server.start(socket, SOCKET_MODE)
-    log.info("serving", server=name, socket=str(socket))
-    return server
-
-
 async def run_plugin(opts: PluginOptions) -> None:
     inventory = await asyncio.to_thread(discover, opts.simulate)
     # Share views resolve whether or not they are published now: claims allocated while
@@ -277,7 +269,8 @@ async def run_plugin(opts: PluginOptions) -> None:
         await probes.start(opts.metrics_bind_address, opts.metrics_port)
 
     tasks: list[asyncio.Task[None]] = []
-    dra_server = reg_server = None
+    dra_server: SocketServer | None = None
+    reg_server: SocketServer | None = None
     health: NodeHealth | None = None
     try:
         await preparer.recover()
@@ -288,10 +281,11 @@ async def run_plugin(opts: PluginOptions) -> None:
         else:
             board = DeviceHealthBoard(opts.node_name, devices)
             tasks += _health_tasks(api, opts, health, board, preparer, paths.data_dir)
-        dra_server = await _serve(paths.dra_socket, dra_methods(preparer, board), "dra")
+        dra_server = SocketServer("dra", lambda s: add_dra_services(s, preparer, board))
+        await dra_server.start(paths.dra_socket)
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
-        reg_methods = registration_methods(registration)
-        reg_server = await _serve(paths.registration_socket, reg_methods, "registration")
+        reg_server = SocketServer("registration", lambda s: add_registration(s, registration))
+        await reg_server.start(paths.registration_socket)
         if opts.publish_slices:
             keeper = health.keeper if health else None
             publisher = _publish(api, opts, inventory, lease, keeper, heartbeat)

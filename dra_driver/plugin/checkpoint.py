@@ -23,9 +23,8 @@ Two kinds of unreadable file are told apart, because they call for opposite acti
 rebuild), and `CheckpointFromNewerVersion` (a newer build wrote it: stop, never rewrite it,
 since a rollback to that build must find it intact).
 
-`Checkpoint` is immutable and the transitions (`with_started`, `with_completed`,
-`without`, and the entries they make, for a transaction that changes many claims at once)
-are pure; only `load`, `save`, `read_boot_id`, `boot_time` and `quarantine` do I/O. This
+`Checkpoint` is immutable and its entries (`started_entry`, `completed_entry`) are made by
+pure functions; only `load`, `save`, `read_boot_id`, `boot_time` and `quarantine` do I/O. This
 module takes no locks: the prepare transaction (`dra_driver.plugin.state`) holds the lock
 around every load-modify-save.
 """
@@ -86,10 +85,6 @@ class ClaimPhase(enum.StrEnum):
     COMPLETED = "completed"  # Prepare finished; the CDI ids were returned to the kubelet
 
 
-STARTED: Final = ClaimPhase.STARTED
-COMPLETED: Final = ClaimPhase.COMPLETED
-
-
 @dataclass(frozen=True)
 class ClaimEntry:
     """One claim this node has prepared (or is preparing)."""
@@ -128,10 +123,6 @@ class LoadResult:
 # --------------------------------------------------------------------------- transitions
 
 
-def _with(cp: Checkpoint, claim: ClaimEntry) -> Checkpoint:
-    return replace(cp, claims={**cp.claims, claim.uid: claim})
-
-
 def _now(now: datetime | None) -> datetime:
     return now if now is not None else datetime.now(UTC)
 
@@ -166,40 +157,6 @@ def completed_entry(
         devices=tuple(devices) if devices is not None else entry.devices,
         updated_at=_now(now),
     )
-
-
-def with_started(
-    cp: Checkpoint,
-    namespace: str,
-    name: str,
-    uid: str,
-    devices: Sequence[PreparedDevice],
-    *,
-    now: datetime | None = None,
-) -> Checkpoint:
-    """Claim `uid` is being prepared with `devices` (replacing any earlier entry of it)."""
-    return _with(cp, started_entry(namespace, name, uid, devices, now=now))
-
-
-def with_completed(
-    cp: Checkpoint,
-    uid: str,
-    *,
-    now: datetime | None = None,
-    devices: Sequence[PreparedDevice] | None = None,
-) -> Checkpoint:
-    """The started claim `uid` is prepared; `devices` replaces the recorded ones if given."""
-    current = cp.claims.get(uid)
-    if current is None:
-        raise KeyError(f"claim {uid} is not in the checkpoint; record it as started first")
-    return _with(cp, completed_entry(current, now=now, devices=devices))
-
-
-def without(cp: Checkpoint, uid: str) -> Checkpoint:
-    """The checkpoint without claim `uid` (the same one if it was not there)."""
-    if uid not in cp.claims:
-        return cp
-    return replace(cp, claims={k: v for k, v in cp.claims.items() if k != uid})
 
 
 # --------------------------------------------------------------------------- encoding
@@ -247,26 +204,19 @@ def _canonical(payload: Any) -> str:
     return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _checksum_of(canonical: str) -> str:
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
 def _checksum(payload: Any) -> str:
-    return _checksum_of(_canonical(payload))
+    return "sha256:" + hashlib.sha256(_canonical(payload).encode()).hexdigest()
 
 
-def encode(cp: Checkpoint, cache: CodecCache | None = None) -> bytes:
+def encode(cp: Checkpoint) -> bytes:
     """The file's bytes: {checksum, payload, version, writtenBy}, compact (the file is
-    rewritten on every transaction and may hold thousands of claims). The payload is
-    encoded once, for its checksum and for the file; with a `cache`, each entry only when
-    it changed (a node's every Prepare rewrites all of its claims)."""
-    entry_json = (cache or CodecCache()).entry_json
-    entries = ",".join(entry_json(c) for c in sorted(cp.claims.values(), key=lambda c: c.uid))
-    # the canonical form of _payload(cp), as _canonical would write it: keys sorted
-    canonical = f'{{"bootId":{json.dumps(cp.boot_id, ensure_ascii=False)},"claims":[{entries}]}}'
-    checksum, written_by = json.dumps(_checksum_of(canonical)), json.dumps(WRITTEN_BY)
-    head = f'{{"checksum":{checksum},"payload":'
-    return f'{head}{canonical},"version":{FORMAT_VERSION},"writtenBy":{written_by}}}\n'.encode()
+    rewritten on every transaction and may hold thousands of claims)."""
+    payload = _payload(cp)
+    return (
+        _canonical({"checksum": _checksum(payload), "payload": payload, "version": FORMAT_VERSION,
+                    "writtenBy": WRITTEN_BY})
+        + "\n"
+    ).encode()
 
 
 class _Shape(Exception):
@@ -397,55 +347,19 @@ def boot_time(stat_path: Path = Path("/proc/stat")) -> float:
     raise ValueError(f"{stat_path} has no btime line")
 
 
-class CodecCache:
-    """What one process's loads and saves can reuse: the bytes last decoded with their
-    checkpoint, so that an unchanged file skips the parse and the checksum, and each entry's
-    canonical JSON. The file is still read on every load (another instance may have
-    replaced it); a Checkpoint and its entries are immutable, so handing out the same ones
-    is safe, and an entry's JSON is reused only for that very entry object. The decoded
-    pair is one attribute, replaced whole (loads run on the event loop and in threads);
-    entries are encoded only under the transaction lock."""
-
-    def __init__(self) -> None:
-        self._last: tuple[bytes, Checkpoint] | None = None
-        self._entries: dict[str, tuple[ClaimEntry, str]] = {}
-
-    def decode(self, data: bytes, path: Path) -> Checkpoint:
-        last = self._last
-        if last is not None and last[0] == data:
-            return last[1]
-        cp = decode(data, path)
-        self._last = (data, cp)
-        return cp
-
-    def entry_json(self, entry: ClaimEntry) -> str:
-        hit = self._entries.get(entry.uid)
-        if hit is not None and hit[0] is entry:
-            return hit[1]
-        text = _canonical(_entry_to_dict(entry))
-        self._entries[entry.uid] = (entry, text)
-        return text
-
-    def saved(self, data: bytes, cp: Checkpoint) -> None:
-        """`cp` was written as `data`: the next load of those bytes returns it."""
-        self._last = (data, cp)
-        if len(self._entries) > len(cp.claims):  # forget the claims that are gone
-            self._entries = {uid: e for uid, e in self._entries.items() if uid in cp.claims}
-
-
-def load(path: Path, boot_id: str, cache: CodecCache | None = None) -> LoadResult:
+def load(path: Path, boot_id: str) -> LoadResult:
     """The checkpoint at `path` for this boot.
 
     Missing file: empty. Written in another boot: empty, status STALE_BOOT, the old one
     in `discarded`. Anything at the path that cannot be trusted: CheckpointUnreadable (see
     `quarantine`); written by a newer build: CheckpointFromNewerVersion."""
     try:
-        data = _read(path)
+        data = path.read_bytes()
     except FileNotFoundError:
         return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.MISSING)
     except OSError as e:  # a directory, a dangling mount, no permission...
         raise CheckpointUnreadable(path, f"{e.strerror or e} ({type(e).__name__})") from e
-    cp = cache.decode(data, path) if cache is not None else decode(data, path)
+    cp = decode(data, path)
     if cp.boot_id != boot_id:
         log.warning(
             "checkpoint is from an earlier boot, discarding it",
@@ -458,25 +372,10 @@ def load(path: Path, boot_id: str, cache: CodecCache | None = None) -> LoadResul
     return LoadResult(checkpoint=cp, status=LoadStatus.LOADED)
 
 
-def _read(path: Path) -> bytes:
-    """The whole file, without io's buffering and tty checks (read twice per Prepare)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def save(path: Path, cp: Checkpoint, cache: CodecCache | None = None) -> None:
+def save(path: Path, cp: Checkpoint) -> None:
     """Replace the file with `cp` atomically: a reader, or this process after a crash, finds
     the old checkpoint or the new one (not fsync'd: see the module docstring)."""
-    data = encode(cp, cache)
-    write_file_atomic(path, data, mode=0o600, durable=False)
-    if cache is not None:
-        cache.saved(data, cp)
+    write_file_atomic(path, encode(cp), mode=0o600, durable=False)
 
 
 def quarantine(path: Path, now: datetime | None = None) -> Path:

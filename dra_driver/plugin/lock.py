@@ -20,20 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-class LockBusy(Exception):
-    """Someone else holds the lock (raised only when asked not to wait)."""
-
-
 @contextlib.contextmanager
-def exclusive(path: Path, wait: bool = True) -> Iterator[None]:
+def exclusive(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `path` (created if missing) for the `with` block; blocks
-    until it is free, or raises LockBusy at once if `wait` is False."""
+    until it is free (so it runs in a worker thread, never on the event loop)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LockBusy(f"{path} is held by another thread or process") from None
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # closing the last descriptor of the open file releases the lock

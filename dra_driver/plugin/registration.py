@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import structlog
 
 from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2 as reg
-from dra_driver.rpc.server import Method, service_methods
+from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -35,7 +36,7 @@ class RegistrationService:
         self.registered = asyncio.Event()
         self.last_error: str | None = None
 
-    async def GetInfo(self, request: Any) -> Any:
+    async def GetInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         log.info("kubelet asked for plugin info", endpoint=self._endpoint)
         return reg.PluginInfo(
             type="DRAPlugin",
@@ -44,7 +45,7 @@ class RegistrationService:
             supported_versions=list(SUPPORTED_SERVICES),
         )
 
-    async def NotifyRegistrationStatus(self, request: Any) -> Any:
+    async def NotifyRegistrationStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if request.plugin_registered:
             self.last_error = None
             self.registered.set()
@@ -56,5 +57,5 @@ class RegistrationService:
         return reg.RegistrationStatusResponse()
 
 
-def registration_methods(service: RegistrationService) -> list[Method]:
-    return service_methods(reg.DESCRIPTOR.services_by_name["Registration"], service)
+def add_registration(server: grpc.aio.Server, service: RegistrationService) -> None:
+    reg_grpc.add_RegistrationServicer_to_server(service, server)

@@ -1,32 +1,41 @@
 """The kubelet-facing gRPC services: DRA v1 and v1beta1, health v1 and v1alpha1.
 
-Translation only: protobuf in, domain calls, protobuf out. Each claim of a request is
-answered on its own (one bad claim never fails its neighbours; a failure of the whole
-batch is still answered claim by claim), and every log line about a claim carries its
-namespace, name and UID. The work itself is done by a
-`ClaimPreparer`; this module holds no state of its own.
+Translation only: protobuf in, domain calls, protobuf out; grpcio serves them
+(dra_driver.plugin.server). Each claim of a request is answered on its own (one bad claim
+never fails its neighbours; a failure of the whole batch is still answered claim by
+claim), with an error of at most MAX_ERROR characters, and every log line about a claim
+carries its namespace, name and UID. The work itself is done by a `ClaimPreparer`; this
+module holds no state of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
+import grpc
 import structlog
 
 from dra_driver import metrics
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
+from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
+from dra_driver.kubeletapi.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as health_v1
+from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
+from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from dra_driver.plugin.claims import ClaimRef, describe
 from dra_driver.plugin.health import DeviceHealthBoard
 from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.plugin.state import ClaimResult
-from dra_driver.rpc.server import Method, service_methods
 
 log = structlog.get_logger(__name__)
+
+# A claim's error is read by a user in the pod's events; one longer than this is a bug of
+# ours, and a thousand of them must not make the answer too big for the kubelet to take.
+MAX_ERROR: Final = 4096
 
 
 class ClaimPreparer(Protocol):
@@ -43,20 +52,20 @@ class _DraService:
         self._pb = pb
         self._with_share_id = with_share_id
 
-    async def NodePrepareResources(self, request: Any) -> Any:
+    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         def answer(result: ClaimResult) -> Any:
             if result.error is not None:
-                return self._pb.NodePrepareResourceResponse(error=result.error)
+                return self._pb.NodePrepareResourceResponse(error=_bounded(result.error))
             log.info("prepared", devices=[d.device for d in result.devices])
             return self._pb.NodePrepareResourceResponse(devices=[self._device(d) for d in result.devices])
 
         claims = await _per_claim(self._preparer.prepare, request, "prepare", answer)
         return self._pb.NodePrepareResourcesResponse(claims=claims)
 
-    async def NodeUnprepareResources(self, request: Any) -> Any:
+    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         def answer(result: ClaimResult) -> Any:
             if result.error is not None:
-                return self._pb.NodeUnprepareResourceResponse(error=result.error)
+                return self._pb.NodeUnprepareResourceResponse(error=_bounded(result.error))
             log.info("unprepared")
             return self._pb.NodeUnprepareResourceResponse()
 
@@ -73,6 +82,10 @@ class _DraService:
         if self._with_share_id and d.share_id is not None:
             fields["share_id"] = d.share_id
         return self._pb.Device(**fields)
+
+
+def _bounded(error: str) -> str:
+    return error if len(error) <= MAX_ERROR else error[: MAX_ERROR - 15] + " ... (truncated)"
 
 
 async def _per_claim(
@@ -124,7 +137,7 @@ class _HealthService:
         self._board = board
         self._pb = pb
 
-    async def NodeWatchResources(self, request: Any) -> AsyncIterator[Any]:
+    async def NodeWatchResources(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         async for snapshot in self._board.follow():
             yield self._pb.NodeWatchResourcesResponse(
                 devices=[
@@ -140,12 +153,13 @@ class _HealthService:
             )
 
 
-def dra_methods(preparer: ClaimPreparer, board: DeviceHealthBoard) -> list[Method]:
-    """The DRA socket's methods: DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1."""
-    services = [
-        (dra_v1, "DRAPlugin", _DraService(preparer, dra_v1, with_share_id=True)),
-        (dra_v1beta1, "DRAPlugin", _DraService(preparer, dra_v1beta1, with_share_id=False)),
-        (health_v1, "DRAResourceHealth", _HealthService(board, health_v1)),
-        (health_v1alpha1, "DRAResourceHealth", _HealthService(board, health_v1alpha1)),
-    ]
-    return [m for pb, s, impl in services for m in service_methods(pb.DESCRIPTOR.services_by_name[s], impl)]
+def add_dra_services(server: grpc.aio.Server, preparer: ClaimPreparer, board: DeviceHealthBoard) -> None:
+    """The DRA socket's services: DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1."""
+    dra_v1_grpc.add_DRAPluginServicer_to_server(_DraService(preparer, dra_v1, with_share_id=True), server)
+    dra_v1beta1_grpc.add_DRAPluginServicer_to_server(
+        _DraService(preparer, dra_v1beta1, with_share_id=False), server
+    )
+    health_v1_grpc.add_DRAResourceHealthServicer_to_server(_HealthService(board, health_v1), server)
+    health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(
+        _HealthService(board, health_v1alpha1), server
+    )

@@ -18,11 +18,11 @@ import pytest
 
 from dra_driver import metrics
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.plugin.registration import RegistrationService, registration_methods
-from dra_driver.plugin.service import dra_methods
+from dra_driver.plugin.registration import RegistrationService, add_registration
+from dra_driver.plugin.server import SocketServer
+from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.state import ClaimResult
 from dra_driver.probes import CheckResult, Heartbeat, ProbeServer, plugin_probes
-from dra_driver.rpc.server import RpcServer
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -117,8 +117,9 @@ def test_plugin_probes_follow_the_sockets(tmp_path: Path) -> None:
 
     async def main() -> None:
         dra_socket, reg_socket = tmp_path / "dra.sock", tmp_path / "reg.sock"
-        dra = RpcServer(dra_methods(_Preparer(), _Board()), "dra")  # type: ignore[arg-type]
-        reg = RpcServer(registration_methods(RegistrationService("gpu.example.com", str(dra_socket))), "reg")
+        dra = SocketServer("dra", lambda s: add_dra_services(s, _Preparer(), _Board()))  # type: ignore[arg-type]
+        registration = RegistrationService("gpu.example.com", str(dra_socket))
+        reg = SocketServer("reg", lambda s: add_registration(s, registration))
         await dra.start(dra_socket)
         await reg.start(reg_socket)
         beat = Heartbeat("slice-publisher", stuck_after=60)

@@ -25,6 +25,7 @@ from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
+from tests.harness.checkpoints import with_started
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
@@ -136,9 +137,9 @@ def test_restart_recovers_every_half_done_state(tmp_path: Path) -> None:
         await prepared(p, done)
         await prepared(p, gone_spec)
         cdi.remove_claim_spec(tmp_path / "cdi", DRIVER, gone_spec.uid)  # e.g. someone cleaned /var/run/cdi
-        cp = ckpt.with_started(p.read_checkpoint(), "ns", "half", interrupted.uid, [])
+        cp = with_started(p.read_checkpoint(), "ns", "half", interrupted.uid, [])
         ckpt.save(p.checkpoint_path, cp)  # crash after `started`
-        orphan = cdi.build_claim_spec(DRIVER, "uid-orphan", [p.devices["gpu-3"]], p.driver_files)
+        orphan = cdi.build_claim_spec(DRIVER, "uid-orphan", [p.steps.devices["gpu-3"]], p.steps.driver_files)
         cdi.write_spec(tmp_path / "cdi", orphan)  # a spec whose claim this node never recorded
 
         restarted = await _started(node)
@@ -185,7 +186,7 @@ def test_an_unreadable_checkpoint_keeps_what_running_pods_use(tmp_path: Path, da
         assert list((tmp_path / "state").glob("checkpoint.json.corrupt-*")), "moved aside, for a person"
         assert node.specs() == {running.uid}, "the running pod keeps its spec; the gone claim's is removed"
         entry = restarted.read_checkpoint().claims[running.uid]
-        assert entry.phase == ckpt.COMPLETED and [d.device for d in entry.devices] == ["gpu-0"]
+        assert entry.phase == ckpt.ClaimPhase.COMPLETED and [d.device for d in entry.devices] == ["gpu-0"]
         reads = node.reads
         assert await prepared(restarted, running) == ["gpu-0"]
         assert node.reads == reads, "adopted: answered from the new checkpoint"
@@ -362,41 +363,6 @@ def _held_by_another_instance(lock: Path, seconds: float) -> Iterator[None]:
         holder.join()
 
 
-def test_calls_queued_behind_a_busy_lock_share_checkpoint_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """16 concurrent Prepares (two of them for one shared claim) that find the other
-    instance in a section queue up and cost far fewer than 32 writes."""
-    saves = 0
-    real_save = ckpt.save
-
-    def counted(path: Path, cp: ckpt.Checkpoint, cache: ckpt.CodecCache | None = None) -> None:
-        nonlocal saves
-        saves += 1
-        real_save(path, cp, cache)
-
-    async def run() -> None:
-        node = Node(tmp_path)
-        node.inventory = discover("hgx-h200")
-        p = await _started(node)
-        refs = [node.add(f"c{i}", f"gpu-{i}") for i in range(8)] * 2  # each claim from two pods
-        monkeypatch.setattr(ckpt, "save", counted)
-        with _held_by_another_instance(p.lock_path, 0.2):
-            results = await asyncio.gather(*(p.prepare([r]) for r in refs))
-        for ref, result in zip(refs, results, strict=True):
-            assert result[ref.uid].error is None, result[ref.uid].error
-            assert [d.device for d in result[ref.uid].devices] == [f"gpu-{ref.name[1:]}"]
-        assert node.specs() == {r.uid for r in refs}
-        assert saves <= 6, f"{saves} checkpoint writes for 16 concurrent calls: not grouped"
-        saves_before = saves
-        with _held_by_another_instance(p.lock_path, 0.2):
-            await asyncio.gather(*(p.unprepare([r]) for r in refs))
-        assert node.specs() == set() and p.read_checkpoint().claims == {}
-        assert saves - saves_before <= 3
-
-    asyncio.run(run())
-
-
 def test_a_spec_from_an_earlier_boot_is_never_adopted(tmp_path: Path) -> None:
     """A persistent CDI dir can keep specs across a reboot; their pods died with it."""
 
@@ -411,28 +377,6 @@ def test_a_spec_from_an_earlier_boot_is_never_adopted(tmp_path: Path) -> None:
         p.checkpoint_path.write_text("{}")  # e.g. torn by the power loss that ended that boot
         restarted = await _started(node)
         assert node.specs() == set() and restarted.read_checkpoint().claims == {}
-
-    asyncio.run(run())
-
-
-def test_plain_claims_are_prepared_on_the_event_loop_without_a_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    hops: list[str] = []
-    real_to_thread = asyncio.to_thread
-
-    async def counted(func: Any, /, *args: Any) -> Any:
-        hops.append(getattr(func, "__name__", repr(func)))
-        return await real_to_thread(func, *args)
-
-    async def run() -> None:
-        node = Node(tmp_path)
-        p = await _started(node)
-        monkeypatch.setattr(asyncio, "to_thread", counted)
-        ref = node.add("a", "gpu-0")
-        assert await prepared(p, ref) == ["gpu-0"]
-        assert await p.unprepare([ref]) == {ref.uid: ClaimResult()}
-        assert hops == [], f"a section that cannot wait hopped to a thread: {hops}"
 
     asyncio.run(run())
 
@@ -452,7 +396,7 @@ def test_a_lock_held_by_the_other_instance_never_blocks_the_event_loop(tmp_path:
                 await asyncio.sleep(0.01)
                 ticks += 1
 
-        with _held_by_another_instance(p.lock_path, 0.3):
+        with _held_by_another_instance(p.steps.lock_path, 0.3):
             ticking = asyncio.create_task(ticker())
             start = time.monotonic()
             assert await prepared(p, ref) == ["gpu-0"]

@@ -1,0 +1,186 @@
+"""Start-up recovery: make the checkpoint, the CDI specs and the sharing state agree again.
+
+A crash anywhere leaves a state that this repairs, under the same lock as the transaction:
+a `started` entry is a dead transaction's (a live one holds the lock), so it is rolled
+back; an entry whose spec vanished gets it rewritten; a spec without an entry is removed;
+sharing of claims that are not prepared is torn down and that of prepared ones runs again.
+
+A checkpoint that cannot be read, or that is missing while this boot's specs or sharing
+daemons are on disk (a wiped or moved state dir), never costs a running pod its devices:
+it is moved aside, and the specs on disk of claims that the API server says are allocated
+to this node are adopted into a new checkpoint; only specs of claims that are gone are
+removed, and none at all if the API server cannot say. A checkpoint from a newer build
+stops the plugin (CheckpointFromNewerVersion propagates).
+
+It must not serve the kubelet's calls (state.py does) nor decide what a claim needs
+(ClaimSteps.plan does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from dra_driver.cdi.files import claim_spec_path, claim_uids_in, remove_claim_spec
+from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.claim_steps import JSON, ClaimSteps
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.lock import exclusive
+from dra_driver.sharing.policy import SharingError
+
+log = structlog.get_logger(__name__)
+
+ListAllocated = Callable[[], Awaitable[list[JSON] | None]]
+
+
+async def recover(steps: ClaimSteps, list_allocated: ListAllocated) -> None:
+    """Repair the node's claim state; asks the API server (`list_allocated`: the claims
+    allocated to this node, None if it cannot say) only when the checkpoint cannot."""
+    listed: list[JSON] | None = None
+    adopt = await asyncio.to_thread(_needs_adoption, steps)
+    if adopt:
+        log.error(
+            "the checkpoint cannot say which claims are prepared here (unreadable, or missing while "
+            "this boot's CDI specs or sharing daemons exist): asking the API server which claims are "
+            "allocated to this node"
+        )
+        listed = await list_allocated()
+    await asyncio.to_thread(_recover_locked, steps, adopt, listed)
+
+
+def _needs_adoption(steps: ClaimSteps) -> bool:
+    """The checkpoint is unreadable, or there is none (of this boot) although this boot's
+    CDI specs or sharing daemons are on disk: the state dir was wiped or moved, and only
+    the API server can tell which of them running pods use."""
+    try:
+        loaded = ckpt.load(steps.checkpoint_path, steps.boot_id)
+    except ckpt.CheckpointUnreadable:
+        return True
+    except ckpt.CheckpointFromNewerVersion:
+        return False  # raised again by the locked section, with the lock held
+    return loaded.status != ckpt.LoadStatus.LOADED and bool(_state_on_disk(steps))
+
+
+def _recover_locked(steps: ClaimSteps, adopt: bool, listed: list[JSON] | None) -> None:
+    with exclusive(steps.lock_path):
+        keep: frozenset[str] = frozenset()
+        try:
+            claims = dict(steps.load().claims)
+            changed = False
+        except ckpt.CheckpointUnreadable as e:
+            moved = ckpt.quarantine(steps.checkpoint_path)
+            log.error("checkpoint unreadable; moved aside", error=str(e), moved_to=str(moved))
+            claims, changed, adopt = {}, True, True
+        if adopt and not claims:  # another instance may have written one meanwhile
+            claims, keep = _adopt(steps, listed)
+            changed = True
+        for entry in list(claims.values()):
+            ref = ClaimRef(entry.namespace, entry.name, entry.uid)
+            if entry.phase != ckpt.ClaimPhase.COMPLETED or not _has_spec(steps, entry):
+                interrupted = entry.phase != ckpt.ClaimPhase.COMPLETED
+                steps.roll_back(ref, "interrupted prepare found at start" if interrupted else "devices gone")
+                del claims[entry.uid]
+                changed = True
+        for uid in claim_uids_in(steps.cdi_dir, steps.driver) - set(claims) - keep:
+            log.warning("removing the CDI spec of a claim that is not prepared here", claim_uid=uid)
+            remove_claim_spec(steps.cdi_dir, steps.driver, uid)
+        _recover_sharing(steps, claims, keep)
+        if changed:
+            steps.save(claims)
+        log.info("prepared-claim state recovered", claims=len(claims), kept_unknown=len(keep))
+
+
+def _adopt(
+    steps: ClaimSteps, listed: list[JSON] | None
+) -> tuple[dict[str, ckpt.ClaimEntry], frozenset[str]]:
+    """Entries for the specs and sharing state found on disk, from the claims the API
+    server says are allocated here; and the UIDs to keep although not adopted."""
+    on_disk = _state_on_disk(steps)
+    if listed is None:
+        log.error(
+            "the API server could not say which claims are allocated here: keeping every CDI spec "
+            "and sharing daemon; the kubelet's Unprepare calls remove them",
+            claims=len(on_disk),
+        )
+        return {}, on_disk
+    claims: dict[str, ckpt.ClaimEntry] = {}
+    keep: set[str] = set()
+    for claim in listed:
+        meta = claim.get("metadata") or {}
+        ref = ClaimRef(str(meta.get("namespace", "")), str(meta.get("name", "")), str(meta.get("uid", "")))
+        if ref.uid not in on_disk:
+            continue
+        try:
+            plan = steps.plan(ref, claim)
+        except ClaimRejected as e:
+            log.error(
+                "cannot adopt a claim allocated here; keeping its files", error=str(e), **ref.log_fields()
+            )
+            keep.add(ref.uid)
+            continue
+        started = ckpt.started_entry(ref.namespace, ref.name, ref.uid, plan.devices)
+        claims[ref.uid] = ckpt.completed_entry(started)
+        if plan.sharing is not None and steps.sharing.saved_plan(ref.uid) is None:
+            keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
+        log.warning("adopted a prepared claim into the new checkpoint", **ref.log_fields())
+    return claims, frozenset(keep)
+
+
+def _state_on_disk(steps: ClaimSteps) -> frozenset[str]:
+    return _specs_of_this_boot(steps) | steps.sharing.claims_with_state()
+
+
+def _specs_of_this_boot(steps: ClaimSteps) -> frozenset[str]:
+    """Claims with a CDI spec written since this boot (a persistent CDI dir may still hold
+    specs of an earlier boot, whose pods are gone: never adopt those)."""
+    booted = ckpt.boot_time()
+    found = set()
+    for uid in claim_uids_in(steps.cdi_dir, steps.driver):
+        try:
+            if claim_spec_path(steps.cdi_dir, steps.driver, uid).stat().st_mtime >= booted:
+                found.add(uid)
+        except FileNotFoundError:
+            continue
+    return frozenset(found)
+
+
+def _has_spec(steps: ClaimSteps, entry: ckpt.ClaimEntry) -> bool:
+    """A completed claim's spec is there, or was rewritten (e.g. someone cleaned the CDI
+    dir); False if it cannot be, because its devices are gone from this node."""
+    if claim_spec_path(steps.cdi_dir, steps.driver, entry.uid).exists():
+        return True
+    ref = ClaimRef(entry.namespace, entry.name, entry.uid)
+    missing = [d.device for d in entry.devices if d.device not in steps.devices]
+    if missing:
+        log.error(
+            "prepared claim refers to devices this node no longer has; dropping it",
+            devices=missing,
+            **ref.log_fields(),
+        )
+        return False
+    hardware = list({d.device: steps.devices[d.device] for d in entry.devices}.values())
+    steps.write_spec(entry.uid, hardware, steps.sharing.saved_plan(entry.uid))
+    log.warning("rewrote a missing CDI spec", **ref.log_fields())
+    return True
+
+
+def _recover_sharing(steps: ClaimSteps, claims: dict[str, ckpt.ClaimEntry], keep: frozenset[str]) -> None:
+    """Sharing of prepared claims runs again; sharing of unknown claims is torn down."""
+    for uid in steps.sharing.claims_with_state():
+        entry = claims.get(uid)
+        if entry is None or steps.sharing.saved_plan(uid) is None:
+            if uid in keep:
+                continue
+            log.warning("stopping the GPU sharing of a claim that is not prepared", claim_uid=uid)
+            steps.sharing.release(uid)
+            continue
+        try:
+            steps.sharing.ensure_running(uid)
+        except SharingError as e:  # its pods fail to connect and are restarted; the claim stays
+            log.error(
+                "could not restart a claim's GPU sharing",
+                error=str(e),
+                **ClaimRef(entry.namespace, entry.name, uid).log_fields(),
+            )
