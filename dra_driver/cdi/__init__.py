@@ -1,7 +1,6 @@
-"""CDI (Container Device Interface) specs for the GPUs a claim got: a facade.
+"""CDI (Container Device Interface) specs for the GPUs a claim got.
 
-Callers write `from dra_driver import cdi` and use `cdi.build_claim_spec(...)`,
-`cdi.write_spec(...)`; the work is in three modules that do not mix:
+Import from the three modules that do the work, which do not mix:
 
 * `dra_driver.cdi.spec`: the data types (`CdiSpec`, `Device`, `ContainerEdits`, ...), the
   `cdiVersion` rules (`minimum_version`) and the name rules (vendor, class, device, claim UID);
@@ -9,105 +8,5 @@ Callers write `from dra_driver import cdi` and use `cdi.build_claim_spec(...)`,
 * `dra_driver.cdi.files`: the JSON form and the files (`write_spec`, `remove_claim_spec`,
   `claim_uids_in`), the only I/O.
 
-This module only re-exports; it must NOT grow code of its own.
+This package module re-exports nothing: one way to import each name.
 """
-
-from dra_driver.cdi.builders import (
-    DEVICE_ENV_PREFIX,
-    ISOLATION_ENV,
-    MOUNT_OPTIONS,
-    AllocatableDevice,
-    ContainerLayout,
-    build_claim_spec,
-    build_static_spec,
-    common_edits,
-    default_layout,
-    device_edits,
-    device_env_name,
-)
-from dra_driver.cdi.files import (
-    DEFAULT_CDI_DIR,
-    SPEC_EXTENSION,
-    STATIC_CDI_DIR,
-    RenderedEdits,
-    claim_spec_filename,
-    claim_spec_path,
-    claim_uids_in,
-    remove_claim_spec,
-    spec_to_dict,
-    spec_to_json,
-    static_spec_filename,
-    write_spec,
-    write_spec_file,
-)
-from dra_driver.cdi.spec import (
-    CDI_CLASS,
-    DEFAULT_VENDOR,
-    KNOWN_VERSIONS,
-    CdiNameError,
-    CdiSpec,
-    ContainerEdits,
-    Device,
-    DeviceNode,
-    Hook,
-    Mount,
-    claim_device_id,
-    claim_device_name,
-    is_claim_uid,
-    kind_for,
-    minimum_version,
-    parse_qualified_name,
-    qualified_name,
-    validate_claim_uid,
-    validate_class,
-    validate_device_name,
-    validate_vendor,
-)
-
-__all__ = [
-    "CDI_CLASS",
-    "DEFAULT_CDI_DIR",
-    "DEFAULT_VENDOR",
-    "DEVICE_ENV_PREFIX",
-    "ISOLATION_ENV",
-    "KNOWN_VERSIONS",
-    "MOUNT_OPTIONS",
-    "SPEC_EXTENSION",
-    "STATIC_CDI_DIR",
-    "AllocatableDevice",
-    "CdiNameError",
-    "CdiSpec",
-    "ContainerEdits",
-    "ContainerLayout",
-    "Device",
-    "DeviceNode",
-    "Hook",
-    "Mount",
-    "RenderedEdits",
-    "build_claim_spec",
-    "build_static_spec",
-    "claim_device_id",
-    "claim_device_name",
-    "claim_spec_filename",
-    "claim_spec_path",
-    "claim_uids_in",
-    "common_edits",
-    "default_layout",
-    "device_edits",
-    "device_env_name",
-    "is_claim_uid",
-    "kind_for",
-    "minimum_version",
-    "parse_qualified_name",
-    "qualified_name",
-    "remove_claim_spec",
-    "spec_to_dict",
-    "spec_to_json",
-    "static_spec_filename",
-    "validate_claim_uid",
-    "validate_class",
-    "validate_device_name",
-    "validate_vendor",
-    "write_spec",
-    "write_spec_file",
-]

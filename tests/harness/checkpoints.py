@@ -29,7 +29,11 @@ def with_started(
 
 
 def with_completed(
-    cp: ckpt.Checkpoint, uid: str, *, now: datetime | None = None, devices: Sequence[PreparedDevice] | None = None
+    cp: ckpt.Checkpoint,
+    uid: str,
+    *,
+    now: datetime | None = None,
+    devices: Sequence[PreparedDevice] | None = None,
 ) -> ckpt.Checkpoint:
     """The started claim `uid` recorded as prepared."""
     entry = ckpt.completed_entry(cp.claims[uid], now=now, devices=devices)

@@ -48,7 +48,12 @@ def sample() -> ckpt.Checkpoint:
 def test_started_then_completed() -> None:
     cp = with_started(ckpt.Checkpoint.empty(BOOT), "ns", "c", UID_A, [record()], now=T0)
     entry = cp.claims[UID_A]
-    assert (entry.namespace, entry.name, entry.phase, entry.updated_at) == ("ns", "c", ckpt.ClaimPhase.STARTED, T0)
+    assert (entry.namespace, entry.name, entry.phase, entry.updated_at) == (
+        "ns",
+        "c",
+        ckpt.ClaimPhase.STARTED,
+        T0,
+    )
     done = with_completed(cp, UID_A, now=T1)
     assert done.claims[UID_A].phase == ckpt.ClaimPhase.COMPLETED
     assert done.claims[UID_A].devices == (record(),)

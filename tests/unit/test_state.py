@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from dra_driver import cdi
+from dra_driver.cdi.builders import build_claim_spec
+from dra_driver.cdi.files import claim_spec_path, claim_uids_in, remove_claim_spec, write_spec
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import simulated_driver_files
 from dra_driver.gpu import discover
@@ -84,7 +85,7 @@ class Node:
         return ref
 
     def specs(self) -> set[str]:
-        return set(cdi.claim_uids_in(self.root / "cdi", DRIVER))
+        return set(claim_uids_in(self.root / "cdi", DRIVER))
 
 
 async def _started(node: Node) -> NodePreparer:
@@ -136,11 +137,11 @@ def test_restart_recovers_every_half_done_state(tmp_path: Path) -> None:
         )
         await prepared(p, done)
         await prepared(p, gone_spec)
-        cdi.remove_claim_spec(tmp_path / "cdi", DRIVER, gone_spec.uid)  # e.g. someone cleaned /var/run/cdi
+        remove_claim_spec(tmp_path / "cdi", DRIVER, gone_spec.uid)  # e.g. someone cleaned /var/run/cdi
         cp = with_started(p.read_checkpoint(), "ns", "half", interrupted.uid, [])
         ckpt.save(p.checkpoint_path, cp)  # crash after `started`
-        orphan = cdi.build_claim_spec(DRIVER, "uid-orphan", [p.steps.devices["gpu-3"]], p.steps.driver_files)
-        cdi.write_spec(tmp_path / "cdi", orphan)  # a spec whose claim this node never recorded
+        orphan = build_claim_spec(DRIVER, "uid-orphan", [p.steps.devices["gpu-3"]], p.steps.driver_files)
+        write_spec(tmp_path / "cdi", orphan)  # a spec whose claim this node never recorded
 
         restarted = await _started(node)
         assert set(restarted.read_checkpoint().claims) == {done.uid, gone_spec.uid}
@@ -352,7 +353,7 @@ def _held_by_another_instance(lock: Path, seconds: float) -> Iterator[None]:
     def other_instance() -> None:
         with exclusive(lock):
             held.set()
-            time.sleep(seconds)
+            time.sleep(seconds)  # not a wait: the other instance holds the lock this long
 
     holder = threading.Thread(target=other_instance)
     holder.start()
@@ -371,7 +372,7 @@ def test_a_spec_from_an_earlier_boot_is_never_adopted(tmp_path: Path) -> None:
         p = await _started(node)
         old = node.add("old", "gpu-0")
         await prepared(p, old)
-        spec = cdi.claim_spec_path(tmp_path / "cdi", DRIVER, old.uid)
+        spec = claim_spec_path(tmp_path / "cdi", DRIVER, old.uid)
         before_boot = ckpt.boot_time() - 60
         os.utime(spec, (before_boot, before_boot))
         p.checkpoint_path.write_text("{}")  # e.g. torn by the power loss that ended that boot
@@ -393,7 +394,7 @@ def test_a_lock_held_by_the_other_instance_never_blocks_the_event_loop(tmp_path:
         async def ticker() -> None:
             nonlocal ticks
             while True:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # not a wait: a tick counts each turn the loop gets
                 ticks += 1
 
         with _held_by_another_instance(p.steps.lock_path, 0.3):
