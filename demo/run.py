@@ -13,10 +13,10 @@ read back from its log as `kubectl logs` would, checked against the allocated mi
 One extra pod asks for a GPU no node has and stays Pending with the scheduler's reason.
 
 The demo only observes: it never calls the plugin itself (the kubelet-side test client,
-tests.harness.kubelet, belongs to tests/integration). The helpers at the top
-(`DEMO_NODES`, `wait_for_slices`, `apply_documents`, `scheduler_reason`...) are also
-what the integration and node tiers build on. The report's layout lives apart, in
-`demo.report`.
+tests.harness.kubelet, belongs to tests/integration). It builds on the test harness
+(`tests.harness.examples`: the boxes, the examples, waiting for slices;
+`tests.harness.objects`: applying YAML, pods, claims, the scheduler's reasons); nothing
+in tests/ or benchmarks/ imports it back. The report's layout lives apart, in `demo.report`.
 """
 
 from __future__ import annotations
@@ -54,14 +54,36 @@ from demo.report import (
 )
 from dra_driver import log
 from dra_driver.jsontypes import JSON
-from tests.harness.cluster import REPO_ROOT, ControlPlane, build_binaries
-from tests.harness.driver import DRIVER, DriverProcess
-from tests.harness.node import Nodes, NodeSpec, build_node_binaries, node_cluster
+from tests.harness.cluster import ControlPlane, build_binaries
+from tests.harness.driver import DriverProcess
+from tests.harness.examples import (
+    DEMO_NODES,
+    DeviceMap,
+    apply_order,
+    device_class_files,
+    example_files,
+    node_specs,
+    too_big_pod,
+    wait_for_slices,
+)
+from tests.harness.node import Nodes, build_node_binaries, node_cluster
 from tests.harness.objects import (
-    create_object,
-    load_yaml_documents,
+    Applied,
+    allocation_results,
+    api_error,
+    apply_documents,
+    create_documents,
+    create_namespace,
+    event_order,
+    event_text,
+    get_claim,
+    get_pod,
+    pod_claim_names,
+    pod_events,
+    scheduler_reason,
     sync_client,
     sync_request,
+    wait_settled,
 )
 
 logger = structlog.get_logger(__name__)
@@ -71,58 +93,7 @@ DESCRIPTION = (
     "(kubelet + containerd + runc), each simulating a different GPU box."
 )
 
-DeviceMap = dict[tuple[str, str], JSON]  # (pool, device name) -> the device in its ResourceSlice
 DEMO_NAMESPACE = "gpu-demo"
-TOO_BIG_SELECTOR = f'device.capacity["{DRIVER}"].memory.compareTo(quantity("200Gi")) >= 0'
-RESOURCE_API = "/apis/resource.k8s.io/v1"
-EXTENDED_RESOURCE_CLAIM = "resource.kubernetes.io/extended-resource-claim"
-
-
-@dataclass(frozen=True)
-class SimulatedNode:
-    name: str
-    profile: str  # `dra-driver inventory --list-profiles`
-    description: str
-
-
-DEMO_NODES: tuple[SimulatedNode, ...] = (
-    SimulatedNode("dgx1-v100", "dgx1-v100", "hybrid cube-mesh: each GPU has NVLink to 4 of the 7 others"),
-    SimulatedNode("a100-pcie", "a100-pcie-bridged", "PCIe cards, NVLink bridges join only 0-1 and 2-3"),
-    SimulatedNode("hgx-h200", "hgx-h200", "NVSwitch: every GPU linked to every other"),
-)
-
-
-def node_specs(nodes: Sequence[SimulatedNode] = DEMO_NODES) -> tuple[NodeSpec, ...]:
-    """The demo's boxes as real nodes (tests.harness.node), one simulated driver each."""
-    return tuple(NodeSpec(n.name, n.profile) for n in nodes)
-
-
-def deploy_dir() -> Path:
-    """deploy/ of the source tree, or the copy shipped inside the wheel."""
-    source = REPO_ROOT / "deploy"
-    return source if source.is_dir() else Path(__file__).parent / "_deploy"
-
-
-def example_files() -> list[Path]:
-    return sorted((deploy_dir() / "examples").glob("*.yaml"))
-
-
-# The scheduler places the unconstrained examples wherever it likes; applied before
-# them, the examples that need a particular box (or a particular set of GPUs on it)
-# always find it free, so every run of the demo ends the same way.
-MOST_CONSTRAINED_FIRST = ("06-", "04-", "10-", "07-", "05-")
-
-
-def apply_order(files: Sequence[Path]) -> list[Path]:
-    def rank(path: Path) -> tuple[int, str]:
-        prefix = next((i for i, p in enumerate(MOST_CONSTRAINED_FIRST) if path.name.startswith(p)), None)
-        return (prefix if prefix is not None else len(MOST_CONSTRAINED_FIRST), path.name)
-
-    return sorted(files, key=rank)
-
-
-def device_class_files() -> list[Path]:
-    return sorted((deploy_dir() / "deviceclasses").glob("*.yaml"))
 
 
 def first_comment_paragraph(path: Path) -> str:
@@ -135,210 +106,6 @@ def first_comment_paragraph(path: Path) -> str:
         if text:
             words.append(text)
     return " ".join(words)
-
-
-def api_error(e: ApiException) -> str:
-    """The API server's own message from an error response, else the HTTP reason."""
-    with contextlib.suppress(ValueError, TypeError):
-        message = json.loads(e.body or "").get("message")
-        if message:
-            return str(message)
-    return f"{e.status} {e.reason}"
-
-
-# -- ResourceSlices ------------------------------------------------------------------------
-
-
-def published_devices(api: client.ApiClient) -> DeviceMap:
-    """Every device of our driver's slices, by (pool, device name)."""
-    slices = sync_request(
-        api, "GET", f"{RESOURCE_API}/resourceslices", query={"fieldSelector": f"spec.driver={DRIVER}"}
-    )["items"]
-    return {(s["spec"]["pool"]["name"], d["name"]): d for s in slices for d in s["spec"].get("devices", [])}
-
-
-def wait_for_slices(
-    api: client.ApiClient, drivers: Sequence[DriverProcess], timeout: float = 60.0
-) -> DeviceMap:
-    """Wait until every node's pool is complete (all `resourceSliceCount` slices of its newest generation)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for driver in drivers:
-            driver.check_alive()
-        slices = sync_request(
-            api, "GET", f"{RESOURCE_API}/resourceslices", query={"fieldSelector": f"spec.driver={DRIVER}"}
-        )["items"]
-        if all(_pool_complete(slices, d.node) for d in drivers):
-            return published_devices(api)
-        if time.monotonic() > deadline:
-            missing = [d.node for d in drivers if not _pool_complete(slices, d.node)]
-            raise TimeoutError(f"no complete ResourceSlice pool after {timeout}s for: {', '.join(missing)}")
-        time.sleep(0.2)
-
-
-def _pool_complete(slices: Sequence[JSON], node: str) -> bool:
-    mine = [s["spec"] for s in slices if s["spec"].get("nodeName") == node]
-    if not mine:
-        return False
-    newest = max(s["pool"]["generation"] for s in mine)
-    current = [s for s in mine if s["pool"]["generation"] == newest]
-    return len(current) == current[0]["pool"]["resourceSliceCount"] and any(s.get("devices") for s in current)
-
-
-# -- applying YAML -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Applied:
-    """What creating the documents of one file did."""
-
-    title: str
-    created: tuple[JSON, ...]
-    problems: tuple[str, ...]
-
-    def pods(self, namespace: str) -> list[tuple[str, str]]:
-        return [
-            (o["metadata"].get("namespace", namespace), o["metadata"]["name"])
-            for o in self.created
-            if o.get("kind") == "Pod"
-        ]
-
-
-def apply_documents(api: client.ApiClient, path: Path, namespace: str) -> Applied:
-    """Create every object of a YAML file; a rejected object is recorded, not raised.
-
-    Objects that name their own namespace (example 9) keep it; an existing Namespace is fine.
-    """
-    return create_documents(api, load_yaml_documents(path), namespace, path.name)
-
-
-def create_documents(api: client.ApiClient, docs: Iterable[JSON], namespace: str, title: str) -> Applied:
-    created: list[JSON] = []
-    problems: list[str] = []
-    for doc in docs:
-        what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
-        try:
-            obj = create_object(api, doc, namespace)
-        except ApiException as e:
-            if e.status == 409 and doc.get("kind") == "Namespace":
-                continue
-            problems.append(f"{what} rejected by the API server: {api_error(e)}")
-            continue
-        obj.setdefault("kind", doc.get("kind"))
-        created.append(obj)
-    return Applied(title=title, created=tuple(created), problems=tuple(problems))
-
-
-def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | None = None) -> None:
-    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
-    try:
-        sync_request(api, "POST", "/api/v1/namespaces", body)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-    # Pods are refused until the namespace's default service account exists; the
-    # controller-manager makes it, seconds later on a loaded machine: make it now.
-    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}
-    try:
-        sync_request(api, "POST", f"/api/v1/namespaces/{name}/serviceaccounts", account)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-
-
-# -- pods, claims, scheduler ----------------------------------------------------------------
-
-
-def get_pod(api: client.ApiClient, namespace: str, name: str) -> JSON:
-    return sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
-
-
-def get_claim(api: client.ApiClient, namespace: str, name: str) -> JSON:
-    return sync_request(api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}")
-
-
-def unschedulable_message(pod: JSON) -> str | None:
-    """The PodScheduled=False condition's message, once the scheduler gave up on a pass."""
-    for cond in pod.get("status", {}).get("conditions", []):
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
-            return str(cond.get("message") or cond.get("reason") or "unschedulable")
-    return None
-
-
-def pod_events(api: client.ApiClient, namespace: str, pod: str) -> list[JSON]:
-    """The events whose involved object is the pod."""
-    events: list[JSON] = sync_request(
-        api,
-        "GET",
-        f"/api/v1/namespaces/{namespace}/events",
-        query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
-    )["items"]
-    return events
-
-
-def scheduler_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
-    """Why a pod is not bound: its newest FailedScheduling event, else its PodScheduled
-    condition, else its newest Warning event from another component (a missing claim
-    template stops a pod before the scheduler ever tries it)."""
-    events = pod_events(api, namespace, pod)
-    failed = [e for e in events if e.get("reason") == "FailedScheduling"]
-    if failed:
-        return _event_text(max(failed, key=_event_order))
-    condition = unschedulable_message(get_pod(api, namespace, pod))
-    if condition:
-        return condition
-    warnings = [e for e in events if e.get("type") == "Warning"]
-    return _event_text(max(warnings, key=_event_order)) if warnings else ""
-
-
-def _event_order(event: JSON) -> int:
-    return int(event["metadata"].get("resourceVersion") or 0)
-
-
-def _event_text(event: JSON) -> str:
-    return f"{event.get('reason')}: {event.get('message') or event.get('note') or ''}".strip()
-
-
-def wait_settled(api: client.ApiClient, pods: Sequence[tuple[str, str]], timeout: float = 30.0) -> None:
-    """Wait until each pod is bound to a node or the scheduler has reported it unschedulable."""
-    deadline = time.monotonic() + timeout
-    waiting = list(pods)
-    while waiting and time.monotonic() < deadline:
-        still: list[tuple[str, str]] = []
-        for ns, name in waiting:
-            try:
-                pod = get_pod(api, ns, name)
-            except ApiException:
-                still.append((ns, name))
-                continue
-            if not pod["spec"].get("nodeName") and unschedulable_message(pod) is None:
-                still.append((ns, name))
-        waiting = still
-        if waiting:
-            time.sleep(0.2)
-
-
-def pod_claim_names(pod: JSON) -> list[tuple[str, str]]:
-    """(claim name, origin) of every ResourceClaim a pod uses, in the pod's order."""
-    status = pod.get("status", {})
-    statuses = {s["name"]: s.get("resourceClaimName") for s in status.get("resourceClaimStatuses", [])}
-    names: list[tuple[str, str]] = []
-    for ref in pod["spec"].get("resourceClaims", []):
-        if ref.get("resourceClaimName"):
-            names.append((ref["resourceClaimName"], "claim"))
-        elif statuses.get(ref["name"]):
-            names.append((str(statuses[ref["name"]]), "template"))
-    extended = status.get("extendedResourceClaimStatus", {}).get("resourceClaimName")
-    if extended:
-        names.append((str(extended), "extended resource"))
-    return names
-
-
-def allocation_results(claim: JSON) -> list[JSON]:
-    allocation = claim.get("status", {}).get("allocation") or {}
-    results: list[JSON] = allocation.get("devices", {}).get("results", [])
-    return results
-
 
 
 # -- report gathering ------------------------------------------------------------------------
@@ -575,7 +342,7 @@ def kubelet_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
     # Every pod gets MissingClusterDNS here (the nodes run no cluster DNS); it never says why
     # a pod does not run.
     warnings = [e for e in events if e.get("type") == "Warning" and e.get("reason") != "MissingClusterDNS"]
-    return _event_text(max(warnings, key=_event_order)) if warnings else ""
+    return event_text(max(warnings, key=event_order)) if warnings else ""
 
 
 def node_views(api: client.ApiClient, nodes: Nodes, devices: DeviceMap) -> tuple[NodeView, ...]:
@@ -626,43 +393,6 @@ class Progress:
 
     def __call__(self, message: str) -> None:
         print(f"[{self.elapsed:6.1f}s] {message}", flush=True)
-
-
-def too_big_pod() -> list[JSON]:
-    """A claim no node can satisfy (200Gi on one GPU): shows the scheduler's reason, harms nothing."""
-    template = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "gpu-200gi"},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": DRIVER,
-                                "selectors": [{"cel": {"expression": TOO_BIG_SELECTOR}}],
-                            },
-                        }
-                    ]
-                }
-            }
-        },
-    }
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "too-big-200gi"},
-        "spec": {
-            "automountServiceAccountToken": False,
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-200gi"}],
-            "containers": [
-                {"name": "main", "image": "busybox:1.37", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-        },
-    }
-    return [template, pod]
 
 
 def _summarise_pods(api: client.ApiClient, pods: Sequence[tuple[str, str]]) -> str:

@@ -5,8 +5,8 @@ Call `configure()` once at process start. Bind claim context with
 so that every line about a claim carries its namespace, name and UID.
 
 The driver's own lines are rendered by structlog and written straight to stderr, without
-the standard library's LogRecords and handlers (a line costs ~10 us instead of ~28 us, and
-Prepare logs on its hot path); a line below the level costs ~1 us. Lines of
+the standard library's LogRecords and handlers (much cheaper per line, and Prepare
+logs on its hot path); a line below the level is dropped before any rendering. Lines of
 libraries that log through `logging` (grpc, kubernetes) get the same renderer. This module
 must not buffer: a line is on stderr when the call returns.
 """

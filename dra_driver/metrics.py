@@ -52,8 +52,8 @@ REGISTRY: Final = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
-# Prepare calls take ~15-20 ms on a real kubelet; a claim read that waits on a slow API
-# server can take up to the kubelet's 45 s.
+# Fine buckets for a Prepare on a healthy node, coarse ones up to the kubelet's 45 s, which
+# a claim read that waits on a slow API server can reach.
 _REQUEST_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 45.0)
 
 build_info: Final = Gauge(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final
 
 from dra_driver.cdi.spec import (
     DEFAULT_VENDOR,
@@ -33,8 +33,9 @@ from dra_driver.cdi.spec import (
     kind_for,
     validate_device_name,
 )
+from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DeviceNodeInfo, DriverFiles, multiarch_triplet
-from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
+from dra_driver.gpu.model import Inventory
 
 MOUNT_OPTIONS: Final = ("ro", "nosuid", "nodev", "bind")
 # Images such as nvidia/cuda set NVIDIA_VISIBLE_DEVICES=all. On a node whose runtime is
@@ -81,31 +82,6 @@ def default_layout(machine: str | None = None) -> ContainerLayout:
     )
 
 
-class AllocatableDevice(Protocol):
-    """A device to put in a spec: a whole GPU, or a MIG device on `gpu` (its parent).
-    `dra_driver.devices.NodeDevice` is one."""
-
-    @property
-    def name(self) -> str: ...  # the ResourceSlice device name, e.g. "gpu-0"
-
-    @property
-    def gpu(self) -> GpuInfo: ...
-
-    @property
-    def mig(self) -> MigDevice | None: ...
-
-
-@dataclass(frozen=True)
-class _StaticDevice:
-    name: str
-    gpu: GpuInfo
-    mig: MigDevice | None = None
-
-
-def _uuid(device: AllocatableDevice) -> str:
-    return device.mig.uuid if device.mig is not None else device.gpu.uuid
-
-
 def _cdi_node(n: DeviceNodeInfo) -> DeviceNode:
     return DeviceNode(
         path=n.path,
@@ -117,7 +93,7 @@ def _cdi_node(n: DeviceNodeInfo) -> DeviceNode:
     )
 
 
-def device_edits(device: AllocatableDevice, files: DriverFiles) -> ContainerEdits:
+def device_edits(device: NodeDevice, files: DriverFiles) -> ContainerEdits:
     """The edits one device needs on its own: its device nodes and its UUID variable."""
     nodes = [files.gpu_node(device.gpu.minor)]
     if device.mig is not None:
@@ -125,7 +101,7 @@ def device_edits(device: AllocatableDevice, files: DriverFiles) -> ContainerEdit
             files.mig_cap_nodes(device.gpu.minor, device.mig.gpu_instance_id, device.mig.compute_instance_id)
         )
     return ContainerEdits(
-        env=(f"{device_env_name(device.name)}={_uuid(device)}",),
+        env=(f"{device_env_name(device.name)}={device.uuid}",),
         device_nodes=tuple(_cdi_node(n) for n in nodes),
     )
 
@@ -157,7 +133,7 @@ def common_edits(files: DriverFiles, layout: ContainerLayout | None = None) -> C
 def build_claim_spec(
     vendor: str,
     claim_uid: str,
-    devices: Sequence[AllocatableDevice],
+    devices: Sequence[NodeDevice],
     files: DriverFiles,
     *,
     extra_edits: Mapping[str, ContainerEdits] | None = None,
@@ -209,14 +185,14 @@ def build_static_spec(
     devices: list[Device] = []
     whole: list[ContainerEdits] = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
-        edits = device_edits(_StaticDevice(name=str(gpu.index), gpu=gpu), files)
+        edits = device_edits(NodeDevice(str(gpu.index), gpu), files)
         whole.append(edits)
         devices.append(Device(name=str(gpu.index), container_edits=edits))
         devices.append(Device(name=gpu.uuid, container_edits=edits))
         for mig in gpu.mig_devices:
             name = f"{gpu.index}:{mig.gpu_instance_id}:{mig.compute_instance_id}"
             devices.append(
-                Device(name=mig.uuid, container_edits=device_edits(_StaticDevice(name, gpu, mig), files))
+                Device(name=mig.uuid, container_edits=device_edits(NodeDevice(name, gpu, mig), files))
             )
     if not devices:
         raise ValueError("no GPUs in the inventory: a CDI spec needs at least one device")

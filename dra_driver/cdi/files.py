@@ -116,7 +116,7 @@ def spec_to_dict(spec: CdiSpec) -> dict[str, Any]:
 @dataclass(frozen=True)
 class RenderedEdits:
     """Spec-wide container edits with their JSON, rendered once: every claim spec of a
-    node carries the same ones (its driver files: ~90 mounts on an H200 host), which would
+    node carries the same ones (its driver files: dozens of mounts), which would
     otherwise be rebuilt and encoded again on every Prepare."""
 
     edits: ContainerEdits
@@ -130,7 +130,7 @@ class RenderedEdits:
 
 def spec_to_json(spec: CdiSpec, spec_edits: RenderedEdits | None = None) -> str:
     """The spec's file content; `spec_edits` is used if it renders this spec's own edits."""
-    # One line: `indent` would take json's pure-Python encoder, ~5x slower on Prepare's path
+    # One line: `indent` would take json's pure-Python encoder, several times slower on Prepare's path
     # (`jq . <file>` shows it indented).
     if spec_edits is None or spec.container_edits is not spec_edits.edits or spec_edits.edits.is_empty():
         return json.dumps(spec_to_dict(spec)) + "\n"

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import click
 
-from dra_driver import cdi as cdispec
+from dra_driver.cdi.builders import build_static_spec
+from dra_driver.cdi.files import spec_to_json, write_spec_file
+from dra_driver.cdi.spec import DEFAULT_VENDOR, CdiNameError, validate_vendor
 from dra_driver.commands.options import driver_files_options
 from dra_driver.driver_root import scan_driver_files
 
@@ -29,7 +31,7 @@ def cdi() -> None:
 @driver_files_options
 @click.option(
     "--driver-name",
-    default=cdispec.DEFAULT_VENDOR,
+    default=DEFAULT_VENDOR,
     show_default=True,
     help="The DRA driver name; the CDI vendor (kind <driver-name>/gpu).",
 )
@@ -54,8 +56,8 @@ def generate(
     from dra_driver.gpu import GpuDiscoveryError, discover
 
     try:
-        cdispec.validate_vendor(driver_name)
-    except cdispec.CdiNameError as err:
+        validate_vendor(driver_name)
+    except CdiNameError as err:
         raise click.BadParameter(str(err), param_hint="--driver-name") from err
     try:
         inventory = discover(simulate)
@@ -70,14 +72,14 @@ def generate(
         gpu_minors=[g.minor for g in inventory.gpus],
     )
     try:
-        spec = cdispec.build_static_spec(inventory, files, driver_name)
+        spec = build_static_spec(inventory, files, driver_name)
     except ValueError as err:
         raise click.ClickException(str(err)) from err
     if output is None:
-        click.echo(cdispec.spec_to_json(spec), nl=False)
+        click.echo(spec_to_json(spec), nl=False)
         return
     try:
-        cdispec.write_spec_file(output, spec)
+        write_spec_file(output, spec)
     except OSError as err:
         raise click.ClickException(f"writing {output}: {err}") from err
     click.echo(f"wrote {output}: {len(spec.devices)} devices, cdiVersion {spec.cdi_version}", err=True)

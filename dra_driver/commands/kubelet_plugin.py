@@ -384,7 +384,7 @@ async def _publish(
             waiting_logged = True
         await asyncio.sleep(LEASE_POLL_SECONDS)
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
-    # ~80 ms of imports, in a thread: the kubelet's first calls are answered meanwhile.
+    # imported in a thread once both sockets serve: the kubelet's first calls are answered meanwhile
     publisher = await asyncio.to_thread(importlib.import_module, "controller.publisher")
     ctl = await publisher.slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares

@@ -49,7 +49,7 @@ def discover(simulate: str | None = None) -> Inventory:
 
 
 # The simulation (profiles, YAML, FakeNvml) is imported only when asked for: a GPU node's
-# plugin never needs it, and it is ~30 ms of the plugin's start.
+# plugin never needs it, and its import would lengthen every plugin start.
 
 
 def load_profile(name_or_path: str) -> Profile:

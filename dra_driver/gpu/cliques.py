@@ -109,9 +109,6 @@ class CliqueLayers:
                 return number
         return None
 
-    def group_of(self, gpu: int, layer: int) -> Clique | None:
-        return next((g for g in self.layers[layer] if gpu in g), None)
-
 
 def clique_layers(maximal: Sequence[Clique], max_layers: int = MAX_LAYERS) -> CliqueLayers:
     """The fewest layers (at most `max_layers`) whose groups are the maximal cliques, or the best cover.

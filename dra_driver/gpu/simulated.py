@@ -9,7 +9,7 @@ runs the very parsing code a GPU host runs with `nvml.discover(pynvml)`.
 
 `FakeSysfs(profile)` answers the sysfs questions (PCIe root, NUMA node) the same way.
 `calls` records every call, so tests can check that each query is made once.
-With a `FakeEventSource` (dra_driver.health.injection) it also answers the health
+With a `FakeEventSource` (dra_driver.gpu.simulated_events) it also answers the health
 monitor's event calls: injected XIDs, ECC errors, lost GPUs and recovery actions come out
 of `nvmlEventSetWait_v2` and `nvmlDeviceGetFieldValues` as from the real library.
 This module holds no discovery or health logic of its own.
@@ -26,7 +26,7 @@ import pynvml
 
 from dra_driver.gpu.nvml import normalize_pci_bus_id
 from dra_driver.gpu.profiles import GpuSpec, MigInstanceSpec, Profile
-from dra_driver.health.injection import ALL_EVENTS, EventData, FakeEventSource
+from dra_driver.gpu.simulated_events import ALL_EVENTS, EventData, FakeEventSource
 
 
 @dataclass(frozen=True)

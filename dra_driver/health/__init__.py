@@ -7,8 +7,8 @@ Layers, pure first:
 - `effects`: state -> taints and health-stream status; event -> devices;
 - `keeper`: the event loop's owner of all device states, which others follow;
 - `monitor`: the NVML thread (events and probes), the same on pynvml and FakeNvml;
-- `injection`: the simulated event source behind FakeNvml;
 - `history`, `notify`: the history file and the Kubernetes Events;
 - `node`: starting and stopping all of it in the node process.
 Nothing here imports the kubelet plugin or the slice publisher: the command wiring joins them.
+The simulated event source is `dra_driver.gpu.simulated_events`, beside the simulated GPU.
 """

@@ -247,9 +247,6 @@ class NvmlHealthMonitor:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def probe_soon(self) -> None:
-        self._probe_now.set()
-
     def _run(self) -> None:
         pending: list[HealthEvent] = []
         first_at = 0.0

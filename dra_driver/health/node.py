@@ -21,7 +21,6 @@ import structlog
 from dra_driver.devices import NodeDevice
 from dra_driver.gpu.model import Inventory
 from dra_driver.health.classify import HealthPolicy
-from dra_driver.health.injection import FakeEventSource
 from dra_driver.health.keeper import HealthKeeper
 from dra_driver.health.monitor import Batch, GpuRef, NvmlEventsApi, NvmlHealthMonitor
 
@@ -55,6 +54,7 @@ def nvml_for(simulate: str | None, events_file: Path | None) -> NvmlEventsApi:
         return nvml
     from dra_driver.gpu.profiles import load_profile  # the simulation only when asked for
     from dra_driver.gpu.simulated import FakeNvml
+    from dra_driver.gpu.simulated_events import FakeEventSource
 
     profile = load_profile(simulate)
     return FakeNvml(profile, FakeEventSource(len(profile.gpus), events_file))

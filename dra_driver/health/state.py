@@ -60,10 +60,6 @@ class DeviceState:
     recoveries: int = 0
 
     @property
-    def unhealthy(self) -> bool:
-        return bool(self.conditions)
-
-    @property
     def worst(self) -> Condition | None:
         """The strongest condition (the oldest among equals): what the health stream says."""
         return min(self.conditions.values(), key=lambda c: (-c.severity, c.since), default=None)

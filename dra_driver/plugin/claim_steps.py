@@ -66,7 +66,7 @@ class ClaimSteps:
     state_dir: Path
     sharing: Sharing
     boot_id: str
-    # the ~70 mounts every claim's spec shares, rendered once
+    # the mounts and device nodes every claim's spec shares, rendered once
     spec_edits: RenderedEdits = field(init=False)
 
     def __post_init__(self) -> None:

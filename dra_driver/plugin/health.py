@@ -50,9 +50,6 @@ class DeviceHealthBoard:
     def snapshot(self) -> tuple[DeviceHealth, ...]:
         return tuple(self._health[d] for d in sorted(self._health))
 
-    async def set(self, device: str, status: HealthStatus, message: str = "") -> None:
-        await self.set_many({device: (status, message)})
-
     async def set_many(self, updates: Mapping[str, tuple[HealthStatus, str]]) -> None:
         now = time.time()
         changed = False

@@ -43,7 +43,7 @@ DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
 # The syntax of a Kubernetes resource.Quantity without the sub-unit suffixes (m, u, n):
 # what this project reads are byte counts. Parsed here rather than with the client's
 # `parse_quantity`, which is lenient ("NaN", "1e3Gi") and whose import pulls the whole
-# generated client into the daemon (~20 MiB).
+# generated client into the daemon's memory.
 _QUANTITY = re.compile(
     r"([+-]?(?:[0-9]*\.?[0-9]+|[0-9]+\.))"  # the number
     r"(?:(Ki|Mi|Gi|Ti|Pi|Ei|[kMGTPE])|[eE]([+-]?[0-9]+))?"  # a binary or decimal suffix, or an exponent

@@ -55,8 +55,8 @@ from typing import Any, Final
 
 import structlog
 
-from dra_driver import cdi
 from dra_driver.atomic import write_file_atomic
+from dra_driver.cdi.spec import ContainerEdits, Mount, validate_claim_uid
 from dra_driver.driver_root import BINARY_DIRS, library_dirs, resolve_in_root
 from dra_driver.sharing.config import ConfigError, MpsConfig, format_mps_memory
 
@@ -266,16 +266,16 @@ class MpsControl:
     # -- paths and pure parts ----------------------------------------------------------
 
     def dirs(self, claim_uid: str) -> ClaimDirs:
-        cdi.validate_claim_uid(claim_uid)  # it names a directory
+        validate_claim_uid(claim_uid)  # it names a directory
         return ClaimDirs(self.root / claim_uid)
 
-    def container_edits(self, settings: MpsSettings) -> cdi.ContainerEdits:
+    def container_edits(self, settings: MpsSettings) -> ContainerEdits:
         """What each of the claim's containers needs to be a client of its daemon."""
         host = ClaimDirs(self.host_root / settings.claim_uid)
-        mounts = [cdi.Mount(str(host.pipe), CONTAINER_PIPE_DIR, MOUNT_OPTIONS)]
+        mounts = [Mount(str(host.pipe), CONTAINER_PIPE_DIR, MOUNT_OPTIONS)]
         if self.private_shm:
-            mounts.append(cdi.Mount(str(host.shm), CONTAINER_SHM_DIR, MOUNT_OPTIONS))
-        return cdi.ContainerEdits(env=client_env(settings), mounts=tuple(mounts))
+            mounts.append(Mount(str(host.shm), CONTAINER_SHM_DIR, MOUNT_OPTIONS))
+        return ContainerEdits(env=client_env(settings), mounts=tuple(mounts))
 
     def control_binary(self) -> Path:
         found = self._control_binary or find_control_binary(self.driver_root)

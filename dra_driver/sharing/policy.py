@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from dra_driver import cdi
+from dra_driver.cdi.spec import ContainerEdits
 from dra_driver.devices import NodeDevice
 from dra_driver.sharing.config import (
     ConfigError,
@@ -78,7 +78,7 @@ class Sharing:
                 entries.append((d.uuid, replace(base, default_active_thread_percentage=percentage)))
         return settings_for_claim(claim_uid, entries)
 
-    def edits(self, plan: SharingPlan | None, devices: Sequence[NodeDevice]) -> dict[str, cdi.ContainerEdits]:
+    def edits(self, plan: SharingPlan | None, devices: Sequence[NodeDevice]) -> dict[str, ContainerEdits]:
         """Extra CDI container edits by device name."""
         if plan is None:
             return {}

@@ -33,7 +33,7 @@ from hwutil import (
 )
 from hwworkloads import CUDA_PROBE, NVIDIA_SMI_L, last_json
 
-from dra_driver import cdi
+from dra_driver.cdi.files import static_spec_filename
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
 from tests.harness import container as ctr
@@ -247,7 +247,7 @@ def test_static_spec_container(
     driver_files: Any,
     record: Recorder,
 ) -> None:
-    out = tmp_path / "cdi" / cdi.static_spec_filename(DRIVER)
+    out = tmp_path / "cdi" / static_spec_filename(DRIVER)
     cmd = [
         *dra_driver("cdi"),
         "generate",

@@ -18,7 +18,7 @@ import pytest
 from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, Recorder, dra_driver, make_preparer, run, simulate_args, smi
 from hwworkloads import last_json
 
-from dra_driver import cdi
+from dra_driver.cdi.files import claim_uids_in
 from dra_driver.gpu.topology import nvlink_pairs, nvlink_topology
 from dra_driver.plugin.claims import ClaimRef
 from tests.harness import container as ctr
@@ -144,7 +144,7 @@ def test_two_claims_on_two_gpus_each_container_sees_only_its_own(
             assert len(listed) == 1 and gpu.uuid in listed[0], seen.stdout
     finally:
         asyncio.run(preparer.unprepare(refs))
-    assert not cdi.claim_uids_in(tmp_path / "cdi", DRIVER)
+    assert not claim_uids_in(tmp_path / "cdi", DRIVER)
 
 
 @pytest.mark.container

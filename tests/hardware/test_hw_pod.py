@@ -36,19 +36,21 @@ from typing import Any
 import pytest
 from hwutil import DRIVER, NODE, Recorder, run, smi
 
-from demo.run import (
+from dra_driver.driver_root import DriverFiles
+from tests.harness.cluster import ControlPlane
+from tests.harness.examples import device_class_files, wait_for_slices
+from tests.harness.images import PATH_ENV, Entry, write_oci_archive
+from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
+from tests.harness.objects import (
     RESOURCE_API,
     apply_documents,
     create_namespace,
-    device_class_files,
+    create_object,
     get_pod,
-    wait_for_slices,
+    sync_client,
+    sync_request,
+    wait_for,
 )
-from dra_driver.driver_root import DriverFiles
-from tests.harness.cluster import ControlPlane
-from tests.harness.images import PATH_ENV, Entry, write_oci_archive
-from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
-from tests.harness.objects import create_object, sync_client, sync_request, wait_for
 from tests.node.pods import cdi_specs_of, delete_pod, describe, pod_claims, wait_gone, wait_running
 
 pytestmark = [pytest.mark.hardware, pytest.mark.container]
@@ -275,7 +277,7 @@ def pod_log(node: Node, pod: JSON, timeout: float = 120.0) -> str:
             text = "\n".join(lines)
             if "--- end" in text:
                 return text
-        time.sleep(0.2)
+        time.sleep(0.2)  # the poll interval
     raise AssertionError(f"no `--- end` in {path} after {timeout}s; so far:\n{text}")
 
 

@@ -1,4 +1,5 @@
-"""Small helpers over the Kubernetes API for tests and the demo: fake Nodes, waiting, applying YAML.
+"""Small helpers over the Kubernetes API for tests, benchmarks and the demo: fake Nodes, waiting,
+applying YAML, reading pods and claims back and why the scheduler left a pod pending.
 
 Everything goes through the official client against a real API server; nothing here
 stands in for a component. Tests, benchmarks and the demo are synchronous, so this is the
@@ -9,9 +10,12 @@ mistakes one for the other (and mypy catches an `await` of the wrong one).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,22 +27,61 @@ from dra_driver.jsontypes import JSON
 
 T = TypeVar("T")
 
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+EXTENDED_RESOURCE_CLAIM = "resource.kubernetes.io/extended-resource-claim"
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0, interval: float = 0.2) -> T:
-    """Poll `probe` until it returns something truthy; raise TimeoutError naming `what`."""
+
+def wait_for(
+    what: str,
+    probe: Callable[[], T | None],
+    timeout: float = 30.0,
+    interval: float = 0.2,
+    detail: Callable[[], object] | None = None,
+) -> T:
+    """Poll `probe` until it returns something truthy and return that; past `timeout` raise
+    TimeoutError naming `what`, the probe's last answer (or, given `detail`, what `detail()`
+    says then) and the last API error. Use it, not a fixed sleep, before an assertion: a
+    sleep long enough on an idle machine is too short on a loaded one; this only takes longer."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
-    while time.monotonic() < deadline:
+    result: T | None = None
+    while True:
         try:
             result = probe()
             if result:
                 return result
         except ApiException as e:
             last_error = e
-        time.sleep(interval)
-    raise TimeoutError(
-        f"timed out after {timeout}s waiting for {what}"
-        + (f" (last error: {last_error})" if last_error else "")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(_timed_out(what, timeout, result, detail, last_error))
+        time.sleep(interval)  # the poll interval
+
+
+async def wait_for_async(
+    what: str,
+    probe: Callable[[], T | None],
+    timeout: float = 30.0,
+    interval: float = 0.01,
+    detail: Callable[[], object] | None = None,
+) -> T:
+    """`wait_for` inside an event loop: the loop runs on between polls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = probe()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            raise TimeoutError(_timed_out(what, timeout, result, detail, None))
+        await asyncio.sleep(interval)  # the poll interval
+
+
+def _timed_out(
+    what: str, timeout: float, last: object, detail: Callable[[], object] | None, error: Exception | None
+) -> str:
+    seen = detail() if detail is not None else last
+    return (
+        f"timed out after {timeout}s waiting for {what}; last seen: {str(seen)[-3000:]}"
+        + (f" (last error: {error})" if error else "")
     )
 
 
@@ -167,3 +210,169 @@ def create_device_class(api: client.ApiClient, name: str, expression: str) -> JS
 def create_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "default") -> JSON:
     """POST one object given as a dict; returns the server's object."""
     return sync_request(api, "POST", _collection_path(doc, namespace), body=doc)
+
+
+# -- applying YAML ---------------------------------------------------------------------------
+
+
+def api_error(e: ApiException) -> str:
+    """The API server's own message from an error response, else the HTTP reason."""
+    with contextlib.suppress(ValueError, TypeError):
+        message = json.loads(e.body or "").get("message")
+        if message:
+            return str(message)
+    return f"{e.status} {e.reason}"
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What creating the documents of one file did."""
+
+    title: str
+    created: tuple[JSON, ...]
+    problems: tuple[str, ...]
+
+    def pods(self, namespace: str) -> list[tuple[str, str]]:
+        return [
+            (o["metadata"].get("namespace", namespace), o["metadata"]["name"])
+            for o in self.created
+            if o.get("kind") == "Pod"
+        ]
+
+
+def apply_documents(api: client.ApiClient, path: Path, namespace: str) -> Applied:
+    """Create every object of a YAML file; a rejected object is recorded, not raised.
+
+    Objects that name their own namespace (example 9) keep it; an existing Namespace is fine.
+    """
+    return create_documents(api, load_yaml_documents(path), namespace, path.name)
+
+
+def create_documents(api: client.ApiClient, docs: Iterable[JSON], namespace: str, title: str) -> Applied:
+    created: list[JSON] = []
+    problems: list[str] = []
+    for doc in docs:
+        what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        try:
+            obj = create_object(api, doc, namespace)
+        except ApiException as e:
+            if e.status == 409 and doc.get("kind") == "Namespace":
+                continue
+            problems.append(f"{what} rejected by the API server: {api_error(e)}")
+            continue
+        obj.setdefault("kind", doc.get("kind"))
+        created.append(obj)
+    return Applied(title=title, created=tuple(created), problems=tuple(problems))
+
+
+def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | None = None) -> None:
+    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
+    try:
+        sync_request(api, "POST", "/api/v1/namespaces", body)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    # Pods are refused until the namespace's default service account exists; the
+    # controller-manager makes it, seconds later on a loaded machine: make it now.
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "default"}}
+    try:
+        sync_request(api, "POST", f"/api/v1/namespaces/{name}/serviceaccounts", account)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+
+
+# -- pods, claims, scheduler ----------------------------------------------------------------
+
+
+def get_pod(api: client.ApiClient, namespace: str, name: str) -> JSON:
+    return sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+
+
+def get_claim(api: client.ApiClient, namespace: str, name: str) -> JSON:
+    return sync_request(api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}")
+
+
+def unschedulable_message(pod: JSON) -> str | None:
+    """The PodScheduled=False condition's message, once the scheduler gave up on a pass."""
+    for cond in pod.get("status", {}).get("conditions", []):
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return str(cond.get("message") or cond.get("reason") or "unschedulable")
+    return None
+
+
+def pod_events(api: client.ApiClient, namespace: str, pod: str) -> list[JSON]:
+    """The events whose involved object is the pod."""
+    events: list[JSON] = sync_request(
+        api,
+        "GET",
+        f"/api/v1/namespaces/{namespace}/events",
+        query={"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
+    )["items"]
+    return events
+
+
+def scheduler_reason(api: client.ApiClient, namespace: str, pod: str) -> str:
+    """Why a pod is not bound: its newest FailedScheduling event, else its PodScheduled
+    condition, else its newest Warning event from another component (a missing claim
+    template stops a pod before the scheduler ever tries it)."""
+    events = pod_events(api, namespace, pod)
+    failed = [e for e in events if e.get("reason") == "FailedScheduling"]
+    if failed:
+        return event_text(max(failed, key=event_order))
+    condition = unschedulable_message(get_pod(api, namespace, pod))
+    if condition:
+        return condition
+    warnings = [e for e in events if e.get("type") == "Warning"]
+    return event_text(max(warnings, key=event_order)) if warnings else ""
+
+
+def event_order(event: JSON) -> int:
+    """Newest last: the order the API server stored the events in."""
+    return int(event["metadata"].get("resourceVersion") or 0)
+
+
+def event_text(event: JSON) -> str:
+    """`reason: message` of an event, from either Events API."""
+    return f"{event.get('reason')}: {event.get('message') or event.get('note') or ''}".strip()
+
+
+def wait_settled(api: client.ApiClient, pods: Sequence[tuple[str, str]], timeout: float = 30.0) -> None:
+    """Wait until each pod is bound to a node or the scheduler has reported it unschedulable."""
+    deadline = time.monotonic() + timeout
+    waiting = list(pods)
+    while waiting and time.monotonic() < deadline:
+        still: list[tuple[str, str]] = []
+        for ns, name in waiting:
+            try:
+                pod = get_pod(api, ns, name)
+            except ApiException:
+                still.append((ns, name))
+                continue
+            if not pod["spec"].get("nodeName") and unschedulable_message(pod) is None:
+                still.append((ns, name))
+        waiting = still
+        if waiting:
+            time.sleep(0.2)  # the poll interval
+
+
+def pod_claim_names(pod: JSON) -> list[tuple[str, str]]:
+    """(claim name, origin) of every ResourceClaim a pod uses, in the pod's order."""
+    status = pod.get("status", {})
+    statuses = {s["name"]: s.get("resourceClaimName") for s in status.get("resourceClaimStatuses", [])}
+    names: list[tuple[str, str]] = []
+    for ref in pod["spec"].get("resourceClaims", []):
+        if ref.get("resourceClaimName"):
+            names.append((ref["resourceClaimName"], "claim"))
+        elif statuses.get(ref["name"]):
+            names.append((str(statuses[ref["name"]]), "template"))
+    extended = status.get("extendedResourceClaimStatus", {}).get("resourceClaimName")
+    if extended:
+        names.append((str(extended), "extended resource"))
+    return names
+
+
+def allocation_results(claim: JSON) -> list[JSON]:
+    allocation = claim.get("status", {}).get("allocation") or {}
+    results: list[JSON] = allocation.get("devices", {}).get("results", [])
+    return results

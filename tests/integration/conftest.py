@@ -13,9 +13,8 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
-from demo.run import create_namespace
 from tests.harness.cluster import ControlPlane
-from tests.harness.objects import sync_client, sync_request
+from tests.harness.objects import create_namespace, sync_client, sync_request
 
 pytestmark = pytest.mark.integration
 

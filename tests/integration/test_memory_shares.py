@@ -29,13 +29,23 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from demo.run import allocation_results, get_claim, get_pod, pod_claim_names, scheduler_reason
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.kubelet import ClaimName, KubeletSide
-from tests.harness.objects import create_node, create_object, load_yaml_documents, sync_request, wait_for
+from tests.harness.objects import (
+    allocation_results,
+    create_node,
+    create_object,
+    get_claim,
+    get_pod,
+    load_yaml_documents,
+    pod_claim_names,
+    scheduler_reason,
+    sync_request,
+    wait_for,
+)
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"

@@ -32,13 +32,22 @@ import pytest
 from kubernetes import client
 
 from controller.claim_shapes import linked_gpus_ga, linked_gpus_list
-from demo.run import RESOURCE_API, allocation_results, get_claim, get_pod, scheduler_reason
 from dra_driver.gpu import discover
 from dra_driver.gpu.topology import nvlink_topology
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import FEATURE_GATES, ControlPlane
 from tests.harness.driver import spawn_dra_driver
-from tests.harness.objects import create_node, sync_client, sync_request, wait_for
+from tests.harness.objects import (
+    RESOURCE_API,
+    allocation_results,
+    create_node,
+    get_claim,
+    get_pod,
+    scheduler_reason,
+    sync_client,
+    sync_request,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -8,13 +8,46 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import structlog
 
-from dra_driver import cdi
+from dra_driver.cdi.builders import (
+    ContainerLayout,
+    build_claim_spec,
+    build_static_spec,
+    common_edits,
+    default_layout,
+    device_env_name,
+)
+from dra_driver.cdi.files import (
+    RenderedEdits,
+    claim_spec_filename,
+    claim_spec_path,
+    claim_uids_in,
+    remove_claim_spec,
+    spec_to_dict,
+    spec_to_json,
+    write_spec,
+)
+from dra_driver.cdi.spec import (
+    DEFAULT_VENDOR,
+    KNOWN_VERSIONS,
+    CdiNameError,
+    CdiSpec,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Hook,
+    Mount,
+    claim_device_id,
+    minimum_version,
+    parse_qualified_name,
+    validate_device_name,
+    validate_vendor,
+)
+from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import (
     DeviceNodeInfo,
     DriverBinary,
@@ -25,9 +58,10 @@ from dra_driver.driver_root import (
 )
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
 
+Dev = NodeDevice  # short: the specs below name many
 UID = "0f3c9a1e-5b7d-4e2a-9c1b-2d3e4f5a6b7c"  # starts with a digit, as many UUIDs do
 UID_LETTER = "c3c9a1e0-5b7d-4e2a-9c1b-2d3e4f5a6b7c"
-VENDOR = cdi.DEFAULT_VENDOR
+VENDOR = DEFAULT_VENDOR
 
 
 def gpu(index: int, minor: int | None = None, *, mig: tuple[MigDevice, ...] = ()) -> GpuInfo:
@@ -60,15 +94,6 @@ def mig_device(parent: int, gi: int, ci: int = 0) -> MigDevice:
         memory_bytes=18 << 30,
         multiprocessors=16,
     )
-
-
-@dataclass(frozen=True)
-class Dev:
-    """Any object with name/gpu/mig will do (dra_driver.devices.NodeDevice is one)."""
-
-    name: str
-    gpu: GpuInfo
-    mig: MigDevice | None = None
 
 
 def node(path: str, major: int, minor: int, host: str | None = None, mode: int = 0o666) -> DeviceNodeInfo:
@@ -104,20 +129,20 @@ def h200_files(host_dev_root: str = "/dev") -> DriverFiles:
     )
 
 
-LAYOUT = cdi.ContainerLayout(lib_dirs=("/usr/local/nvidia/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64"))
+LAYOUT = ContainerLayout(lib_dirs=("/usr/local/nvidia/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib64"))
 
 
-def edits(**kw: object) -> cdi.ContainerEdits:
-    return cdi.ContainerEdits(**kw)  # type: ignore[arg-type]
+def edits(**kw: object) -> ContainerEdits:
+    return ContainerEdits(**kw)  # type: ignore[arg-type]
 
 
 def spec_with(
     device_name: str = "gpu-0",
-    edits_: cdi.ContainerEdits | None = None,
+    edits_: ContainerEdits | None = None,
     kind: str = f"{VENDOR}/gpu",
     **kw: object,
-) -> cdi.CdiSpec:
-    return cdi.CdiSpec(kind=kind, devices=(cdi.Device(device_name, edits_ or cdi.ContainerEdits()),), **kw)  # type: ignore[arg-type]
+) -> CdiSpec:
+    return CdiSpec(kind=kind, devices=(Device(device_name, edits_ or ContainerEdits()),), **kw)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- minimum version
@@ -126,59 +151,59 @@ def spec_with(
 def test_plain_env_nodes_and_mounts_need_0_3_0() -> None:
     e = edits(
         env=("A=1",),
-        device_nodes=(cdi.DeviceNode("/dev/nvidia0", type="c", major=195, minor=0),),
-        mounts=(cdi.Mount("/a", "/b", ("ro", "bind")),),
+        device_nodes=(DeviceNode("/dev/nvidia0", type="c", major=195, minor=0),),
+        mounts=(Mount("/a", "/b", ("ro", "bind")),),
     )
-    assert cdi.minimum_version(spec_with(edits_=e)) == "0.3.0"
+    assert minimum_version(spec_with(edits_=e)) == "0.3.0"
 
 
 def test_mount_type_needs_0_4_0() -> None:
     assert (
-        cdi.minimum_version(spec_with(edits_=edits(mounts=(cdi.Mount("/a", "/b", type="bind"),)))) == "0.4.0"
+        minimum_version(spec_with(edits_=edits(mounts=(Mount("/a", "/b", type="bind"),)))) == "0.4.0"
     )
 
 
 def test_device_node_host_path_needs_0_5_0() -> None:
-    e = edits(device_nodes=(cdi.DeviceNode("/dev/nvidia0", host_path="/host/dev/nvidia0"),))
-    assert cdi.minimum_version(spec_with(edits_=e)) == "0.5.0"
+    e = edits(device_nodes=(DeviceNode("/dev/nvidia0", host_path="/host/dev/nvidia0"),))
+    assert minimum_version(spec_with(edits_=e)) == "0.5.0"
 
 
 def test_host_path_in_spec_level_edits_counts_too() -> None:
-    s = cdi.CdiSpec(
+    s = CdiSpec(
         kind=f"{VENDOR}/gpu",
-        devices=(cdi.Device("gpu-0", cdi.ContainerEdits()),),
-        container_edits=edits(device_nodes=(cdi.DeviceNode("/dev/nvidiactl", host_path="/h/nvidiactl"),)),
+        devices=(Device("gpu-0", ContainerEdits()),),
+        container_edits=edits(device_nodes=(DeviceNode("/dev/nvidiactl", host_path="/h/nvidiactl"),)),
     )
-    assert cdi.minimum_version(s) == "0.5.0"
+    assert minimum_version(s) == "0.5.0"
 
 
 def test_device_name_starting_with_a_digit_needs_0_5_0() -> None:
-    assert cdi.minimum_version(spec_with(device_name="0")) == "0.5.0"
-    assert cdi.minimum_version(spec_with(device_name="gpu0")) == "0.3.0"
+    assert minimum_version(spec_with(device_name="0")) == "0.5.0"
+    assert minimum_version(spec_with(device_name="gpu0")) == "0.3.0"
 
 
 def test_annotations_need_0_6_0() -> None:
-    assert cdi.minimum_version(spec_with(annotations=(("a", "b"),))) == "0.6.0"
-    dev = cdi.Device("gpu-0", cdi.ContainerEdits(), annotations=(("a", "b"),))
-    assert cdi.minimum_version(cdi.CdiSpec(kind=f"{VENDOR}/gpu", devices=(dev,))) == "0.6.0"
+    assert minimum_version(spec_with(annotations=(("a", "b"),))) == "0.6.0"
+    dev = Device("gpu-0", ContainerEdits(), annotations=(("a", "b"),))
+    assert minimum_version(CdiSpec(kind=f"{VENDOR}/gpu", devices=(dev,))) == "0.6.0"
 
 
 def test_dot_in_class_needs_0_6_0_but_dot_in_vendor_does_not() -> None:
-    assert cdi.minimum_version(spec_with(kind="a.b/c.d")) == "0.6.0"
-    assert cdi.minimum_version(spec_with(kind="a.b/cd")) == "0.3.0"
+    assert minimum_version(spec_with(kind="a.b/c.d")) == "0.6.0"
+    assert minimum_version(spec_with(kind="a.b/cd")) == "0.3.0"
 
 
 def test_additional_gids_need_0_7_0() -> None:
-    assert cdi.minimum_version(spec_with(edits_=edits(additional_gids=(44,)))) == "0.7.0"
+    assert minimum_version(spec_with(edits_=edits(additional_gids=(44,)))) == "0.7.0"
 
 
 def test_the_newest_feature_decides() -> None:
-    e = edits(mounts=(cdi.Mount("/a", "/b", type="bind"),), additional_gids=(44,))
-    assert cdi.minimum_version(spec_with(device_name="0", edits_=e)) == "0.7.0"
+    e = edits(mounts=(Mount("/a", "/b", type="bind"),), additional_gids=(44,))
+    assert minimum_version(spec_with(device_name="0", edits_=e)) == "0.7.0"
 
 
 def test_versions_written_are_known_to_the_cdi_library() -> None:
-    assert {"0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0"} <= set(cdi.KNOWN_VERSIONS)
+    assert {"0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0"} <= set(KNOWN_VERSIONS)
 
 
 # --------------------------------------------------------------------------- names
@@ -186,7 +211,7 @@ def test_versions_written_are_known_to_the_cdi_library() -> None:
 
 @pytest.mark.parametrize("vendor", ["gpu.dra-driver.dev", "example.com", "a"])
 def test_valid_vendors(vendor: str) -> None:
-    cdi.validate_vendor(vendor)
+    validate_vendor(vendor)
 
 
 @pytest.mark.parametrize(
@@ -202,42 +227,42 @@ def test_valid_vendors(vendor: str) -> None:
     ],
 )
 def test_invalid_vendors(vendor: str) -> None:
-    with pytest.raises(cdi.CdiNameError):
-        cdi.validate_vendor(vendor)
+    with pytest.raises(CdiNameError):
+        validate_vendor(vendor)
 
 
 @pytest.mark.parametrize("name", ["gpu-0", f"{UID}-gpu-0", "0", "GPU-abc", "a:b.c_d"])
 def test_valid_device_names(name: str) -> None:
-    cdi.validate_device_name(name)
+    validate_device_name(name)
 
 
 @pytest.mark.parametrize("name", ["", "-gpu", "gpu-", "gpu/0", "gpu 0", "gpu=0", "gpü"])
 def test_invalid_device_names(name: str) -> None:
-    with pytest.raises(cdi.CdiNameError):
-        cdi.validate_device_name(name)
+    with pytest.raises(CdiNameError):
+        validate_device_name(name)
 
 
 def test_claim_device_id_format_and_round_trip() -> None:
-    device_id = cdi.claim_device_id(VENDOR, UID, "gpu-0")
+    device_id = claim_device_id(VENDOR, UID, "gpu-0")
     assert device_id == f"gpu.dra-driver.dev/gpu={UID}-gpu-0"
-    assert cdi.parse_qualified_name(device_id) == (VENDOR, "gpu", f"{UID}-gpu-0")
+    assert parse_qualified_name(device_id) == (VENDOR, "gpu", f"{UID}-gpu-0")
 
 
 @pytest.mark.parametrize("bad", ["gpu.dra-driver.dev/gpu", "gpu=0", "/gpu=0", "v/c=", "v/c=-x"])
 def test_parse_rejects_unqualified_ids(bad: str) -> None:
-    with pytest.raises(cdi.CdiNameError):
-        cdi.parse_qualified_name(bad)
+    with pytest.raises(CdiNameError):
+        parse_qualified_name(bad)
 
 
 @pytest.mark.parametrize("uid", ["../../etc", "a/b", "", "x" * 129, "uid with space"])
 def test_claim_uids_that_cannot_name_a_file_are_refused(uid: str) -> None:
-    with pytest.raises(cdi.CdiNameError):
-        cdi.claim_spec_filename(VENDOR, uid)
+    with pytest.raises(CdiNameError):
+        claim_spec_filename(VENDOR, uid)
 
 
 def test_device_env_name_is_a_valid_variable_name() -> None:
-    assert cdi.device_env_name("gpu-0") == "GPU_DRA_DEVICE_GPU_0_UUID"
-    assert cdi.device_env_name("gpu-1-mig-1g18gb-3") == "GPU_DRA_DEVICE_GPU_1_MIG_1G18GB_3_UUID"
+    assert device_env_name("gpu-0") == "GPU_DRA_DEVICE_GPU_0_UUID"
+    assert device_env_name("gpu-1-mig-1g18gb-3") == "GPU_DRA_DEVICE_GPU_1_MIG_1G18GB_3_UUID"
 
 
 # --------------------------------------------------------------------------- claim spec
@@ -245,7 +270,7 @@ def test_device_env_name_is_a_valid_variable_name() -> None:
 
 def test_claim_spec_one_device_per_allocation_with_its_own_node() -> None:
     g0, g1 = gpu(0), gpu(1, minor=3)  # index and minor differ on purpose
-    spec = cdi.build_claim_spec(
+    spec = build_claim_spec(
         VENDOR, UID, [Dev("gpu-0", g0), Dev("gpu-1", g1)], h200_files(), layout=LAYOUT
     )
     assert spec.kind == "gpu.dra-driver.dev/gpu"
@@ -261,7 +286,7 @@ def test_claim_spec_one_device_per_allocation_with_its_own_node() -> None:
 
 
 def test_claim_spec_level_edits_hold_control_nodes_driver_files_and_isolation_env() -> None:
-    spec = cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], h200_files(), layout=LAYOUT)
+    spec = build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], h200_files(), layout=LAYOUT)
     common = spec.container_edits
     assert [n.path for n in common.device_nodes] == [
         "/dev/nvidiactl",
@@ -282,21 +307,21 @@ def test_claim_spec_level_edits_hold_control_nodes_driver_files_and_isolation_en
 
 def test_spec_edits_rendered_once_give_the_same_file() -> None:
     files = h200_files()
-    common = cdi.RenderedEdits.of(cdi.common_edits(files, LAYOUT))
+    common = RenderedEdits.of(common_edits(files, LAYOUT))
     for uid in (UID, UID_LETTER):  # cdiVersion 0.5.0 and 0.3.0: the version is the whole spec's
-        spec = cdi.build_claim_spec(
+        spec = build_claim_spec(
             VENDOR, uid, [Dev("gpu-0", gpu(0)), Dev("gpu-1", gpu(1))], files, common=common.edits
         )
-        assert cdi.spec_to_json(spec, common) == cdi.spec_to_json(spec)
-        assert json.loads(cdi.spec_to_json(spec, common)) == cdi.spec_to_dict(spec)
-    other = cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files, layout=LAYOUT)
-    assert cdi.spec_to_json(other, common) == cdi.spec_to_json(other), "not its edits: rendered anew"
+        assert spec_to_json(spec, common) == spec_to_json(spec)
+        assert json.loads(spec_to_json(spec, common)) == spec_to_dict(spec)
+    other = build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files, layout=LAYOUT)
+    assert spec_to_json(other, common) == spec_to_json(other), "not its edits: rendered anew"
 
 
 def test_mig_device_gets_parent_node_and_its_two_access_caps() -> None:
     m = mig_device(parent=1, gi=2, ci=0)
     parent = gpu(1, minor=3, mig=(m,))
-    spec = cdi.build_claim_spec(
+    spec = build_claim_spec(
         VENDOR, UID, [Dev("gpu-1-mig-1g18gb-2", parent, m)], h200_files(), layout=LAYOUT
     )
     (d,) = spec.devices
@@ -311,14 +336,14 @@ def test_mig_device_gets_parent_node_and_its_two_access_caps() -> None:
 
 def test_cdi_version_of_claim_specs() -> None:
     files = h200_files()
-    assert cdi.build_claim_spec(VENDOR, UID_LETTER, [Dev("gpu-0", gpu(0))], files).cdi_version == "0.3.0"
-    assert cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files).cdi_version == "0.5.0"
+    assert build_claim_spec(VENDOR, UID_LETTER, [Dev("gpu-0", gpu(0))], files).cdi_version == "0.3.0"
+    assert build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files).cdi_version == "0.5.0"
 
 
 def test_host_path_written_only_when_the_host_dev_root_differs() -> None:
-    same = cdi.build_claim_spec(VENDOR, UID_LETTER, [Dev("gpu-0", gpu(0))], h200_files())
+    same = build_claim_spec(VENDOR, UID_LETTER, [Dev("gpu-0", gpu(0))], h200_files())
     assert all(n.host_path is None for n in same.devices[0].container_edits.device_nodes)
-    moved = cdi.build_claim_spec(
+    moved = build_claim_spec(
         VENDOR,
         UID_LETTER,
         [Dev("gpu-0", gpu(0))],
@@ -331,9 +356,9 @@ def test_host_path_written_only_when_the_host_dev_root_differs() -> None:
 
 def test_extra_edits_are_added_to_their_device_only() -> None:
     mps = edits(
-        env=("CUDA_MPS_PIPE_DIRECTORY=/mps",), mounts=(cdi.Mount("/run/mps/x", "/mps", ("rw", "bind")),)
+        env=("CUDA_MPS_PIPE_DIRECTORY=/mps",), mounts=(Mount("/run/mps/x", "/mps", ("rw", "bind")),)
     )
-    spec = cdi.build_claim_spec(
+    spec = build_claim_spec(
         VENDOR, UID, [Dev("gpu-0", gpu(0)), Dev("gpu-1", gpu(1))], h200_files(), extra_edits={"gpu-1": mps}
     )
     d0, d1 = spec.devices
@@ -348,28 +373,28 @@ def test_extra_edits_are_added_to_their_device_only() -> None:
     [
         ([], None, "at least one device"),
         ([Dev("gpu-0", gpu(0)), Dev("gpu-0", gpu(0))], None, "twice"),
-        ([Dev("gpu-0", gpu(0))], {"gpu-9": cdi.ContainerEdits()}, "not in the claim"),
+        ([Dev("gpu-0", gpu(0))], {"gpu-9": ContainerEdits()}, "not in the claim"),
     ],
 )
 def test_claim_spec_refuses_inconsistent_input(
-    devices: list[Dev], extra: dict[str, cdi.ContainerEdits] | None, message: str
+    devices: list[Dev], extra: dict[str, ContainerEdits] | None, message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        cdi.build_claim_spec(VENDOR, UID, devices, h200_files(), extra_edits=extra)
+        build_claim_spec(VENDOR, UID, devices, h200_files(), extra_edits=extra)
 
 
 def test_claim_spec_refuses_a_bad_vendor() -> None:
-    with pytest.raises(cdi.CdiNameError):
-        cdi.build_claim_spec("Not_A_DNS_Name", UID, [Dev("gpu-0", gpu(0))], h200_files())
+    with pytest.raises(CdiNameError):
+        build_claim_spec("Not_A_DNS_Name", UID, [Dev("gpu-0", gpu(0))], h200_files())
 
 
 def test_default_layout_lists_cuda_image_dir_and_loader_default_dirs() -> None:
-    assert cdi.default_layout("x86_64").lib_dirs == (
+    assert default_layout("x86_64").lib_dirs == (
         "/usr/local/nvidia/lib64",
         "/usr/lib/x86_64-linux-gnu",
         "/usr/lib64",
     )
-    assert cdi.default_layout("aarch64").lib_dirs[1] == "/usr/lib/aarch64-linux-gnu"
+    assert default_layout("aarch64").lib_dirs[1] == "/usr/lib/aarch64-linux-gnu"
 
 
 # --------------------------------------------------------------------------- static spec
@@ -378,7 +403,7 @@ def test_default_layout_lists_cuda_image_dir_and_loader_default_dirs() -> None:
 def test_static_spec_by_index_uuid_and_all() -> None:
     m = mig_device(parent=1, gi=1)
     inv = Inventory(driver_version="580.159.04", cuda_driver_version="13.0", gpus=(gpu(1, mig=(m,)), gpu(0)))
-    spec = cdi.build_static_spec(inv, h200_files(), VENDOR)
+    spec = build_static_spec(inv, h200_files(), VENDOR)
     names = [d.name for d in spec.devices]
     assert names == ["0", gpu(0).uuid, "1", gpu(1).uuid, m.uuid, "all"]
     by = {d.name: d for d in spec.devices}
@@ -392,7 +417,7 @@ def test_static_spec_by_index_uuid_and_all() -> None:
 
 def test_static_spec_needs_a_gpu() -> None:
     with pytest.raises(ValueError, match="no GPUs"):
-        cdi.build_static_spec(Inventory("580", "13.0", ()), h200_files())
+        build_static_spec(Inventory("580", "13.0", ()), h200_files())
 
 
 # --------------------------------------------------------------------------- JSON
@@ -402,7 +427,7 @@ def test_json_uses_cdi_key_names() -> None:
     e = edits(
         env=("A=1",),
         device_nodes=(
-            cdi.DeviceNode(
+            DeviceNode(
                 "/dev/x",
                 host_path="/h/x",
                 type="c",
@@ -414,11 +439,11 @@ def test_json_uses_cdi_key_names() -> None:
                 gid=5,
             ),
         ),
-        mounts=(cdi.Mount("/a", "/b", ("ro",), type="bind"),),
-        hooks=(cdi.Hook("createContainer", "/bin/true", ("true",), timeout=5),),
+        mounts=(Mount("/a", "/b", ("ro",), type="bind"),),
+        hooks=(Hook("createContainer", "/bin/true", ("true",), timeout=5),),
         additional_gids=(44,),
     )
-    doc = cdi.spec_to_dict(spec_with(edits_=e))
+    doc = spec_to_dict(spec_with(edits_=e))
     assert list(doc) == ["cdiVersion", "kind", "devices"]
     assert doc["cdiVersion"] == "0.7.0"
     ce = doc["devices"][0]["containerEdits"]
@@ -445,72 +470,72 @@ def test_json_uses_cdi_key_names() -> None:
 
 
 def test_json_omits_unset_fields_but_always_has_device_container_edits() -> None:
-    doc = cdi.spec_to_dict(spec_with(edits_=edits(device_nodes=(cdi.DeviceNode("/dev/x"),))))
+    doc = spec_to_dict(spec_with(edits_=edits(device_nodes=(DeviceNode("/dev/x"),))))
     assert doc["devices"][0]["containerEdits"] == {"deviceNodes": [{"path": "/dev/x"}]}
     assert "containerEdits" not in doc
-    assert cdi.spec_to_dict(spec_with())["devices"][0]["containerEdits"] == {}
+    assert spec_to_dict(spec_with())["devices"][0]["containerEdits"] == {}
 
 
 def test_spec_json_is_the_dict() -> None:
-    spec = cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], h200_files())
-    assert json.loads(cdi.spec_to_json(spec)) == cdi.spec_to_dict(spec)
+    spec = build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], h200_files())
+    assert json.loads(spec_to_json(spec)) == spec_to_dict(spec)
 
 
 # --------------------------------------------------------------------------- files
 
 
-def claim_spec(uid: str = UID, vendor: str = VENDOR) -> cdi.CdiSpec:
-    return cdi.build_claim_spec(vendor, uid, [Dev("gpu-0", gpu(0))], h200_files())
+def claim_spec(uid: str = UID, vendor: str = VENDOR) -> CdiSpec:
+    return build_claim_spec(vendor, uid, [Dev("gpu-0", gpu(0))], h200_files())
 
 
 def test_write_spec_names_the_file_after_the_claim(tmp_path: Path) -> None:
-    path = cdi.write_spec(tmp_path / "cdi", claim_spec())
+    path = write_spec(tmp_path / "cdi", claim_spec())
     assert path == tmp_path / "cdi" / f"gpu.dra-driver.dev-gpu_{UID}.json"
-    assert path == cdi.claim_spec_path(tmp_path / "cdi", VENDOR, UID)
-    assert json.loads(path.read_text()) == cdi.spec_to_dict(claim_spec())
+    assert path == claim_spec_path(tmp_path / "cdi", VENDOR, UID)
+    assert json.loads(path.read_text()) == spec_to_dict(claim_spec())
     assert os.stat(path).st_mode & 0o777 == 0o644
     assert os.listdir(tmp_path / "cdi") == [path.name]  # no temp file left
 
 
 def test_static_spec_file_name(tmp_path: Path) -> None:
     inv = Inventory("580", "13.0", (gpu(0),))
-    path = cdi.write_spec(tmp_path, cdi.build_static_spec(inv, h200_files()))
+    path = write_spec(tmp_path, build_static_spec(inv, h200_files()))
     assert path.name == "gpu.dra-driver.dev-gpu.json"
 
 
 def test_remove_is_idempotent(tmp_path: Path) -> None:
-    cdi.write_spec(tmp_path, claim_spec())
-    assert cdi.remove_claim_spec(tmp_path, VENDOR, UID) is True
-    assert cdi.remove_claim_spec(tmp_path, VENDOR, UID) is False
-    assert cdi.remove_claim_spec(tmp_path / "missing-dir", VENDOR, UID) is False
+    write_spec(tmp_path, claim_spec())
+    assert remove_claim_spec(tmp_path, VENDOR, UID) is True
+    assert remove_claim_spec(tmp_path, VENDOR, UID) is False
+    assert remove_claim_spec(tmp_path / "missing-dir", VENDOR, UID) is False
     assert os.listdir(tmp_path) == []
 
 
 def test_claim_uids_in_lists_only_this_vendors_claim_specs(tmp_path: Path) -> None:
-    cdi.write_spec(tmp_path, claim_spec(UID))
-    cdi.write_spec(tmp_path, claim_spec(UID_LETTER))
-    cdi.write_spec(tmp_path, claim_spec("other-claim", vendor="other.example.com"))
-    cdi.write_spec(tmp_path, cdi.build_static_spec(Inventory("580", "13.0", (gpu(0),)), h200_files()))
+    write_spec(tmp_path, claim_spec(UID))
+    write_spec(tmp_path, claim_spec(UID_LETTER))
+    write_spec(tmp_path, claim_spec("other-claim", vendor="other.example.com"))
+    write_spec(tmp_path, build_static_spec(Inventory("580", "13.0", (gpu(0),)), h200_files()))
     (tmp_path / f".gpu.dra-driver.dev-gpu_{UID}.json.1234.tmp").write_text("{")  # a crash's leftover
     (tmp_path / "k8s.gpu.nvidia.com-claim_abc.yaml").write_text("")
-    assert cdi.claim_uids_in(tmp_path, VENDOR) == {UID, UID_LETTER}
-    assert cdi.claim_uids_in(tmp_path / "missing", VENDOR) == frozenset()
+    assert claim_uids_in(tmp_path, VENDOR) == {UID, UID_LETTER}
+    assert claim_uids_in(tmp_path / "missing", VENDOR) == frozenset()
 
 
 def test_failed_rename_keeps_the_old_spec_and_leaves_no_temp_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    old = cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], h200_files())
-    new = cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0)), Dev("gpu-1", gpu(1))], h200_files())
-    path = cdi.write_spec(tmp_path, old)
+    old = build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], h200_files())
+    new = build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0)), Dev("gpu-1", gpu(1))], h200_files())
+    path = write_spec(tmp_path, old)
 
     def crash(*_: object) -> None:
         raise OSError("simulated crash before rename")
 
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
-        cdi.write_spec(tmp_path, new)
-    assert json.loads(path.read_text()) == cdi.spec_to_dict(old)
+        write_spec(tmp_path, new)
+    assert json.loads(path.read_text()) == spec_to_dict(old)
     assert os.listdir(tmp_path) == [path.name]
 
 
@@ -531,13 +556,13 @@ def test_the_cdi_library_loads_and_injects_our_specs(tmp_path: Path) -> None:
     m = mig_device(parent=1, gi=2)
     inv = Inventory("580.159.04", "13.0", (gpu(0), gpu(1, mig=(m,))))
     files = simulated_driver_files([0, 1], host_dev_root="/host/dev")
-    cdi.write_spec(
-        tmp_path, cdi.build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0)), Dev("mig", gpu(1), m)], files)
+    write_spec(
+        tmp_path, build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0)), Dev("mig", gpu(1), m)], files)
     )
-    cdi.write_spec(tmp_path, cdi.build_static_spec(inv, h200_files()))
+    write_spec(tmp_path, build_static_spec(inv, h200_files()))
     ids = [
-        cdi.claim_device_id(VENDOR, UID, "gpu-0"),
-        cdi.claim_device_id(VENDOR, UID, "mig"),
+        claim_device_id(VENDOR, UID, "gpu-0"),
+        claim_device_id(VENDOR, UID, "mig"),
         f"{VENDOR}/gpu=all",
     ]
     out = subprocess.run(

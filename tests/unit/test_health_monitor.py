@@ -19,12 +19,13 @@ from structlog.testing import capture_logs
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, load_profile
 from dra_driver.gpu.simulated import FakeNvml
+from dra_driver.gpu.simulated_events import WANTED_BY_NAME, BadInjection, FakeEventSource
 from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.effects import affected_devices
 from dra_driver.health.events import EventKind, HealthEvent, Probe
-from dra_driver.health.injection import WANTED_BY_NAME, BadInjection, FakeEventSource
 from dra_driver.health.monitor import Batch, NvmlHealthMonitor
 from dra_driver.health.node import gpu_refs, nvml_for, start_node_health
+from tests.harness.objects import wait_for_async
 
 PROFILE = "hgx-h200"
 
@@ -36,7 +37,7 @@ class Collector:
     def __call__(self, batch: Batch) -> None:
         self.batches.put(batch)
 
-    def until(self, what: str, check: object, timeout: float = 5.0) -> list[HealthEvent | Probe]:
+    def until(self, what: str, check: object, timeout: float = 30.0) -> list[HealthEvent | Probe]:
         """Items collected until `check(items)` holds."""
         items: list[HealthEvent | Probe] = []
         deadline = time.monotonic() + timeout
@@ -133,7 +134,7 @@ def test_what_a_gpu_does_not_offer_is_said_once_and_the_rest_is_watched() -> Non
     monitor = NvmlHealthMonitor(fake, gpu_refs(discover("h200-single")), collector, probe_interval=0.2)
     with capture_logs() as logs:
         facts = monitor.start()
-        time.sleep(1.0)  # several periodic checks
+        collector.until("several periodic checks", lambda got: sum(isinstance(i, Probe) for i in got) >= 3)
         assert fake.events is not None
         fake.events.inject({"gpu": 0, "event": "double-bit-ecc"})  # not registered: never delivered
         fake.events.inject({"gpu": 0, "xid": 48})
@@ -232,19 +233,26 @@ def test_the_keeper_taints_and_recovers_a_gpu_through_the_control_file(tmp_path:
             start = time.monotonic()
             with control.open("a") as f:
                 f.write(json.dumps({"gpu": 6, "xid": 79, "recovery_action": 1}) + "\n")
-            while health.keeper.views["gpu-6"].healthy:
-                await asyncio.sleep(0.01)
+            await wait_for_async("the taint", lambda: not health.keeper.views["gpu-6"].healthy,
+                                 detail=lambda: health.keeper.views["gpu-6"])
             tainted = time.monotonic() - start
+            checked = health.keeper.history_version
             view = health.keeper.views["gpu-6"]
             taints = [(t.key, t.value, t.effect) for t in view.taints]
             assert taints == [("gpu.dra-driver.dev/xid", "79", "NoSchedule")]
-            await asyncio.sleep(1.5)
+            await asyncio.sleep(1.5)  # not a wait: three quiet periods pass with the action pending
+            # and the periodic checks (every 0.2 s) that say it is pending are taken in
+
+            def checks() -> int:  # batches the keeper applied since the taint
+                return health.keeper.history_version - checked
+
+            await wait_for_async("three periodic checks", lambda: checks() >= 3, detail=checks)
             assert not health.keeper.views["gpu-6"].healthy, "recovery action pending: must stay tainted"
             start = time.monotonic()
             with control.open("a") as f:
                 f.write(json.dumps({"gpu": 6, "recover": True}) + "\n")
-            while not health.keeper.views["gpu-6"].healthy:
-                await asyncio.sleep(0.01)
+            await wait_for_async("the recovery", lambda: health.keeper.views["gpu-6"].healthy,
+                                 detail=lambda: health.keeper.views["gpu-6"])
             recovered = time.monotonic() - start
             assert all(v.healthy for v in health.keeper.views.values())
             return tainted, recovered, dict(health.keeper.states["gpu-6"].counts)

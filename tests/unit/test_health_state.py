@@ -30,7 +30,7 @@ XID74 = HealthEvent(gpu=0, kind=EventKind.XID, data=74)
 def test_informational_events_count_but_do_not_taint() -> None:
     state = event(DeviceState(), XID13, 10.0)
     state = event(state, HealthEvent(gpu=0, kind=EventKind.XID, data=13, count=500), 11.0)
-    assert not state.unhealthy
+    assert not state.conditions
     assert state.counts == {"xid-13": 501}
     assert [r.count for r in state.recent] == [1, 500]
     assert device_view(state, DRIVER, POLICY).healthy
@@ -46,9 +46,9 @@ def test_a_fatal_xid_taints_until_a_clean_check_and_the_quiet_period() -> None:
     assert settle(state, 10_000.0, 60.0) is state, "no clean check yet: stays tainted however long"
     state = probe(state, 105.0)
     assert state.clear_since == 105.0
-    assert settle(state, 164.0, 60.0).unhealthy, "quiet period not over"
+    assert settle(state, 164.0, 60.0).conditions, "quiet period not over"
     healed = settle(state, 165.0, 60.0)
-    assert not healed.unhealthy and healed.recoveries == 1
+    assert not healed.conditions and healed.recoveries == 1
     assert healed.recent[-1].what == "recovered"
     assert device_view(healed, DRIVER, POLICY).taints == ()
 
@@ -58,8 +58,8 @@ def test_a_new_critical_event_restarts_the_quiet_period() -> None:
     state = event(state, XID79, 150.0)
     assert state.clear_since is None
     state = probe(state, 155.0)
-    assert settle(state, 209.0, 60.0).unhealthy
-    assert not settle(state, 215.0, 60.0).unhealthy
+    assert settle(state, 209.0, 60.0).conditions
+    assert not settle(state, 215.0, 60.0).conditions
 
 
 def test_a_storm_of_the_same_or_weaker_events_never_changes_the_taint() -> None:
@@ -97,9 +97,9 @@ def test_a_lost_gpu_stays_tainted_until_it_answers_again() -> None:
     for t in range(15, 500, 5):
         state = probe(state, float(t), lost=True)
         state = settle(state, float(t), 60.0)
-    assert state.unhealthy and state.conditions["gpu-lost"].since == 10.0
+    assert state.conditions and state.conditions["gpu-lost"].since == 10.0
     state = probe(state, 500.0)
-    assert not settle(state, 560.0, 60.0).unhealthy
+    assert not settle(state, 560.0, 60.0).conditions
 
 
 def test_a_pending_recovery_action_blocks_recovery_without_adding_a_second_taint() -> None:
@@ -108,7 +108,7 @@ def test_a_pending_recovery_action_blocks_recovery_without_adding_a_second_taint
         state = settle(probe(state, float(t), action=1), float(t), 60.0)
     assert list(state.conditions) == ["xid"]
     state = probe(state, 1000.0, action=0)
-    assert not settle(state, 1060.0, 60.0).unhealthy
+    assert not settle(state, 1060.0, 60.0).conditions
 
 
 def test_a_recovery_action_without_an_event_taints_by_itself() -> None:
@@ -138,8 +138,7 @@ def test_a_device_always_recovers_after_clean_checks_and_the_quiet_period(
         else:
             state = on_probe(state, verdict if verdict.severity else None, now)
         state = settle(state, now, 60.0)
-        assert state.unhealthy == bool(state.conditions)
-        if state.unhealthy:
+        if state.conditions:
             assert all(c.severity > Severity.INFO for c in state.conditions.values())
     state = on_probe(state, None, now + 1)
-    assert not settle(state, now + 62, 60.0).unhealthy
+    assert not settle(state, now + 62, 60.0).conditions

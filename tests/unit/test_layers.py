@@ -1,13 +1,27 @@
-"""The layers of the product code (dra_driver/, controller/), read from the source with `ast`:
+"""The layers of the product code (dra_driver/, controller/), read from the source with `ast`,
+and what may import the demo.
 
-* no import cycle among their modules;
-* nothing in dra_driver/ imports `controller` except the CLI wiring (dra_driver/cli.py and
-  dra_driver/commands/), so the node-side code never depends on the slice publisher;
-* nothing in either imports `tests`, `demo` or `benchmarks` (the wheel holds only
-  dra_driver and controller; those are not in it);
-* no climb: the layers of LAYERS import only their own layer or lower ones (the hardware
-  and CDI foundations know nothing of sharing, sharing nothing of the kubelet plugin, the
-  plugin nothing of the commands that wire it).
+The layers, lowest first (LAYERS; units of one layer are separated by commas):
+
+    dra_driver (the package itself: the default driver name and the version)
+    names, atomic, log, jsontypes, signals, kubeletapi   know nothing of GPUs or claims
+    gpu, driver_root, kube, metrics    the node's GPUs and driver files, the API client, the metrics
+    devices                            the GPUs as allocatable devices
+    cdi, health
+    sharing, probes
+    plugin, controller
+    commands
+    cli
+    __main__
+
+* a module imports only its own unit and the units of lower layers: an import that climbs
+  (gpu importing health) or goes sideways (cdi importing health: the units of one layer do
+  not know each other) is a defect;
+* every product module is in a unit, so a new module is given its place here;
+* no import cycle among the modules;
+* nothing in the product imports `tests`, `demo` or `benchmarks` (the wheel holds only
+  dra_driver and controller), and nothing in tests/ or benchmarks/ imports `demo` except
+  the tests of the demo itself (`test_demo*.py`): their cluster helpers are tests.harness.
 
 Every import in a module counts, inside functions and under TYPE_CHECKING too: a lazy
 import is still a dependency. `from a.b import c` depends on the module a.b.c if there is
@@ -18,24 +32,37 @@ with one violation of each, so a check that silently stopped matching fails as w
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("dra_driver", "controller")
-CONTROLLER_CALLERS = ("dra_driver/cli.py", "dra_driver/commands/")
 OUTSIDE_THE_WHEEL = ("tests", "demo", "benchmarks")
-# lowest first; a module belongs to the last layer whose prefix it starts with; unlisted: 0
-LAYERS = (
-    ("dra_driver", 0),  # foundations: gpu, cdi, names, kube, atomic, log, devices, driver_root
-    ("dra_driver.sharing", 1),
-    ("controller", 1),
-    ("dra_driver.plugin", 2),
-    ("dra_driver.commands", 3),
-    ("dra_driver.cli", 3),
-    ("dra_driver.__main__", 4),
+DEMO_USERS = ("tests", "benchmarks")  # may not import `demo`, except the demo's own tests
+# Lowest first. A unit is a module or a package with all its modules; the bare root
+# `dra_driver` is its __init__ only (ROOT_ONLY), so every other module must be listed.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dra_driver",),
+    (
+        "dra_driver.names",
+        "dra_driver.atomic",
+        "dra_driver.log",
+        "dra_driver.jsontypes",
+        "dra_driver.signals",
+        "dra_driver.kubeletapi",
+    ),
+    ("dra_driver.gpu", "dra_driver.driver_root", "dra_driver.kube", "dra_driver.metrics"),
+    ("dra_driver.devices",),
+    ("dra_driver.cdi", "dra_driver.health"),
+    ("dra_driver.sharing", "dra_driver.probes"),
+    ("dra_driver.plugin", "controller"),
+    ("dra_driver.commands",),
+    ("dra_driver.cli",),
+    ("dra_driver.__main__",),
 )
+ROOT_ONLY = "dra_driver"
+RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 
 
 @dataclass(frozen=True)
@@ -136,41 +163,51 @@ def _top(imported: str) -> str:
     return imported.partition(".")[0]
 
 
-def controller_importers(modules: Mapping[str, Module]) -> list[str]:
-    """Modules of dra_driver/ outside the CLI wiring that import `controller`."""
-    allowed = CONTROLLER_CALLERS
-    return sorted(
-        m.path
-        for m in modules.values()
-        if m.path.startswith("dra_driver/")
-        and not m.path.startswith(allowed)
-        and any(_top(i) == "controller" for i in m.imports)
-    )
+def unit_of(name: str) -> str | None:
+    """The longest unit of LAYERS that is the module or a package above it; None: unplaced."""
+    units = [u for u in RANK if name == u or (u != ROOT_ONLY and name.startswith(u + "."))]
+    return max(units, key=len, default=None)
 
 
-def layer_of(name: str) -> int:
-    rank = 0
-    for prefix, level in LAYERS:
-        package = prefix.rstrip(".")
-        if name == package or name.startswith(package + "."):
-            rank = level
-    return rank
+def unplaced(modules: Mapping[str, Module]) -> list[str]:
+    return sorted(m.path for m in modules.values() if unit_of(m.name) is None)
+
+
+def _crossings(modules: Mapping[str, Module]) -> Iterator[tuple[str, str, int, int]]:
+    """(module, imported module, rank of the module's unit, rank of the imported one) of every
+    import from one unit into another."""
+    for m in modules.values():
+        mine = unit_of(m.name)
+        for imported in sorted(m.imports):
+            target = _target(imported, modules)
+            theirs = unit_of(target) if target is not None else None
+            if mine is not None and theirs is not None and target is not None and theirs != mine:
+                yield m.name, target, RANK[mine], RANK[theirs]
 
 
 def climbs(modules: Mapping[str, Module]) -> list[str]:
     """`module -> imported` for each import of a higher layer by a lower one."""
-    found = []
-    for m in modules.values():
-        for imported in sorted(m.imports):
-            target = next((t for t in (imported, imported.rpartition(".")[0]) if t in modules), None)
-            if target is not None and layer_of(target) > layer_of(m.name):
-                found.append(f"{m.name} -> {target}")
-    return sorted(found)
+    return sorted({f"{a} -> {b}" for a, b, mine, theirs in _crossings(modules) if theirs > mine})
+
+
+def sideways(modules: Mapping[str, Module]) -> list[str]:
+    """`module -> imported` for each import between two units of one layer."""
+    return sorted({f"{a} -> {b}" for a, b, mine, theirs in _crossings(modules) if theirs == mine})
 
 
 def outside_importers(modules: Mapping[str, Module]) -> dict[str, list[str]]:
     """Product modules that import tests, demo or benchmarks, with what they import."""
     found = {m.path: sorted(i for i in m.imports if _top(i) in OUTSIDE_THE_WHEEL) for m in modules.values()}
+    return {path: imports for path, imports in sorted(found.items()) if imports}
+
+
+def demo_importers(modules: Mapping[str, Module]) -> dict[str, list[str]]:
+    """Modules of tests/ and benchmarks/ that import the demo, except the demo's own tests."""
+    found = {
+        m.path: sorted(i for i in m.imports if _top(i) == "demo")
+        for m in modules.values()
+        if not Path(m.path).name.startswith("test_demo")
+    }
     return {path: imports for path, imports in sorted(found.items()) if imports}
 
 
@@ -189,36 +226,58 @@ def test_the_checks_find_a_violation_of_each_rule(tmp_path: Path) -> None:
         tmp_path,
         {
             "dra_driver/__init__.py": "",
-            "dra_driver/a.py": "from dra_driver import b\n",
-            "dra_driver/b.py": "def f() -> None:\n    from dra_driver.a import x\n",  # a lazy import counts
-            "dra_driver/sub/__init__.py": "from .m import y\n",
-            "dra_driver/sub/m.py": "from ..a import z\nfrom . import n\n",
-            "dra_driver/sub/n.py": "",
-            "dra_driver/uses_controller.py": "import controller.publisher\n",
-            "dra_driver/cli.py": "import controller\n",
-            "dra_driver/commands/__init__.py": "",
-            "dra_driver/commands/run.py": "from controller import plan\n",
+            "dra_driver/gpu/__init__.py": "",
+            "dra_driver/gpu/model.py": "",
+            "dra_driver/gpu/a.py": "from dra_driver.gpu import b\n",
+            # a lazy import counts, and one under TYPE_CHECKING
+            "dra_driver/gpu/b.py": "def f() -> None:\n    from dra_driver.gpu.a import x\n",
+            "dra_driver/gpu/sub/__init__.py": "from .m import y\n",
+            "dra_driver/gpu/sub/m.py": "from ..a import z\nfrom . import n\n",
+            "dra_driver/gpu/sub/n.py": "",
+            "dra_driver/gpu/simulated.py": "from dra_driver.health import events\n",
+            "dra_driver/devices.py": "if TYPE_CHECKING:\n    import dra_driver.sharing\n",
+            "dra_driver/health/__init__.py": "",
+            "dra_driver/health/events.py": "from dra_driver.gpu import model\n",
+            "dra_driver/cdi/__init__.py": "from dra_driver.health.events import Event\n",
             "dra_driver/sharing/__init__.py": "",
             "dra_driver/sharing/policy.py": "from dra_driver.plugin import state\n",
             "dra_driver/plugin/__init__.py": "",
-            "dra_driver/plugin/state.py": "",
+            "dra_driver/plugin/state.py": "import controller.publisher\n",
+            "dra_driver/new_module.py": "",
+            "dra_driver/cli.py": "import controller\n",
+            "dra_driver/commands/__init__.py": "",
+            "dra_driver/commands/run.py": "from controller import plan\nfrom dra_driver import cli\n",
             "controller/__init__.py": "",
-            "controller/plan.py": "from tests.harness import objects\n",
+            "controller/plan.py": "from tests.harness import objects\nfrom dra_driver import NAME\n",
             "controller/publisher.py": "import benchmarks.run\nfrom controller import plan\n",
+            "tests/harness/objects.py": "from dra_driver import names\n",
+            "tests/node/test_pods.py": "from demo.run import get_pod\n",
+            "tests/unit/test_demo_report.py": "from demo.report import render\n",
+            "benchmarks/node.py": "import demo\n",
         },
     )
     modules = read_modules(tmp_path)
-    assert modules["dra_driver.sub.m"].imports == {"dra_driver.a.z", "dra_driver.sub.n"}
-    assert import_graph(modules)["dra_driver.sub"] == {"dra_driver.sub.m"}
-    assert cycles(import_graph(modules)) == [["dra_driver.a", "dra_driver.b"]]
-    assert controller_importers(modules) == ["dra_driver/uses_controller.py"]
+    assert modules["dra_driver.gpu.sub.m"].imports == {"dra_driver.gpu.a.z", "dra_driver.gpu.sub.n"}
+    assert import_graph(modules)["dra_driver.gpu.sub"] == {"dra_driver.gpu.sub.m"}
+    assert cycles(import_graph(modules)) == [["dra_driver.gpu.a", "dra_driver.gpu.b"]]
+    assert unplaced(modules) == ["dra_driver/new_module.py"]
     assert climbs(modules) == [
+        "dra_driver.commands.run -> dra_driver.cli",
+        "dra_driver.devices -> dra_driver.sharing",
+        "dra_driver.gpu.simulated -> dra_driver.health.events",
         "dra_driver.sharing.policy -> dra_driver.plugin.state",
-        "dra_driver.uses_controller -> controller.publisher",
+    ]
+    assert sideways(modules) == [
+        "dra_driver.cdi -> dra_driver.health.events",
+        "dra_driver.plugin.state -> controller.publisher",
     ]
     assert outside_importers(modules) == {
         "controller/plan.py": ["tests.harness.objects"],
         "controller/publisher.py": ["benchmarks.run"],
+    }
+    assert demo_importers(read_modules(tmp_path, DEMO_USERS)) == {
+        "benchmarks/node.py": ["demo"],
+        "tests/node/test_pods.py": ["demo.run.get_pod"],
     }
 
 
@@ -228,19 +287,17 @@ def test_the_checks_find_a_violation_of_each_rule(tmp_path: Path) -> None:
 def test_the_product_code_is_read() -> None:
     modules = read_modules(REPO)
     assert {"dra_driver.cli", "dra_driver.cdi", "controller.publisher", "controller.plan"} <= set(modules)
+    assert {"tests.harness.objects", "benchmarks.node"} <= set(read_modules(REPO, DEMO_USERS))
+
+
+def test_every_module_has_a_layer() -> None:
+    found = unplaced(read_modules(REPO))
+    assert not found, f"{found} belong to no unit of LAYERS: give each its place there (lowest that works)"
 
 
 def test_no_import_cycles() -> None:
     found = cycles(import_graph(read_modules(REPO)))
     assert not found, f"import cycles (each list: modules that import one another round a loop): {found}"
-
-
-def test_only_the_cli_wiring_imports_the_controller() -> None:
-    found = controller_importers(read_modules(REPO))
-    assert not found, (
-        f"{found} import `controller`; in dra_driver/ only cli.py and commands/ may "
-        "(node-side code must not depend on the slice publisher): move the wiring into commands/"
-    )
 
 
 def test_nothing_in_the_wheel_imports_tests_demo_or_benchmarks() -> None:
@@ -251,3 +308,15 @@ def test_nothing_in_the_wheel_imports_tests_demo_or_benchmarks() -> None:
 def test_no_layer_imports_a_higher_one() -> None:
     found = climbs(read_modules(REPO))
     assert not found, f"lower layers import higher ones (see LAYERS): {found}"
+
+
+def test_the_units_of_one_layer_do_not_import_each_other() -> None:
+    found = sideways(read_modules(REPO))
+    assert not found, (
+        f"units of one layer import each other (see LAYERS): {found}; move what both need to a lower layer"
+    )
+
+
+def test_tests_and_benchmarks_take_cluster_helpers_from_the_harness() -> None:
+    found = demo_importers(read_modules(REPO, DEMO_USERS))
+    assert not found, f"{found} import the demo; take the helpers from tests.harness (the demo builds on it)"

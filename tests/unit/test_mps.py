@@ -43,6 +43,7 @@ from dra_driver.sharing.mps import (
     settings_for_claim,
 )
 from dra_driver.sharing.policy import Sharing
+from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
 from tests.harness.fake_mps import install_fake_mps_control, set_mode
 
@@ -329,7 +330,7 @@ def test_prepare_starts_the_daemon_and_puts_its_edits_in_the_spec(
         "containerPath": "/tmp/nvidia-mps",
         "options": ["rw", "nosuid", "nodev", "bind"],
     } in edits["mounts"]
-    assert preparer.read_checkpoint().claims[UID].phase == ckpt.COMPLETED
+    assert preparer.read_checkpoint().claims[UID].phase == ckpt.ClaimPhase.COMPLETED
 
     asyncio.run(preparer.unprepare([REF]))
     assert not mps.is_running(UID)
@@ -405,7 +406,7 @@ def test_an_interrupted_prepare_is_rolled_back_with_its_daemon(make_preparer: An
     entry = cp.claims[UID]
     ckpt.save(
         preparer.checkpoint_path,
-        ckpt.with_started(ckpt.without(cp, UID), entry.namespace, entry.name, entry.uid, entry.devices),
+        with_started(without(cp, UID), entry.namespace, entry.name, entry.uid, entry.devices),
     )
     restarted = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(restarted.recover())

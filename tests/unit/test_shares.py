@@ -36,6 +36,7 @@ from dra_driver.sharing.shares import (
     share_view_name,
     share_views,
 )
+from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
 from tests.harness.fake_mps import install_fake_mps_control, set_mode
 
@@ -343,7 +344,7 @@ def test_two_shares_of_one_gpu_get_two_daemons_and_two_limits(node: Any, mps: Mp
     assert "cmd set_default_device_pinned_mem_limit 0 40G" in log_a
     # the checkpoint keeps the share ids: a retry after a restart answers the same
     entry = preparer.read_checkpoint().claims[A]
-    assert entry.phase == ckpt.COMPLETED and entry.devices[0].share_id == "share-a"
+    assert entry.phase == ckpt.ClaimPhase.COMPLETED and entry.devices[0].share_id == "share-a"
 
     asyncio.run(preparer.unprepare([_ref(a)]))
     assert not mps.is_running(A) and not mps.dirs(A).base.exists()
@@ -394,12 +395,12 @@ def test_a_crash_between_started_and_completed_stops_the_shares_daemon(node: Any
     entry = cp.claims[A]
     ckpt.save(
         preparer.checkpoint_path,
-        ckpt.with_started(ckpt.without(cp, A), entry.namespace, entry.name, entry.uid, entry.devices),
+        with_started(without(cp, A), entry.namespace, entry.name, entry.uid, entry.devices),
     )
     restarted = node(a, b)
     asyncio.run(restarted.recover())
     assert A not in restarted.read_checkpoint().claims and not mps.is_running(A)
-    assert mps.is_running(B) and restarted.read_checkpoint().claims[B].phase == ckpt.COMPLETED
+    assert mps.is_running(B) and restarted.read_checkpoint().claims[B].phase == ckpt.ClaimPhase.COMPLETED
 
 
 def test_a_dead_share_daemon_comes_back_with_its_limit(node: Any, mps: MpsControl) -> None:

@@ -1,4 +1,4 @@
-"""Injected health events for the simulated GPUs: what `FakeNvml`'s event wait returns.
+"""The simulated GPUs' health events: what `FakeNvml`'s event wait returns (`dra_driver.gpu.simulated`).
 
 A `FakeEventSource` holds the simulated condition of each GPU (lost or not, the recovery
 action NVML would report) and a queue of pending NVML events. Tests and people feed it
@@ -16,8 +16,9 @@ in-process (`inject(record)`) or by appending JSON lines to a control file, whic
 
 Lines already in the file when the source starts only set the GPUs' condition (a restarted
 plugin sees the GPU as the hardware left it); their events are not replayed. A bad line is
-logged with what to fix and skipped. This module holds no health logic: the monitor reads
-these events through the same NVML calls as real ones.
+logged with what to fix and skipped. It lives beside the simulated GPU, below the health
+package: it must NOT import `dra_driver.health` nor hold health logic (no severities, no
+states); the monitor reads these events through the same NVML calls as real ones.
 """
 
 from __future__ import annotations
