@@ -10,6 +10,13 @@
 // benchmark knows what the API server alone allows. Stdout: one JSON object, phase
 // name -> latency of each call in seconds. Progress and errors go to stderr; any failed
 // call or any claim missing from an answer or answered with an error exits 1.
+//
+// With -side-call PATH it measures nothing: it calls PATH (any method path, unknown ones
+// included) on the same connection while a NodePrepareResources of the first claim on
+// stdin is in flight, and prints {"side_call": {"code", "message_bytes", "message_head"},
+// "prepare": {"ok", "error"}}; it exits 0 whatever the calls answered. The tests use it
+// to check that an answer to one call (a long error status, say) cannot break the
+// kubelet's connection and with it the calls in flight on it.
 package main
 
 import (
@@ -28,6 +35,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	drav1 "k8s.io/kubelet/pkg/apis/dra/v1"
 )
 
@@ -219,6 +227,51 @@ func readClaims() []claimRef {
 	return claims
 }
 
+// sideCallResult is what -side-call prints.
+type sideCallResult struct {
+	SideCall struct {
+		Code         string `json:"code"`
+		MessageBytes int    `json:"message_bytes"`
+		MessageHead  string `json:"message_head"`
+	} `json:"side_call"`
+	Prepare struct {
+		OK    bool   `json:"ok"`
+		Error string `json:"error"`
+	} `json:"prepare"`
+}
+
+// sideCall calls path with an empty NodePrepareResourcesRequest while a
+// NodePrepareResources of claim is in flight on the same connection (started `lead`
+// before), and reports how both ended.
+func sideCall(conn *grpc.ClientConn, c *client, claim claimRef, path string, lead time.Duration) sideCallResult {
+	var out sideCallResult
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_, err := c.prepare([]claimRef{claim}, grpc.WaitForReady(true))
+		out.Prepare.OK = err == nil
+		if err != nil {
+			out.Prepare.Error = err.Error()
+		}
+	}()
+	time.Sleep(lead)
+	ctx, cancel := context.WithTimeout(context.Background(), callTimeout)
+	defer cancel()
+	err := conn.Invoke(ctx, path, &drav1.NodePrepareResourcesRequest{}, &drav1.NodePrepareResourcesResponse{},
+		grpc.WaitForReady(true))
+	st := status.Convert(err)
+	out.SideCall.Code = st.Code().String()
+	out.SideCall.MessageBytes = len(st.Message())
+	head := st.Message()
+	if len(head) > 200 {
+		head = head[:200]
+	}
+	out.SideCall.MessageHead = head
+	wg.Wait()
+	return out
+}
+
 func main() {
 	socket := flag.String("socket", "", "unix socket of the plugin's DRA service (required)")
 	rounds := flag.Int("rounds", 200, "timed calls (or prepare/unprepare cycles) of each sequential phase")
@@ -228,6 +281,8 @@ func main() {
 	apiServer := flag.String("api-server", "", "with -api-ca and -api-token-file: also time GETs of the claims from this API server")
 	apiCA := flag.String("api-ca", "", "CA bundle of -api-server")
 	apiTokenFile := flag.String("api-token-file", "", "file holding a bearer token for -api-server")
+	sideCallPath := flag.String("side-call", "", "call this method path while a prepare of the first claim is in flight; report both (no timing)")
+	sideCallLead := flag.Duration("side-call-lead", 300*time.Millisecond, "with -side-call: how long after the prepare started to make the side call")
 	flag.Parse()
 	if *socket == "" || flag.NArg() != 0 {
 		fmt.Fprintln(os.Stderr, "usage: kubelet-client -socket PATH [flags] < claims.json")
@@ -238,6 +293,21 @@ func main() {
 		fatalf("-rounds, -concurrent-rounds and -width must be at least 1")
 	}
 	claims := readClaims()
+	if *sideCallPath != "" {
+		if len(claims) < 1 {
+			fatalf("-side-call needs a claim on stdin for the prepare in flight")
+		}
+		conn, err := grpc.NewClient("unix://"+*socket, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			fatalf("connection to %s: %v", *socket, err)
+		}
+		result := sideCall(conn, &client{dra: drav1.NewDRAPluginClient(conn)}, claims[0], *sideCallPath, *sideCallLead)
+		_ = conn.Close()
+		if err := json.NewEncoder(os.Stdout).Encode(result); err != nil {
+			fatalf("stdout: %v", err)
+		}
+		return
+	}
 	if !*onlyEmpty && len(claims) < *width {
 		fatalf("stdin has %d claim(s), -width %d needs at least %d (or -only-empty)", len(claims), *width, *width)
 	}
