@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import ssl
 import subprocess
 from pathlib import Path
 
@@ -95,8 +96,8 @@ def test_in_cluster_with_an_ipv6_service_address(tmp_path: Path, ca: Path) -> No
     )
     assert credentials.server == "https://[fd00::1]:443"
     assert _authorization(credentials) == "Bearer sa-token"
-    client = kube.ApiClient(credentials)
-    assert (client.pool.host, client.pool.port) == ("[fd00::1]", 443)
+    url = kube.ApiClient(credentials).url("/api", None)
+    assert (url.host, url.port) == ("fd00::1", 443)
 
 
 def test_an_exec_plugin_goes_through_the_official_loader(
@@ -114,7 +115,7 @@ def test_an_exec_plugin_goes_through_the_official_loader(
     (tmp_path / "credential.json").write_text(credential("from-exec"))
     path = _kubeconfig(
         tmp_path / "config",
-        {"server": "https://api:6443", "certificate-authority": str(ca)},
+        {"server": "https://api:6443", "certificate-authority": str(ca), "tls-server-name": "api.internal"},
         {
             "exec": {
                 "apiVersion": "client.authentication.k8s.io/v1",
@@ -126,6 +127,7 @@ def test_an_exec_plugin_goes_through_the_official_loader(
     )
     credentials = asyncio.run(kube._from_kubeconfig(path))
     assert credentials.server == "https://api:6443"
+    assert credentials.server_hostname == "api.internal"
     assert _authorization(credentials) == "Bearer from-exec"
     (tmp_path / "credential.json").write_text(credential("renewed"))
     monkeypatch.setattr(kube, "TOKEN_REREAD_SECONDS", -1.0)
@@ -139,3 +141,41 @@ def test_a_kubeconfig_without_its_context_says_so(tmp_path: Path) -> None:
         asyncio.run(kube._from_kubeconfig(path))
     with pytest.raises(ValueError, match="http"):
         kube.ApiClient(kube.Credentials("api.example:443", False, kube._static(None)))
+
+
+def test_tls_server_name_and_insecure_skip_tls_verify_are_read(tmp_path: Path, ca: Path) -> None:
+    """The name the server's certificate is checked against; with insecure-skip-tls-verify
+    nothing is checked, and the client certificate is still loaded (test_kube_client shows
+    both against a TLS server)."""
+    path = _kubeconfig(
+        tmp_path / "config",
+        {
+            "server": "https://10.0.0.1:6443",
+            "certificate-authority": str(ca),
+            "tls-server-name": "api.internal",
+        },
+        {"token": "t0"},
+    )
+    named = asyncio.run(kube._from_kubeconfig(path))
+    assert named.server_hostname == "api.internal"
+    assert (
+        isinstance(named.ssl_context, ssl.SSLContext) and named.ssl_context.verify_mode == ssl.CERT_REQUIRED
+    )
+    path = _kubeconfig(
+        tmp_path / "config",
+        {"server": "https://10.0.0.1:6443", "insecure-skip-tls-verify": True},
+        {"client-certificate": str(ca), "client-key": str(ca.parent / "other-key.pem")},
+    )
+    subprocess.run(
+        ["openssl", "genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-out", str(ca.parent / "other-key.pem")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    with pytest.raises(ssl.SSLError):  # the key does not match: proof that the certificate is loaded
+        asyncio.run(kube._from_kubeconfig(path))
+
+
+def test_a_cluster_without_a_server_says_so(tmp_path: Path) -> None:
+    path = _kubeconfig(tmp_path / "config", {"certificate-authority-data": ""}, {"token": "t"})
+    with pytest.raises(ValueError, match="has no server"):
+        asyncio.run(kube._from_kubeconfig(path))
