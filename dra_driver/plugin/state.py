@@ -93,12 +93,10 @@ class NodePreparer:
         self.steps = ClaimSteps(
             driver, pool, devices, driver_files, cdi_dir, state_dir, sharing, boot_id or ckpt.read_boot_id()
         )
-        self.cdi_dir = cdi_dir
-        self.checkpoint_path = self.steps.checkpoint_path
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
-        return ckpt.load(self.checkpoint_path, self.steps.boot_id).checkpoint
+        return ckpt.load(self.steps.checkpoint_path, self.steps.boot_id).checkpoint
 
     async def recover(self) -> None:
         """Make checkpoint, CDI specs and sharing state agree again (at start)."""

@@ -84,8 +84,8 @@ def test_prepare_writes_the_cdi_spec(prepared: Prepared, inventory: Any, record:
     assert prepared.cdi_ids == (f"{DRIVER}/gpu={CLAIM_UID}-gpu-0",)
     spec = json.loads(specs[0].read_text())
     assert f"GPU_DRA_DEVICE_GPU_0_UUID={gpu.uuid}" in spec["devices"][0]["containerEdits"]["env"]
-    checkpoint = prepared.preparer.checkpoint_path.read_text()
-    record("prepare-checkpoint", f"cat {prepared.preparer.checkpoint_path}", checkpoint)
+    checkpoint = prepared.preparer.steps.checkpoint_path.read_text()
+    record("prepare-checkpoint", f"cat {prepared.preparer.steps.checkpoint_path}", checkpoint)
     assert '"completed"' in checkpoint
 
 

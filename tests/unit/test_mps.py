@@ -311,7 +311,7 @@ def prepare(preparer: NodePreparer) -> str | None:
 
 
 def spec_of(preparer: NodePreparer) -> dict[str, Any]:
-    spec: dict[str, Any] = json.loads(next(preparer.cdi_dir.glob("*.json")).read_text())
+    spec: dict[str, Any] = json.loads(next(preparer.steps.cdi_dir.glob("*.json")).read_text())
     return spec
 
 
@@ -335,7 +335,7 @@ def test_prepare_starts_the_daemon_and_puts_its_edits_in_the_spec(
     asyncio.run(preparer.unprepare([REF]))
     assert not mps.is_running(UID)
     assert not mps.dirs(UID).base.exists()
-    assert not list(preparer.cdi_dir.glob("*.json"))
+    assert not list(preparer.steps.cdi_dir.glob("*.json"))
 
 
 def test_a_claim_without_mps_starts_nothing(make_preparer: Any, mps: MpsControl) -> None:
@@ -363,7 +363,7 @@ def test_a_daemon_that_cannot_start_rolls_the_claim_back(
     asyncio.run(preparer.recover())
     assert "GPU sharing could not be set up on this node" in str(prepare(preparer))
     assert UID not in preparer.read_checkpoint().claims
-    assert not list(preparer.cdi_dir.glob("*.json"))
+    assert not list(preparer.steps.cdi_dir.glob("*.json"))
     assert not mps.claim_uids()
 
 
@@ -376,7 +376,7 @@ def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec_with_its_edits(
     # the plugin's container restarts: the daemon dies with it, the tmpfs spec is gone too
     for pid in mps.daemon_pids(UID):
         os.kill(pid, 9)
-    for spec in preparer.cdi_dir.glob("*.json"):
+    for spec in preparer.steps.cdi_dir.glob("*.json"):
         spec.unlink()
     (mps.dirs(UID).pipe / "control").unlink()
 
@@ -405,7 +405,7 @@ def test_an_interrupted_prepare_is_rolled_back_with_its_daemon(make_preparer: An
     cp = preparer.read_checkpoint()
     entry = cp.claims[UID]
     ckpt.save(
-        preparer.checkpoint_path,
+        preparer.steps.checkpoint_path,
         with_started(without(cp, UID), entry.namespace, entry.name, entry.uid, entry.devices),
     )
     restarted = make_preparer(mps_claim(MPS_PARAMS))

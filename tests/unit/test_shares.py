@@ -321,7 +321,7 @@ def _prepare(preparer: NodePreparer, *claims: dict[str, Any]) -> dict[str, Claim
 
 
 def _env(preparer: NodePreparer, uid: str) -> list[str]:
-    spec = json.loads(next(preparer.cdi_dir.glob(f"*{uid}*.json")).read_text())
+    spec = json.loads(next(preparer.steps.cdi_dir.glob(f"*{uid}*.json")).read_text())
     env: list[str] = spec["devices"][0]["containerEdits"]["env"]
     return env
 
@@ -394,7 +394,7 @@ def test_a_crash_between_started_and_completed_stops_the_shares_daemon(node: Any
     cp = preparer.read_checkpoint()
     entry = cp.claims[A]
     ckpt.save(
-        preparer.checkpoint_path,
+        preparer.steps.checkpoint_path,
         with_started(without(cp, A), entry.namespace, entry.name, entry.uid, entry.devices),
     )
     restarted = node(a, b)

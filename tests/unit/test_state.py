@@ -139,7 +139,7 @@ def test_restart_recovers_every_half_done_state(tmp_path: Path) -> None:
         await prepared(p, gone_spec)
         remove_claim_spec(tmp_path / "cdi", DRIVER, gone_spec.uid)  # e.g. someone cleaned /var/run/cdi
         cp = with_started(p.read_checkpoint(), "ns", "half", interrupted.uid, [])
-        ckpt.save(p.checkpoint_path, cp)  # crash after `started`
+        ckpt.save(p.steps.checkpoint_path, cp)  # crash after `started`
         orphan = build_claim_spec(DRIVER, "uid-orphan", [p.steps.devices["gpu-3"]], p.steps.driver_files)
         write_spec(tmp_path / "cdi", orphan)  # a spec whose claim this node never recorded
 
@@ -181,7 +181,7 @@ def test_an_unreadable_checkpoint_keeps_what_running_pods_use(tmp_path: Path, da
         await prepared(p, running)
         await prepared(p, finished)
         del node.claims[finished.uid]  # deleted while this plugin was down
-        UNREADABLE[damage](p.checkpoint_path)
+        UNREADABLE[damage](p.steps.checkpoint_path)
 
         restarted = await _started(node)
         assert list((tmp_path / "state").glob("checkpoint.json.corrupt-*")), "moved aside, for a person"
@@ -204,7 +204,7 @@ def test_an_unreadable_checkpoint_and_no_api_server_removes_nothing(tmp_path: Pa
         a, b = node.add("a", "gpu-0"), node.add("b", "gpu-1")
         await prepared(p, a)
         await prepared(p, b)
-        p.checkpoint_path.write_text("{}")
+        p.steps.checkpoint_path.write_text("{}")
         node.api_up = False
         restarted = await _started(node)
         assert node.specs() == {a.uid, b.uid}, "when nobody can say a claim is gone, nothing is removed"
@@ -226,7 +226,7 @@ def test_a_wiped_state_dir_keeps_what_running_pods_use(tmp_path: Path, api_up: b
         await prepared(p, running)
         await prepared(p, finished)
         del node.claims[finished.uid]
-        p.checkpoint_path.unlink()
+        p.steps.checkpoint_path.unlink()
         node.api_up = api_up
 
         restarted = await _started(node)
@@ -247,7 +247,7 @@ def test_a_first_start_and_a_restart_ask_the_api_server_nothing(tmp_path: Path) 
         await prepared(p, node.add("a", "gpu-0"))
         await _started(node)
         assert node.lists == 0, "only a lost or unreadable checkpoint with specs on disk needs the list"
-        p.checkpoint_path.unlink()
+        p.steps.checkpoint_path.unlink()
         await _started(node)
         assert node.lists == 1
 
@@ -260,17 +260,17 @@ def test_a_checkpoint_from_a_newer_build_stops_start_and_is_left_intact(tmp_path
         p = await _started(node)
         ref = node.add("a", "gpu-0")
         await prepared(p, ref)
-        doc = _valid_doc(p.checkpoint_path)
+        doc = _valid_doc(p.steps.checkpoint_path)
         doc.update(version=ckpt.FORMAT_VERSION + 1, writtenBy="gpu-dra-driver 2.0.0")
-        p.checkpoint_path.write_text(json.dumps(doc))
-        before = p.checkpoint_path.read_bytes()
+        p.steps.checkpoint_path.write_text(json.dumps(doc))
+        before = p.steps.checkpoint_path.read_bytes()
         with pytest.raises(ckpt.CheckpointFromNewerVersion, match=r"gpu-dra-driver 2\.0\.0"):
             await _started(node)
-        assert p.checkpoint_path.read_bytes() == before and node.specs() == {ref.uid}
+        assert p.steps.checkpoint_path.read_bytes() == before and node.specs() == {ref.uid}
         assert not list((tmp_path / "state").glob("checkpoint.json.corrupt-*"))
         # the old instance of an update keeps serving, but refuses to touch the newer state
         assert "gpu-dra-driver 2.0.0" in await refused(p, node.add("b", "gpu-1"))
-        assert p.checkpoint_path.read_bytes() == before
+        assert p.steps.checkpoint_path.read_bytes() == before
 
     asyncio.run(run())
 
@@ -375,7 +375,7 @@ def test_a_spec_from_an_earlier_boot_is_never_adopted(tmp_path: Path) -> None:
         spec = claim_spec_path(tmp_path / "cdi", DRIVER, old.uid)
         before_boot = ckpt.boot_time() - 60
         os.utime(spec, (before_boot, before_boot))
-        p.checkpoint_path.write_text("{}")  # e.g. torn by the power loss that ended that boot
+        p.steps.checkpoint_path.write_text("{}")  # e.g. torn by the power loss that ended that boot
         restarted = await _started(node)
         assert node.specs() == set() and restarted.read_checkpoint().claims == {}
 
