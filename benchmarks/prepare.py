@@ -27,12 +27,35 @@ minimal server (`floor_16_concurrent_to_sequential`) and of the API server's own
 once, on keep-alive connections from Go; on a 2-core machine the API server and etcd
 share the cores with the plugin, so 16 GETs at once take several times one GET).
 
-Run alone: `python -m benchmarks.prepare` (prints JSON; writes benchmarks/results/prepare.json).
+Beside an older commit (`--baseline-ref REF`): that commit is checked out once in a git
+worktree, /tmp/bench-baseline-<sha12> (reused while it exists), and its plugin runs with the
+same interpreter and .venv, `PYTHONPATH` at the worktree and `PYTHONSAFEPATH=1`, so that its
+own `dra_driver` and `controller` are imported; before anything is timed, every module of
+each side is imported once with that environment (a missing package, such as `hpack` for
+code that still has its own HTTP/2 server, is named then) and byte-compiled. Both sides then
+share one control plane, one set of claims and one kubelet-client, and run in alternation,
+B C C B for `--starts 2` (the default with a baseline; B C C B B C ... for more), so that
+drift on the machine hits both alike: each start is a fresh plugin process with fresh
+kubelet, CDI and state dirs, timed from spawn to registered, then `--rounds` sequential
+calls per phase split among the starts of a side (the concurrent rounds likewise), then RSS,
+`--cycles` cycles, RSS. Latencies are pooled per side; start-to-registered and RSS are the
+median over its starts (each start's own in `per_start`). `current_to_baseline` divides
+each figure of the current side by the baseline's (p50 and p99 of each phase; < 1 is
+faster or smaller). The floor is measured once, after all starts. `--current-ref REF` puts
+a commit instead of the working tree on the current side (to check the method with the
+same code on both sides, or when the working tree's plugin does not start).
+
+Run alone: `python -m benchmarks.prepare [--baseline-ref REF] [--current-ref REF]
+[--starts N] [--rounds N] [--cycles N]` (prints each start's progress and, with a baseline,
+a table of both sides and their ratios on stderr; the figures as JSON on stdout; writes
+benchmarks/results/prepare.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
+import json
 import os
 import shutil
 import ssl
@@ -42,12 +65,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from benchmarks import fresh_control_plane, kubelet_client, report
+from benchmarks.kubelet_client import REPO
 from dra_driver.driver_root import COMPUTE_LIBRARIES, UTILITY_BINARIES
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
@@ -202,13 +227,15 @@ def _floor_grpc(binary: Path, work: Path, rounds: int) -> dict[str, list[float]]
         server.wait()
 
 
+def _shm_is_tmpfs() -> bool:
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    return next((fields[2] for fields in mounts if fields[1] == "/dev/shm"), "") == "tmpfs"
+
+
 def _run_root() -> tuple[Path, str]:
     """Where the plugin's CDI specs and checkpoint go: a tmpfs, as /run is on a node."""
-    shm = Path("/dev/shm")
-    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    kind = next((fields[2] for fields in mounts if fields[1] == str(shm)), "")
-    if kind == "tmpfs":
-        return Path(tempfile.mkdtemp(prefix="dra-bench-run-", dir=shm)), kind
+    if _shm_is_tmpfs():
+        return Path(tempfile.mkdtemp(prefix="dra-bench-run-", dir="/dev/shm")), "tmpfs"
     return Path(tempfile.mkdtemp(prefix="dra-bench-run-")), "not a tmpfs (no /dev/shm)"
 
 
@@ -246,104 +273,387 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def run(cycles: int = 1000, rounds: int = 200) -> dict[str, Any]:
-    with fresh_control_plane("dra-bench-") as (cp, work):
-        api = sync_client(str(cp.kubeconfig))
-        create_node(api, NODE)
-        sync_request(
+def _claims(api: Any) -> list[ClaimName]:
+    """GPUS claims in namespace bench, each allocated one GPU of NODE by an admin write."""
+    sync_request(
+        api,
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bench"}},
+    )
+    claims: list[ClaimName] = []
+    for i in range(GPUS):
+        claim = sync_request(
             api,
             "POST",
-            "/api/v1/namespaces",
-            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bench"}},
+            CLAIMS,
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceClaim",
+                "metadata": {"name": f"c{i}"},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "any"}}]}},
+            },
         )
-        claims: list[ClaimName] = []
-        for i in range(GPUS):
-            claim = sync_request(
-                api,
-                "POST",
-                "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims",
-                {
-                    "apiVersion": "resource.k8s.io/v1",
-                    "kind": "ResourceClaim",
-                    "metadata": {"name": f"c{i}"},
-                    "spec": {
-                        "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "any"}}]}
-                    },
-                },
-            )
-            claim["status"] = {
-                "allocation": {
-                    "devices": {
-                        "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}]
-                    }
+        claim["status"] = {
+            "allocation": {
+                "devices": {
+                    "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}]
                 }
             }
-            claim = sync_request(
-                api, "PUT", f"/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims/c{i}/status", claim
-            )
-            claims.append(ClaimName("bench", f"c{i}", claim["metadata"]["uid"]))
+        }
+        claim = sync_request(api, "PUT", f"{CLAIMS}/c{i}/status", claim)
+        claims.append(ClaimName("bench", f"c{i}", claim["metadata"]["uid"]))
+    return claims
 
-        run_root, run_fs = _run_root()
-        plugin = DriverProcess(
-            NODE,
-            str(_profile(work / "bench16.yaml")),
-            cp.kubeconfig,
-            work / "p",
-            extra_args=("--driver-root", str(_driver_root(work / "driver-root"))),
-            log_level="info",  # as the chart runs it
-            run_root=run_root,
+
+@dataclass(frozen=True)
+class Side:
+    """One version of the plugin: `code` is put first on the plugin's PYTHONPATH (the
+    checkout itself for the working tree, a git worktree for a commit)."""
+
+    label: str
+    code: Path
+    describe: str  # "<sha>" or "working tree at <sha> (...)"
+
+    @property
+    def env(self) -> dict[str, str]:
+        # PYTHONSAFEPATH: `python -m dra_driver` would put the cwd first, ahead of PYTHONPATH.
+        return {"PYTHONPATH": str(self.code), "PYTHONSAFEPATH": "1"}
+
+
+def _git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def working_tree_side(label: str = "current") -> Side:
+    head = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "dra_driver", "controller")
+    changes = "with uncommitted changes in dra_driver/controller" if dirty else "clean"
+    return Side(label, REPO, f"working tree at {head} ({changes})")
+
+
+def commit_side(ref: str, label: str) -> Side:
+    """`ref` checked out in a git worktree /tmp/bench-baseline-<sha12> (made once, reused)."""
+    sha = _git("rev-parse", "--verify", f"{ref}^{{commit}}")
+    path = Path(f"/tmp/bench-baseline-{sha[:12]}")
+    if not (path / ".git").exists():
+        if path.exists():
+            raise RuntimeError(f"{path} exists but is not a git worktree: remove it")
+        _git("worktree", "add", "--detach", str(path), sha)
+    found = _git("rev-parse", "HEAD", cwd=path)
+    if found != sha:
+        raise RuntimeError(f"{path} is at {found}, not {sha}: `git worktree remove --force {path}`")
+    return Side(label, path, sha)
+
+
+_IMPORT_CHECK = """
+import importlib, json, pkgutil
+failed = {}
+files = {}
+for package in ("dra_driver", "controller"):
+    module = importlib.import_module(package)
+    files[package] = module.__file__
+    for info in pkgutil.walk_packages(module.__path__, package + "."):
+        if not info.name.endswith("__main__"):
+            try:
+                importlib.import_module(info.name)
+            except Exception as e:
+                failed[info.name] = repr(e)
+print(json.dumps({"files": files, "failed": failed}))
+"""
+
+
+def check_imports(side: Side) -> None:
+    """Every module of the side's dra_driver and controller imports with this interpreter,
+    from the side's own code (not the checkout's); byte-compiled first, so that no start
+    timed later compiles."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compileall",
+            "-q",
+            str(side.code / "dra_driver"),
+            str(side.code / "controller"),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_CHECK],
+        env={**os.environ, **side.env},
+        cwd=side.code,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{side.label}: import check failed:\n{done.stderr}")
+    found = json.loads(done.stdout.splitlines()[-1])
+    for package, file in found["files"].items():
+        if not Path(file).resolve().is_relative_to(side.code.resolve()):
+            raise RuntimeError(f"{side.label}: {package} imported from {file}, not from {side.code}")
+    if found["failed"]:
+        missing = "\n".join(f"  {m}: {e}" for m, e in sorted(found["failed"].items()))
+        raise RuntimeError(
+            f"{side.label} ({side.describe}) does not import with {sys.executable}:\n{missing}\n"
+            "a third-party package missing can go into .venv (test-only: `.venv/bin/pip install hpack`);"
+            " a module of its own missing means that code is mid-change"
         )
-        binary = kubelet_client.build()
+
+
+@dataclass
+class Block:
+    """What one plugin process (one start of one side) measured."""
+
+    label: str
+    start_to_registered_s: float
+    phases: dict[str, list[float]]
+    rss_kib_after_warmup: int
+    rss_kib_after_cycles: int
+
+
+def measure_block(
+    side: Side,
+    index: int,
+    cp: ControlPlane,
+    work: Path,
+    claims: list[ClaimName],
+    binary: Path,
+    rounds: int,
+    cycles: int,
+) -> tuple[Block, Path]:
+    """Start one plugin of `side` (fresh dirs), time it, stop it. Returns the block and its data dir."""
+    run_root, _ = _run_root()
+    plugin = DriverProcess(
+        NODE,
+        str(_profile(work / "bench16.yaml")),
+        cp.kubeconfig,
+        work / f"p-{side.label}-{index}",
+        extra_args=("--driver-root", str(work / "driver-root")),
+        env=side.env,
+        log_level="info",  # as the chart runs it
+        run_root=run_root,
+    )
+    try:
         t0 = time.perf_counter()
         plugin.start(wait=False)
         plugin.wait_serving(timeout=60)
         start_to_registered = time.perf_counter() - t0
         assert plugin.proc is not None
-        try:
-            kubelet = KubeletSide(plugin.registration_socket())  # registers, as the kubelet does
-            refs = [(c.namespace, c.name, c.uid) for c in claims]
-            socket = Path(kubelet.info.endpoint)
-            token_file = work / "bench.token"
-            token_file.write_text(ADMIN_TOKEN)
-            api_server = kubelet_client.ApiServer(cp.server, cp.ca_file, token_file)
-            phases = kubelet_client.run(binary, socket, refs, rounds, max(rounds // 10, 5), api=api_server)
-            rss_before = _rss_kib(plugin.proc.pid)
-            for _ in range(cycles):
-                kubelet.prepare(claims[1])
-                kubelet.unprepare(claims[1])
-            rss_after = _rss_kib(plugin.proc.pid)
-            kubelet.close()
-        finally:
-            plugin.stop()
-            shutil.rmtree(run_root, ignore_errors=True)
+        kubelet = KubeletSide(plugin.registration_socket())  # registers, as the kubelet does
+        refs = [(c.namespace, c.name, c.uid) for c in claims]
+        token_file = work / "bench.token"
+        token_file.write_text(ADMIN_TOKEN)
+        api_server = kubelet_client.ApiServer(cp.server, cp.ca_file, token_file)
+        phases = kubelet_client.run(
+            binary, Path(kubelet.info.endpoint), refs, rounds, max(rounds // 10, 5), api=api_server
+        )
+        rss_before = _rss_kib(plugin.proc.pid)
+        for _ in range(cycles):
+            kubelet.prepare(claims[1])
+            kubelet.unprepare(claims[1])
+        rss_after = _rss_kib(plugin.proc.pid)
+        kubelet.close()
+    finally:
+        plugin.stop()
+        shutil.rmtree(run_root, ignore_errors=True)
+    return Block(side.label, start_to_registered, phases, rss_before, rss_after), plugin.data_dir
+
+
+def _side_result(blocks: list[Block], cycles: int) -> dict[str, Any]:
+    def pooled(phase: str) -> list[float]:
+        return [t for b in blocks for t in b.phases[phase]]
+
+    def middle(values: list[float]) -> float:
+        return statistics.median(values)
+
+    rss_before = round(middle([b.rss_kib_after_warmup for b in blocks]))
+    rss_after = round(middle([b.rss_kib_after_cycles for b in blocks]))
+    result: dict[str, Any] = {
+        "start_to_registered_s": round(middle([b.start_to_registered_s for b in blocks]), 3),
+        "prepare_sequential": _percentiles(pooled("prepare_sequential")),
+        "unprepare_sequential": _percentiles(pooled("unprepare_sequential")),
+        "prepare_16_concurrent": _percentiles(pooled("prepare_concurrent")),
+        "unprepare_16_concurrent": _percentiles(pooled("unprepare_concurrent")),
+        "rss_kib_after_warmup": rss_before,
+        f"rss_kib_after_{cycles}_cycles": rss_after,
+        "rss_growth_kib": rss_after - rss_before,
+        "plugin_empty_call": _percentiles(pooled("empty")),
+        "plugin_empty_16_concurrent": _percentiles(pooled("empty_concurrent")),
+    }
+    if len(blocks) > 1:
+        result["per_start"] = [
+            {
+                "start_to_registered_s": round(b.start_to_registered_s, 3),
+                "rss_kib_after_warmup": b.rss_kib_after_warmup,
+                f"rss_kib_after_{cycles}_cycles": b.rss_kib_after_cycles,
+            }
+            for b in blocks
+        ]
+    return result
+
+
+def _current_to_baseline(current: dict[str, Any], baseline: dict[str, Any], cycles: int) -> dict[str, float]:
+    def ratio(a: float, b: float) -> float:
+        return round(a / b, 2) if b else float("nan")
+
+    out: dict[str, float] = {
+        "start_to_registered": ratio(current["start_to_registered_s"], baseline["start_to_registered_s"])
+    }
+    for phase in (
+        "prepare_sequential",
+        "unprepare_sequential",
+        "prepare_16_concurrent",
+        "unprepare_16_concurrent",
+        "plugin_empty_call",
+        "plugin_empty_16_concurrent",
+    ):
+        for stat in ("p50_ms", "p99_ms"):
+            out[f"{phase}.{stat.removesuffix('_ms')}"] = ratio(current[phase][stat], baseline[phase][stat])
+    for key in ("rss_kib_after_warmup", f"rss_kib_after_{cycles}_cycles"):
+        out[key.removeprefix("rss_kib_")] = ratio(current[key], baseline[key])
+    return out
+
+
+def run(
+    cycles: int = 1000,
+    rounds: int = 200,
+    baseline_ref: str | None = None,
+    current_ref: str | None = None,
+    starts: int | None = None,
+) -> dict[str, Any]:
+    """The figures of the working tree's plugin (or `current_ref`'s); with `baseline_ref`,
+    also of that commit's, in the same run: `starts` plugin starts of each side (default
+    2; 1 without a baseline), in the order B C C B B C ..., `rounds` timed calls per phase
+    and side shared among them, `cycles` per start."""
+    sides = [commit_side(current_ref, "current") if current_ref else working_tree_side()]
+    if baseline_ref:
+        sides.insert(0, commit_side(baseline_ref, "baseline"))
+    starts = starts or (2 if baseline_ref else 1)
+    for side in sides:
+        check_imports(side)
+    order: list[Side] = []
+    for i in range(starts):
+        order += sides if i % 2 == 0 else sides[::-1]
+    per_start_rounds = max(rounds // starts, 10)
+    with fresh_control_plane("dra-bench-") as (cp, work):
+        api = sync_client(str(cp.kubeconfig))
+        create_node(api, NODE)
+        claims = _claims(api)
+        _driver_root(work / "driver-root")
+        binary = kubelet_client.build()
+        blocks: dict[str, list[Block]] = {side.label: [] for side in sides}
+        data_dir = work
+        for index, side in enumerate(order):
+            block, data_dir = measure_block(side, index, cp, work, claims, binary, per_start_rounds, cycles)
+            blocks[side.label].append(block)
+            p50_ms = statistics.median(block.phases["prepare_sequential"]) * 1000
+            print(
+                f"start {index + 1}/{len(order)} {side.label}: registered in"
+                f" {block.start_to_registered_s:.3f} s, prepare p50 {p50_ms:.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         floor_calls = _floor_grpc(binary, work, rounds)
+        every = [b for side_blocks in blocks.values() for b in side_blocks]
+        get_go = [t for b in every for t in b.phases["get_sequential"]]
+        get_go_concurrent = [t for b in every for t in b.phases["get_concurrent"]]
         floor = {
             "get": _percentiles(_floor_get(cp, f"{CLAIMS}/c0", rounds)),
-            "durable_write": _percentiles(_floor_durable_write(plugin.data_dir, rounds)),
+            "durable_write": _percentiles(_floor_durable_write(data_dir, rounds)),
             "grpc_empty": _percentiles(floor_calls["empty"]),
             "grpc_empty_16_concurrent": _percentiles(floor_calls["empty_concurrent"]),
-            "get_go": _percentiles(phases["get_sequential"]),
-            "get_go_16_concurrent": _percentiles(phases["get_concurrent"]),
+            "get_go": _percentiles(get_go),
+            "get_go_16_concurrent": _percentiles(get_go_concurrent),
         }
-        result = {
-            "start_to_registered_s": round(start_to_registered, 3),
+    run_fs = "tmpfs" if _shm_is_tmpfs() else "not a tmpfs (no /dev/shm)"
+    results = {side.label: _side_result(blocks[side.label], cycles) for side in sides}
+    for result in results.values():
+        result["ratios"] = _ratios({**result, "floor": floor})
+    if not baseline_ref:
+        current = results["current"]
+        start_to_registered, ratios = current.pop("start_to_registered_s"), current.pop("ratios")
+        return {
+            "code": sides[0].describe,
+            "start_to_registered_s": start_to_registered,
             "state_and_cdi_dirs": run_fs,
-            "prepare_sequential": _percentiles(phases["prepare_sequential"]),
-            "unprepare_sequential": _percentiles(phases["unprepare_sequential"]),
-            "prepare_16_concurrent": _percentiles(phases["prepare_concurrent"]),
-            "unprepare_16_concurrent": _percentiles(phases["unprepare_concurrent"]),
-            "rss_kib_after_warmup": rss_before,
-            f"rss_kib_after_{cycles}_cycles": rss_after,
-            "rss_growth_kib": rss_after - rss_before,
-            "plugin_empty_call": _percentiles(phases["empty"]),
-            "plugin_empty_16_concurrent": _percentiles(phases["empty_concurrent"]),
+            **current,
             "floor": floor,
+            "ratios": ratios,
         }
-        return {**result, "ratios": _ratios(result)}
+    return {
+        "method": f"{starts} plugin starts of each side, in the order {' '.join(s.label for s in order)};"
+        f" {per_start_rounds} sequential calls per phase and start; {cycles} cycles per start",
+        "state_and_cdi_dirs": run_fs,
+        "code": {side.label: side.describe for side in sides},
+        "current_to_baseline": _current_to_baseline(results["current"], results["baseline"], cycles),
+        "current": results["current"],
+        "baseline": results["baseline"],
+        "floor": floor,
+    }
 
 
 def main() -> None:
-    report("prepare", run())
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--baseline-ref",
+        metavar="REF",
+        help="also measure this commit's plugin (a git worktree /tmp/bench-baseline-<sha12>), interleaved",
+    )
+    parser.add_argument(
+        "--current-ref",
+        metavar="REF",
+        help="measure this commit's plugin as the current side instead of the working tree's",
+    )
+    parser.add_argument(
+        "--starts", type=int, help="plugin starts per side (default 2 with a baseline, else 1)"
+    )
+    parser.add_argument("--rounds", type=int, default=200, help="timed sequential calls per phase and side")
+    parser.add_argument(
+        "--cycles", type=int, default=1000, help="prepare/unprepare cycles per start before RSS"
+    )
+    args = parser.parse_args()
+    result = run(args.cycles, args.rounds, args.baseline_ref, args.current_ref, args.starts)
+    report("prepare", result)
+    if "current_to_baseline" in result:
+        print(comparison_table(result, args.cycles), file=sys.stderr, flush=True)
+
+
+def comparison_table(result: dict[str, Any], cycles: int) -> str:
+    """The baseline and current figures side by side with their ratio (current/baseline)."""
+    base, cur, ratio = result["baseline"], result["current"], result["current_to_baseline"]
+    rows = [("figure", "baseline", "current", "current/baseline")]
+    rows.append(
+        (
+            "start to registered (s)",
+            str(base["start_to_registered_s"]),
+            str(cur["start_to_registered_s"]),
+            str(ratio["start_to_registered"]),
+        )
+    )
+    for phase in (
+        "prepare_sequential",
+        "unprepare_sequential",
+        "prepare_16_concurrent",
+        "unprepare_16_concurrent",
+        "plugin_empty_call",
+    ):
+        for stat in ("p50", "p99"):
+            rows.append(
+                (
+                    f"{phase} {stat} (ms)",
+                    str(base[phase][f"{stat}_ms"]),
+                    str(cur[phase][f"{stat}_ms"]),
+                    str(ratio[f"{phase}.{stat}"]),
+                )
+            )
+    for key in ("rss_kib_after_warmup", f"rss_kib_after_{cycles}_cycles"):
+        rows.append((f"{key} ", str(base[key]), str(cur[key]), str(ratio[key.removeprefix("rss_kib_")])))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"baseline {result['code']['baseline']}", f"current  {result['code']['current']}"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

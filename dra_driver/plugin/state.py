@@ -1,15 +1,16 @@
 """The prepare/unprepare transaction: crash-safe, and safe against a second plugin instance.
 
-A Prepare, top-down (each line a frame):
+A Prepare, top-down (each line a frame, from the handler to the CDI spec and the checkpoint):
     service._DraService.NodePrepareResources    grpcio calls it with the kubelet's request
-    service._per_claim                          one answer per claim, logged with its identity
+    service._per_claim, service._answer_all      one answer per claim, logged with its identity
     NodePreparer.prepare                        refs checked; claims prepared already answered
-    ClaimSource.read (claim_source.ClaimReader)  the claims from the API server, outside the lock
-    ClaimSteps.plan -> claims.allocated_devices  what each claim needs here (pure)
-    asyncio.to_thread(NodePreparer._prepare_locked)
-        lock -> read the checkpoint -> already prepared? -> conflicts ->
-        `started` written (only where sharing daemons start) ->
-        ClaimSteps.set_up (sharing, cdi.files.write_spec) -> checkpoint.save (`completed`)
+      ClaimSource.read (claim_source.py)         the claims from the API server, outside the lock
+      ClaimSteps.plan (claim_steps.py)           what each claim needs here (pure)
+    NodePreparer._locked                        asyncio.to_thread; an unreadable checkpoint: recovery
+    NodePreparer._prepare_locked                lock, read the checkpoint, prepared already?,
+                                                conflicts, `started` (only if sharing daemons start)
+    ClaimSteps.set_up -> ClaimSteps.write_spec  sharing, then cdi.files.write_spec
+    ClaimSteps.save -> checkpoint.save          `completed`
 
 The checkpoint on disk is the only source of truth. Every Prepare and Unprepare is ONE
 synchronous section in a worker thread that holds an exclusive file lock
