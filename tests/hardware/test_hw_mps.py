@@ -143,7 +143,7 @@ def test_mps_claim_limits_memory_and_stops_cleanly(
     for _ in range(100):  # a server that does not carry the marker may take a moment to exit
         if not mps_processes():
             break
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval (10 s at most)
     left = mps.daemon_pids(CLAIM_UID)
     record(
         "mps-unprepare",

@@ -58,7 +58,7 @@ try:
     torch.cuda.synchronize()
     out[f"alloc_{below}gib"] = "ok"
     out["holding_from"] = time.time()
-    time.sleep(hold)
+    time.sleep(hold)  # not a wait: the client holds its memory this long
     out["holding_until"] = time.time()
     del x
     torch.cuda.empty_cache()
@@ -162,7 +162,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
         stop = threading.Event()
 
         def watch() -> None:  # what the host sees while both clients hold their memory
-            time.sleep(HOLD_SECONDS / 2 + 3)
+            time.sleep(HOLD_SECONDS / 2 + 3)  # not a wait: a sample in the middle of the hold
             if not stop.is_set():
                 apps = run(
                     [smi(driver_root), "--query-compute-apps=pid,process_name,used_memory", "--format=csv"]
@@ -242,7 +242,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
     for _ in range(100):
         if not mps_processes():
             break
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval (10 s at most)
     record(
         "shares-unprepare",
         f"NodePreparer.unprepare([{A}, {B}]); then look for MPS processes",

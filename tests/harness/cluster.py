@@ -274,7 +274,7 @@ class ControlPlane:
                 last = body[-500:]
             except OSError as e:
                 last = str(e)
-            time.sleep(0.3)
+            time.sleep(0.3)  # the poll interval
         raise TimeoutError(f"kube-apiserver not ready after {timeout}s: {last}")
 
     def _kubeconfig(self, user: str, token: str) -> str:
@@ -355,7 +355,7 @@ class ControlPlane:
             status, _ = self.get("/api/v1/namespaces/default/serviceaccounts/default")
             if status == 200:
                 return
-            time.sleep(0.3)
+            time.sleep(0.3)  # the poll interval
         raise TimeoutError("the default ServiceAccount did not appear; is kube-controller-manager running?")
 
     # -- helpers -------------------------------------------------------------------------
@@ -403,7 +403,7 @@ def _terminate(pid: int, name: str, grace: float = 10.0) -> None:
             done = 0 if _alive(pid) else pid
         if done:
             return
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     _log(f"{name} (pid {pid}) ignored SIGTERM; killing")
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)

@@ -460,7 +460,7 @@ def _remove_cgroup(path: str) -> None:
         except FileNotFoundError:
             return
         except OSError:
-            time.sleep(0.05)
+            time.sleep(0.05)  # retry back-off: the cgroup empties as its last process is reaped
 
 
 # =========================================================================== init (inside the namespaces)

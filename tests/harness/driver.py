@@ -131,7 +131,7 @@ class DriverProcess:
                         raise TimeoutError(
                             f"plugin for {self.node} does not answer:\n{self.log_tail()}"
                         ) from None
-                    time.sleep(0.02)
+                    time.sleep(0.02)  # the poll interval
 
     def registration_socket(self, timeout: float = 30.0) -> Path:
         deadline = time.monotonic() + timeout

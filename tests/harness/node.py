@@ -91,7 +91,7 @@ _INIT = (
     "    try:\n"
     "        os.wait()\n"
     "    except ChildProcessError:\n"
-    "        time.sleep(0.5)\n"
+    "        time.sleep(0.5)\n"  # not a wait: no child to reap yet
 )
 
 
@@ -301,7 +301,7 @@ class Node:
             if kids and str(self.dir) in _cmdline(kids[0]) and sys.executable in _cmdline(kids[0]):
                 self.init_pid = kids[0]
                 return
-            time.sleep(0.05)
+            time.sleep(0.05)  # the poll interval
         raise TimeoutError(f"sandbox of {self.name} did not start: {self._tail('sandbox.log')}")
 
     def _launch(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> _Launched:
@@ -324,7 +324,7 @@ class Node:
                 return _Launched(name, argv, proc, kids[0])
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} of {self.name} exited at once: {self._tail(f'{name}.log')}")
-            time.sleep(0.02)
+            time.sleep(0.02)  # the poll interval
         raise TimeoutError(f"{name} of {self.name}: nsenter started no child")
 
     def _stop(self, launched: _Launched | None, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
@@ -434,7 +434,7 @@ class Node:
                 raise RuntimeError(f"containerd of {self.name} exited: {self._tail('containerd.log')}")
             if self.ctr("version", check=False).returncode == 0:
                 return
-            time.sleep(0.1)
+            time.sleep(0.1)  # the poll interval
         raise TimeoutError(f"containerd of {self.name} not serving: {self._tail('containerd.log')}")
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -614,7 +614,7 @@ def wait_until(what: str, probe: Any, timeout: float, detail: Any = None) -> Non
     while time.monotonic() < deadline:
         if probe():
             return
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     raise TimeoutError(
         f"timed out after {timeout}s waiting for {what}" + (f":\n{detail()}" if detail else "")
     )
@@ -906,9 +906,9 @@ def reap(state_file: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and any(_alive(p) and base in _cmdline(p) for p in state["sandboxes"]):
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     # The namespaces go once their last process is reaped; give the kernel a moment.
-    time.sleep(0.5)
+    time.sleep(0.5)  # not a wait: cleanup, and the links still there are deleted below anyway
     for link in state["links"]:
         if _ip("link", "show", link, check=False).returncode == 0:
             _ip("link", "del", link, check=False)

@@ -134,7 +134,7 @@ def test_no_process_survives_a_killed_launcher(control_plane: ControlPlane, tmp_
         f"cp = ControlPlane.start(work_dir=pathlib.Path({str(tmp_path / 'c')!r}),"
         f" bin_dir=pathlib.Path({str(control_plane.bin_dir)!r}))\n"
         "print(' '.join(str(p.pid) for p in cp.processes.values()), flush=True)\n"
-        "import time; time.sleep(600)\n"
+        "import time; time.sleep(600)\n"  # not a wait: the launcher lives until the test kills it
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None

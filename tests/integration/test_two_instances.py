@@ -19,7 +19,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,7 +129,8 @@ def test_two_instances_with_random_kills_keep_one_consistent_state(
         """Checkpoint, CDI specs and MPS daemons say what the kubelet was told, and nothing else."""
         entries, specs = _state(instances[0].proc.state_dir, instances[0].proc.cdi_dir)
         assert set(entries) == set(prepared), f"{when}: the checkpoint holds exactly the prepared claims"
-        assert all(e.phase == ckpt.COMPLETED for e in entries.values()), f"{when}: a half-done entry"
+        completed = ckpt.ClaimPhase.COMPLETED
+        assert all(e.phase == completed for e in entries.values()), f"{when}: a half-done entry"
         assert specs == set(prepared), f"{when}: a spec for each prepared claim and for no other"
         assert mps.claim_uids() == set(prepared) & mps_claims, f"{when}: a daemon for each prepared MPS claim"
         assert all(mps.is_running(uid) for uid in mps.claim_uids()), f"{when}: an MPS daemon died"
@@ -215,10 +215,14 @@ def test_only_one_instance_publishes_and_the_other_takes_over(
         old.start()
         wait_for("the node's slices", lambda: node_slices() or None, timeout=30)
         new.start()
-        time.sleep(2)
-        log = old.proc.log_path.read_text()
+
+        def new_one_waits() -> str | None:  # the log (both instances') once the new one has decided
+            log = old.proc.log_path.read_text()
+            return log if "another instance publishes this node's slices" in log else None
+
+        log = wait_for("the new instance to leave publishing to the old one", new_one_waits, timeout=30,
+                       detail=lambda: old.proc.log_path.read_text()[-3000:])
         assert log.count("publishing this node's ResourceSlices") == 1, "exactly one instance publishes"
-        assert "another instance publishes this node's slices" in log
         old.kill()
         for s in node_slices():
             sync_request(api, "DELETE", f"{slices}/{s['metadata']['name']}")

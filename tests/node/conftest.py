@@ -17,17 +17,10 @@ from dataclasses import dataclass
 import pytest
 from kubernetes import client
 
-from demo.run import (
-    DEMO_NODES,
-    DeviceMap,
-    apply_documents,
-    create_namespace,
-    device_class_files,
-    wait_for_slices,
-)
 from tests.harness.cluster import ControlPlane
+from tests.harness.examples import DEMO_NODES, DeviceMap, device_class_files, wait_for_slices
 from tests.harness.node import Nodes, NodeSpec, node_cluster
-from tests.harness.objects import sync_client, sync_request
+from tests.harness.objects import apply_documents, create_namespace, sync_client, sync_request
 
 SPECS = tuple(NodeSpec(n.name, n.profile) for n in DEMO_NODES)
 _counter = itertools.count()

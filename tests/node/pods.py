@@ -17,10 +17,18 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from demo.run import RESOURCE_API, allocation_results, get_claim, get_pod, pod_events, scheduler_reason
 from tests.harness.driver import DRIVER
 from tests.harness.node import Node, descendants
-from tests.harness.objects import create_object, sync_request
+from tests.harness.objects import (
+    RESOURCE_API,
+    allocation_results,
+    create_object,
+    get_claim,
+    get_pod,
+    pod_events,
+    scheduler_reason,
+    sync_request,
+)
 
 JSON = dict[str, Any]
 NVIDIA_MAJOR = 195
@@ -108,7 +116,7 @@ def wait_running(api: client.ApiClient, namespace: str, pod: str, timeout: float
             and all("running" in (s.get("state") or {}) for s in statuses)
         ):
             return obj
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     raise AssertionError(
         f"not Running after {timeout}s: {describe(api, namespace, pod)}; "
         f"scheduler: {scheduler_reason(api, namespace, pod)}"
@@ -124,7 +132,7 @@ def wait_gone(api: client.ApiClient, namespace: str, pod: str, timeout: float = 
             if e.status == 404:
                 return
             raise
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     raise AssertionError(f"pod {namespace}/{pod} still there after {timeout}s")
 
 
@@ -180,7 +188,7 @@ def logged_devices(node: Node, pod: JSON, container: str) -> list[DeviceNode]:
     meta = pod["metadata"]
     path = node.pod_logs_dir / f"{meta['namespace']}_{meta['name']}_{meta['uid']}" / container / "0.log"
     found: list[DeviceNode] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not found and time.monotonic() < deadline:
         if path.exists():
             for line in path.read_text(errors="replace").splitlines():
@@ -190,7 +198,7 @@ def logged_devices(node: Node, pod: JSON, container: str) -> list[DeviceNode]:
                 if m:
                     found.append(DeviceNode(m.group(3), int(m.group(1)), int(m.group(2))))
         if not found:
-            time.sleep(0.1)
+            time.sleep(0.1)  # the poll interval
     return found
 
 

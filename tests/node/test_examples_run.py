@@ -19,19 +19,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from demo.run import (
+from dra_driver.cdi.builders import device_env_name
+from tests.harness.examples import apply_order, example_files, too_big_pod
+from tests.harness.objects import (
     Applied,
-    apply_order,
     create_documents,
     create_namespace,
-    example_files,
     get_pod,
+    load_yaml_documents,
     scheduler_reason,
-    too_big_pod,
+    sync_request,
     wait_settled,
 )
-from dra_driver.cdi.builders import device_env_name
-from tests.harness.objects import load_yaml_documents, sync_request
 from tests.node import pods
 from tests.node.conftest import NodeCluster
 
@@ -80,7 +79,7 @@ def applied(cluster: NodeCluster) -> Iterator[Applied_]:
         while time.monotonic() < deadline and not all(
             pods.claims_released(cluster.api, ns) for ns in namespaces
         ):
-            time.sleep(0.2)
+            time.sleep(0.2)  # the poll interval
         for ns in namespaces:
             sync_request(cluster.api, "DELETE", f"/api/v1/namespaces/{ns}")
 
@@ -116,7 +115,7 @@ def test_the_unsatisfiable_claim_stays_pending(applied: Applied_, cluster: NodeC
     reason = ""
     while time.monotonic() < deadline and "cannot allocate all claims" not in reason:
         reason = scheduler_reason(cluster.api, PENDING_NS, name)
-        time.sleep(0.2)
+        time.sleep(0.2)  # the poll interval
     assert "cannot allocate all claims" in reason, reason
     assert f"0/{len(cluster.nodes.nodes)} nodes are available" in reason, reason
     pod = get_pod(cluster.api, PENDING_NS, name)

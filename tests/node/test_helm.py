@@ -33,13 +33,12 @@ import structlog
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from demo.run import RESOURCE_API, create_namespace, get_pod
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
 from tests.harness.helm import Helm
 from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
-from tests.harness.objects import sync_client, sync_request, wait_for
+from tests.harness.objects import RESOURCE_API, create_namespace, get_pod, sync_client, sync_request, wait_for
 from tests.harness.service_proxy import ServiceProxy
 from tests.node import pods
 
@@ -178,12 +177,12 @@ def _http(pod: JSON, path: str) -> tuple[int, str]:
 
 
 def _wait_metrics_count_published(pod: JSON, devices: int) -> None:
-    """Wait (10 s at most) until the plugin pod's /metrics count `devices` published in its
+    """Wait (30 s at most) until the plugin pod's /metrics count `devices` published in its
     node's pool and a slice created. The publisher counts a slice when the API server's
     answer to its write arrives, which may be a moment after the test saw the slice."""
     published = f'gpu_dra_published_devices{{pool="{pod["spec"]["nodeName"]}"}} {float(devices)}'
     created = 'gpu_dra_resourceslice_writes_total{operation="create"}'
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:
         code, body = _http(pod, "/metrics")
         if code == 200 and published in body and created in body:
@@ -193,7 +192,7 @@ def _wait_metrics_count_published(pod: JSON, devices: int) -> None:
                 f"{pod['metadata']['name']}'s /metrics never showed {published!r} and {created!r}; "
                 f"the last answer: HTTP {code}\n{body[-2000:]}"
             )
-        time.sleep(0.2)
+        time.sleep(0.2)  # the poll interval
 
 
 def _kubelet_calls(node: Node) -> dict[tuple[str, str], int]:
@@ -353,7 +352,9 @@ def test_upgrade_under_load_loses_nothing(env: HelmCluster) -> None:
 
     load = _Load(env.api, namespace, LOAD_NODE).start()
     try:
-        time.sleep(5)
+        # The upgrade starts once the load goes round (not after a fixed time: slower when loaded).
+        wait_for("the first churn pod through create, Running and delete", lambda: load.cycles or load.errors,
+                 timeout=120, detail=lambda: f"cycles {load.cycles}, errors {load.errors[:3]}")
         t0 = time.monotonic()
         env.helm.run("upgrade", RELEASE, str(CHART), "-n", NAMESPACE, "--reuse-values",
                      "--set", f"image.tag={env.upgrade_tag}",
@@ -370,7 +371,7 @@ def test_upgrade_under_load_loses_nothing(env: HelmCluster) -> None:
                 overlap_start = (time.monotonic(), _kubelet_calls(node))
             if not old_there:
                 overlap_end = (time.monotonic(), _kubelet_calls(node))
-            time.sleep(0.2)
+            time.sleep(0.2)  # the poll interval
         assert overlap_start is not None and overlap_end is not None, "the two plugin pods never overlapped"
         wait_for(
             "the upgraded plugin Ready on every node",
@@ -380,7 +381,10 @@ def test_upgrade_under_load_loses_nothing(env: HelmCluster) -> None:
             timeout=180,
         )
         env.figures["upgrade_rollout_s"] = round(time.monotonic() - t0, 1)
-        time.sleep(5)  # calls after the old pod went
+        rolled_out = sum(_kubelet_calls(node).values())
+        wait_for("calls to the upgraded plugin after the old pod went",
+                 lambda: sum(_kubelet_calls(node).values()) > rolled_out, timeout=60,
+                 detail=lambda: f"{_kubelet_calls(node)}; load errors: {load.errors[:3]}")
     finally:
         load.finish()
     calls_end = _kubelet_calls(node)

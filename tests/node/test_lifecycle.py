@@ -10,14 +10,15 @@ driver's CDI dir, the pod's events and `allocatedResourcesStatus`, the driver's 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from typing import Any
 
 import pytest
 
-from demo.run import get_pod
 from tests.harness.node import Node
+from tests.harness.objects import get_pod, wait_for
 from tests.node import pods
 from tests.node.conftest import NodeCluster
 
@@ -62,6 +63,13 @@ def _prepare_calls(node: Node) -> int:
     return count
 
 
+def _first_syncs(node: Node) -> int:
+    """Pods the kubelet has synced once since it started (its pod workers' "create" syncs)."""
+    found = re.search(r'^kubelet_pod_worker_duration_seconds_count\{operation_type="create"\} (\S+)$',
+                      node.metrics(), re.MULTILINE)
+    return int(float(found.group(1))) if found else 0
+
+
 def _delete_and_check_unprepared(cluster: NodeCluster, namespace: str, running: list[JSON]) -> None:
     """Delete the pods; the kubelet's NodeUnprepareResources must remove each claim's CDI spec."""
     node = cluster.nodes[NODE]
@@ -73,7 +81,7 @@ def _delete_and_check_unprepared(cluster: NodeCluster, namespace: str, running: 
         pods.wait_gone(cluster.api, namespace, pod["metadata"]["name"])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(pods.cdi_specs_of(node, uid) for uid in uids):
-        time.sleep(0.1)
+        time.sleep(0.1)  # the poll interval
     left = {uid: pods.cdi_specs_of(node, uid) for uid in uids if pods.cdi_specs_of(node, uid)}
     assert not left, f"CDI specs left after the pods went: {left}"
 
@@ -114,8 +122,10 @@ def test_kubelet_restart_keeps_pods_and_prepares_nothing_new(cluster: NodeCluste
     registered = node.registrations()
     node.restart_kubelet()
     node.wait_registered(after=registered)
-    # Let the restarted kubelet sync the pods once (sync every 10 s; a pod worker runs at start).
-    time.sleep(3)
+    # "Prepares nothing new" means something only once the restarted kubelet has synced the
+    # pods: a pod worker runs for each pod it finds at start, and that first sync is a "create".
+    wait_for("the restarted kubelet's first sync of the pods", lambda: _first_syncs(node) >= len(running),
+             timeout=60, detail=lambda: f"first syncs since the restart: {_first_syncs(node)}")
     for pod in running:
         name = pod["metadata"]["name"]
         now = pods.wait_running(cluster.api, namespace, name)
@@ -148,7 +158,7 @@ def test_refused_claim_config_shows_the_plugins_error_in_the_pod_events(
         messages = [str(e.get("message")) for e in pods.pod_events(cluster.api, namespace, "refused")]
         if any(expected in m for m in messages):
             break
-        time.sleep(0.2)
+        time.sleep(0.2)  # the poll interval
     assert any(expected in m for m in messages), messages
     pod = get_pod(cluster.api, namespace, "refused")
     assert pod["status"]["phase"] == "Pending"
@@ -166,7 +176,7 @@ def test_pod_status_shows_the_device_health_the_plugin_streams(cluster: NodeClus
         statuses = container.get("allocatedResourcesStatus") or []
         if statuses and all(r.get("health") for s in statuses for r in s.get("resources") or []):
             break
-        time.sleep(0.2)
+        time.sleep(0.2)  # the poll interval
     assert [s["name"] for s in statuses] == ["claim:gpu"], statuses
     resources = statuses[0]["resources"]
     assert len(resources) == len(allocated), (resources, allocated)

@@ -26,6 +26,7 @@ from dra_driver.health.events import EventKind, HealthEvent, Probe
 from dra_driver.health.keeper import HealthKeeper
 from dra_driver.plugin.health import DeviceHealth, DeviceHealthBoard, keep_fresh, mirror
 from dra_driver.sharing.shares import share_views
+from tests.harness.objects import wait_for_async
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
@@ -98,7 +99,7 @@ def test_the_health_stream_follows_the_keeper_and_is_resent_while_the_monitor_li
             async for snapshot in board.follow():
                 sent.put_nowait(snapshot)
 
-        def next_list(timeout: float = 2.0) -> Awaitable[tuple[DeviceHealth, ...]]:
+        def next_list(timeout: float = 10.0) -> Awaitable[tuple[DeviceHealth, ...]]:
             return asyncio.wait_for(sent.get(), timeout)
 
         tasks = [asyncio.create_task(stream()), asyncio.create_task(mirror(board, keeper))]
@@ -110,13 +111,21 @@ def test_the_health_stream_follows_the_keeper_and_is_resent_while_the_monitor_li
         assert sorted(unhealthy) == ["gpu-2", "gpu-2-share"]
         assert "XID 79" in unhealthy["gpu-2"]
         # the kubelet marks a device Unknown 30 s after its last report: the list comes again
-        alive = [True]
-        tasks.append(asyncio.create_task(keep_fresh(board, lambda: alive[0], every=0.05)))
+        alive, asked = [True], [0]
+
+        def vouching() -> bool:  # the NVML loop's liveness, as keep_fresh asks for it
+            asked[0] += 1
+            return alive[0]
+
+        tasks.append(asyncio.create_task(keep_fresh(board, vouching, every=0.05)))
         again = await next_list()
         assert [h.updated for h in again] != [h.updated for h in changed]
         assert {h.device for h in again if h.status == "UNHEALTHY"} == set(unhealthy)
         alive[0] = False  # a wedged NVML loop: stop vouching, let the kubelet decay to Unknown
-        await asyncio.sleep(0.1)
+        seen = asked[0]
+        # asked twice since, keep_fresh has no refresh in flight: what it sent is in `sent`
+        await wait_for_async("keep_fresh to find no one vouching", lambda: asked[0] >= seen + 2,
+                             detail=lambda: asked[0] - seen)
         while not sent.empty():
             sent.get_nowait()
         with pytest.raises(TimeoutError):

@@ -119,7 +119,7 @@ def test_a_lost_gpu_is_found_at_once_not_at_the_next_periodic_check(
     fake.events.inject({"gpu": 5, "lost": True})
     start = time.monotonic()
     items = collector.until("a lost probe", lambda got: any(isinstance(i, Probe) and i.lost for i in got))
-    assert time.monotonic() - start < 5, "the periodic check is 30 s away: GPU_IS_LOST must trigger it"
+    assert time.monotonic() - start < 15, "the periodic check is 30 s away: GPU_IS_LOST must trigger it"
     lost = [i.gpu for i in items if isinstance(i, Probe) and i.lost]
     assert lost == [5]
     fake.events.inject({"gpu": 5, "recover": True})
@@ -261,6 +261,8 @@ def test_the_keeper_taints_and_recovers_a_gpu_through_the_control_file(tmp_path:
             await health.stop()
 
     tainted, recovered, counts = asyncio.run(scenario())
-    assert tainted < 1.0
-    assert 0.5 <= recovered < 3.0
+    # bounds far from the figures (well under 1 s here) so that a loaded machine passes; the
+    # lower one is the point: recovery waits out the quiet period
+    assert tainted < 5.0
+    assert 0.5 <= recovered < 10.0
     assert counts == {"xid-79": 1}

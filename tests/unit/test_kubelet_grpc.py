@@ -192,7 +192,7 @@ def test_a_client_that_floods_control_frames_and_never_reads_gets_bounded_memory
     served: Served, kind: bytes
 ) -> None:
     _prepare_succeeds(served.socket)  # grpcio's server and our handlers warmed up
-    time.sleep(0.5)
+    time.sleep(0.5)  # not a wait: lets the warm-up's allocations settle before the baseline RSS
     before = _rss_kib(served.pid)
     conn, _, how = _flood(served.socket, kind, seconds=6)
     try:

@@ -77,7 +77,7 @@ def test_heartbeat_stuck_and_ended() -> None:
         assert (await beat.check()).ok
         beat.busy()
         assert (await beat.check()).ok
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # not a wait: busy for twice stuck_after is the input (monotonic clock)
         result = await beat.check()
         assert not result.ok and "running for" in result.detail
         beat.idle()
@@ -90,7 +90,7 @@ def test_heartbeat_stuck_and_ended() -> None:
         task.add_done_callback(beat.task_ended)
         with contextlib.suppress(RuntimeError):
             await task
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # not a wait: one turn of the loop runs the done callback
         result = await beat.check()
         assert not result.ok and "lost the API server" in result.detail
 
@@ -156,7 +156,7 @@ def test_timed_request_counts_claims_by_result() -> None:
     ok0, err0, calls0 = counts()
     with metrics.timed_request("unprepare") as outcomes:
         assert _sample("gpu_dra_requests_inflight", operation="unprepare") == 1
-        time.sleep(0.01)
+        time.sleep(0.01)  # not a wait: a request that takes some time
         outcomes.extend(["success", "error", "success"])
     ok1, err1, calls1 = counts()
     assert (ok1 - ok0, err1 - err0, calls1 - calls0) == (2, 1, 1)
