@@ -1,7 +1,7 @@
 """CDI specs on disk: the JSON form, the file names, and the atomic writer.
 
 * `spec_to_dict`, `spec_to_json`: a `CdiSpec` as the CDI JSON schema spells it, with its
-  minimum `cdiVersion`; `RenderedEdits`: spec-wide edits encoded once for many specs;
+  minimum `cdiVersion`;
 * `claim_spec_filename`, `static_spec_filename`: the CDI library's naming, so that its
   tools and ours agree on which file belongs to which claim;
 * `write_spec`, `remove_claim_spec`, `claim_uids_in`: the only I/O of the CDI package
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -31,9 +30,7 @@ from dra_driver.cdi.spec import (
     DeviceNode,
     Hook,
     Mount,
-    edits_minimum_version,
     is_claim_uid,
-    newest_version,
     validate_claim_uid,
     validate_vendor,
 )
@@ -113,30 +110,10 @@ def spec_to_dict(spec: CdiSpec) -> dict[str, Any]:
     return _fields(out, (("containerEdits", _edits_to_dict(spec.container_edits)),))
 
 
-@dataclass(frozen=True)
-class RenderedEdits:
-    """Spec-wide container edits with their JSON, rendered once: every claim spec of a
-    node carries the same ones (its driver files: dozens of mounts), which would
-    otherwise be rebuilt and encoded again on every Prepare."""
-
-    edits: ContainerEdits
-    text: str
-    version: str  # the lowest cdiVersion that holds these edits
-
-    @classmethod
-    def of(cls, edits: ContainerEdits) -> RenderedEdits:
-        return cls(edits, json.dumps(_edits_to_dict(edits)), edits_minimum_version(edits))
-
-
-def spec_to_json(spec: CdiSpec, spec_edits: RenderedEdits | None = None) -> str:
-    """The spec's file content; `spec_edits` is used if it renders this spec's own edits."""
-    # One line: `indent` would take json's pure-Python encoder, several times slower on Prepare's path
-    # (`jq . <file>` shows it indented).
-    if spec_edits is None or spec.container_edits is not spec_edits.edits or spec_edits.edits.is_empty():
-        return json.dumps(spec_to_dict(spec)) + "\n"
-    head = spec_to_dict(replace(spec, container_edits=ContainerEdits()))
-    head["cdiVersion"] = newest_version(head["cdiVersion"], spec_edits.version)  # the whole spec's
-    return f'{json.dumps(head)[:-1]}, "containerEdits": {spec_edits.text}}}\n'
+def spec_to_json(spec: CdiSpec) -> str:
+    """The spec's file content."""
+    # One line: `indent` would take json's pure-Python encoder (`jq . <file>` shows it indented).
+    return json.dumps(spec_to_dict(spec)) + "\n"
 
 
 # --------------------------------------------------------------------------- files (I/O)
@@ -158,9 +135,7 @@ def claim_spec_path(cdi_dir: Path, vendor: str, claim_uid: str) -> Path:
     return Path(cdi_dir) / claim_spec_filename(vendor, claim_uid)
 
 
-def write_spec_file(
-    path: str | os.PathLike[str], spec: CdiSpec, spec_edits: RenderedEdits | None = None
-) -> None:
+def write_spec_file(path: str | os.PathLike[str], spec: CdiSpec) -> None:
     """Write `spec` to exactly `path`, atomically.
 
     Not fsync'd: a claim spec only matters within the boot that wrote it (the CDI dir is a
@@ -168,19 +143,18 @@ def write_spec_file(
     removes every claim spec it does not know), and the page cache keeps it whole for the
     runtime across a crash of this process. Three fsyncs per claim made a 10,000-claim
     Prepare miss the kubelet's 45 s."""
-    write_file_atomic(path, spec_to_json(spec, spec_edits).encode(), durable=False)
+    write_file_atomic(path, spec_to_json(spec).encode(), durable=False)
 
 
-def write_spec(cdi_dir: Path, spec: CdiSpec, spec_edits: RenderedEdits | None = None) -> Path:
+def write_spec(cdi_dir: Path, spec: CdiSpec) -> Path:
     """Write `spec` atomically into `cdi_dir` under its standard name (the claim's
-    transient name if it has a claim UID, else the static name); returns the path.
-    `spec_edits`: see `spec_to_json`."""
+    transient name if it has a claim UID, else the static name); returns the path."""
     if spec.claim_uid is not None:
         name = claim_spec_filename(spec.vendor, spec.claim_uid)
     else:
         name = static_spec_filename(spec.vendor)
-    path = os.path.join(cdi_dir, name)  # strings, not pathlib: this runs on every Prepare
-    write_spec_file(path, spec, spec_edits)
+    path = os.path.join(cdi_dir, name)
+    write_spec_file(path, spec)
     log.debug("CDI spec written", path=path, devices=list(spec.qualified_ids()))
     return Path(path)
 

@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 import click
 import structlog
 
+from controller.publisher import ListAttributesMode, SliceController, slice_controller
 from dra_driver import kube, metrics
 from dra_driver.commands.options import (
     cluster_options,
@@ -59,9 +59,6 @@ from dra_driver.sharing.mps import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
 from dra_driver.signals import run_until_signalled
-
-if TYPE_CHECKING:
-    from controller.publisher import ListAttributesMode, SliceController
 
 log = structlog.get_logger(__name__)
 
@@ -384,9 +381,7 @@ async def _publish(
             waiting_logged = True
         await asyncio.sleep(LEASE_POLL_SECONDS)
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
-    # imported in a thread once both sockets serve: the kubelet's first calls are answered meanwhile
-    publisher = await asyncio.to_thread(importlib.import_module, "controller.publisher")
-    ctl = await publisher.slice_controller(
+    ctl = await slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares
     )
     ctl.heartbeat = heartbeat

@@ -19,8 +19,8 @@ from typing import Any, Final
 import structlog
 
 from dra_driver.cdi.builders import build_claim_spec, common_edits
-from dra_driver.cdi.files import RenderedEdits, remove_claim_spec, write_spec
-from dra_driver.cdi.spec import CdiSpec, claim_device_id
+from dra_driver.cdi.files import remove_claim_spec, write_spec
+from dra_driver.cdi.spec import CdiSpec, ContainerEdits, claim_device_id
 from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DriverFiles
 from dra_driver.plugin import checkpoint as ckpt
@@ -66,11 +66,11 @@ class ClaimSteps:
     state_dir: Path
     sharing: Sharing
     boot_id: str
-    # the mounts and device nodes every claim's spec shares, rendered once
-    spec_edits: RenderedEdits = field(init=False)
+    # the mounts and device nodes every claim's spec shares, built once from the driver files
+    common: ContainerEdits = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "spec_edits", RenderedEdits.of(common_edits(self.driver_files)))
+        object.__setattr__(self, "common", common_edits(self.driver_files))
 
     @property
     def checkpoint_path(self) -> Path:
@@ -102,11 +102,12 @@ class ClaimSteps:
 
     def spec(self, uid: str, hardware: Sequence[NodeDevice], sharing: SharingPlan | None) -> CdiSpec:
         extra = self.sharing.edits(sharing, hardware)
-        common, files = self.spec_edits.edits, self.driver_files
-        return build_claim_spec(self.driver, uid, list(hardware), files, extra_edits=extra, common=common)
+        return build_claim_spec(
+            self.driver, uid, list(hardware), self.driver_files, extra_edits=extra, common=self.common
+        )
 
     def write_spec(self, uid: str, hardware: Sequence[NodeDevice], sharing: SharingPlan | None) -> None:
-        write_spec(self.cdi_dir, self.spec(uid, hardware, sharing), self.spec_edits)
+        write_spec(self.cdi_dir, self.spec(uid, hardware, sharing))
 
     def set_up(self, plan: ClaimPlan) -> str | None:
         """Sharing, then the CDI spec, for a claim whose entry the caller holds; the error

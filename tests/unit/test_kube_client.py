@@ -27,10 +27,10 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-import yaml
 
 from controller.publisher import SliceController
 from dra_driver import kube
+from tests.harness.kubeconfig import write_kubeconfig
 
 Reply = Callable[["_Handler"], None]
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -252,22 +252,6 @@ def _slice(name: str, version: str) -> dict[str, Any]:
 # --- clients -------------------------------------------------------------------------------
 
 
-def _kubeconfig(path: Path, cluster: dict[str, Any], user: dict[str, Any]) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "c",
-                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-                "clusters": [{"name": "k", "cluster": cluster}],
-                "users": [{"name": "u", "user": user}],
-            }
-        )
-    )
-    return path
-
-
 def _data(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
@@ -293,7 +277,7 @@ def test_insecure_skip_tls_verify_still_presents_the_client_certificate(
     """(a) Skipping the check of the server's certificate is no reason to stop saying who we are."""
     server = serve([only_with_client_certificate(answer(200, {"kind": "Node"}))])
     cert, key = pki.client
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": server.url, "insecure-skip-tls-verify": True},
         {"client-certificate-data": _data(cert), "client-key-data": _data(key)},
@@ -312,7 +296,7 @@ def test_tls_server_name_is_the_name_the_certificate_is_checked_against(
 ) -> None:
     """(b) The server's certificate names api.internal only; we dial 127.0.0.1."""
     server = serve([answer(200, {"kind": "Node"})], certificate=pki.named)
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": server.url, "certificate-authority": str(pki.ca), "tls-server-name": "api.internal"},
         {"token": "t0"},
@@ -324,7 +308,7 @@ def test_tls_server_name_is_the_name_the_certificate_is_checked_against(
 
     assert asyncio.run(run(path)) == {"kind": "Node"}
     assert server.seen[0].headers["authorization"] == "Bearer t0"
-    without = _kubeconfig(
+    without = write_kubeconfig(
         tmp_path / "without", {"server": server.url, "certificate-authority": str(pki.ca)}, {"token": "t0"}
     )
     with pytest.raises(ssl.SSLCertVerificationError):
@@ -349,7 +333,7 @@ def test_an_exec_plugin_token_is_sent_and_fetched_again(
             only_with_token("second", answer(200, {"n": 2})),
         ]
     )
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": server.url, "certificate-authority-data": _data(pki.ca)},
         {

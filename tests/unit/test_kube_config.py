@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dra_driver import kube
+from tests.harness.kubeconfig import write_kubeconfig
 
 
 @pytest.fixture(scope="module")
@@ -27,29 +28,13 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "ca.pem"
 
 
-def _kubeconfig(path: Path, cluster: dict[str, object], user: dict[str, object]) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "c",
-                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-                "clusters": [{"name": "k", "cluster": cluster}],
-                "users": [{"name": "u", "user": user}],
-            }
-        )
-    )
-    return path
-
-
 def _authorization(credentials: kube.Credentials) -> str | None:
     return asyncio.run(credentials.authorization())
 
 
 def test_a_token_kubeconfig_with_a_relative_ca_file(tmp_path: Path, ca: Path) -> None:
     (tmp_path / "ca.crt").write_bytes(ca.read_bytes())
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": "https://10.0.0.1:6443", "certificate-authority": "ca.crt"},
         {"token": "t0"},
@@ -63,7 +48,7 @@ def test_inline_ca_and_client_certificate_data(tmp_path: Path, ca: Path) -> None
     def data(p: Path) -> str:
         return base64.b64encode(p.read_bytes()).decode()
 
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": "https://api:443", "certificate-authority-data": data(ca)},
         {"client-certificate-data": data(ca), "client-key-data": data(ca.parent / "key.pem")},
@@ -75,7 +60,7 @@ def test_inline_ca_and_client_certificate_data(tmp_path: Path, ca: Path) -> None
 
 def test_a_token_file_is_read_again_later(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "token").write_text("first\n")
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": "https://api", "insecure-skip-tls-verify": True},
         {"tokenFile": "token"},
@@ -113,7 +98,7 @@ def test_an_exec_plugin_goes_through_the_official_loader(
         )
 
     (tmp_path / "credential.json").write_text(credential("from-exec"))
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": "https://api:6443", "certificate-authority": str(ca), "tls-server-name": "api.internal"},
         {
@@ -147,7 +132,7 @@ def test_tls_server_name_and_insecure_skip_tls_verify_are_read(tmp_path: Path, c
     """The name the server's certificate is checked against; with insecure-skip-tls-verify
     nothing is checked, and the client certificate is still loaded (test_kube_client shows
     both against a TLS server)."""
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {
             "server": "https://10.0.0.1:6443",
@@ -161,7 +146,7 @@ def test_tls_server_name_and_insecure_skip_tls_verify_are_read(tmp_path: Path, c
     assert (
         isinstance(named.ssl_context, ssl.SSLContext) and named.ssl_context.verify_mode == ssl.CERT_REQUIRED
     )
-    path = _kubeconfig(
+    path = write_kubeconfig(
         tmp_path / "config",
         {"server": "https://10.0.0.1:6443", "insecure-skip-tls-verify": True},
         {"client-certificate": str(ca), "client-key": str(ca.parent / "other-key.pem")},
@@ -176,6 +161,6 @@ def test_tls_server_name_and_insecure_skip_tls_verify_are_read(tmp_path: Path, c
 
 
 def test_a_cluster_without_a_server_says_so(tmp_path: Path) -> None:
-    path = _kubeconfig(tmp_path / "config", {"certificate-authority-data": ""}, {"token": "t"})
+    path = write_kubeconfig(tmp_path / "config", {"certificate-authority-data": ""}, {"token": "t"})
     with pytest.raises(ValueError, match="has no server"):
         asyncio.run(kube._from_kubeconfig(path))

@@ -46,6 +46,7 @@ from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
 from tests.harness.fake_mps import install_fake_mps_control, set_mode
+from tests.harness.objects import wait_for
 
 GI = 2**30
 UID = "1c9e7d3a-1111-4222-8333-444455556666"
@@ -163,7 +164,13 @@ def test_start_then_stop(mps: MpsControl) -> None:
 
 def test_start_sends_the_limits_as_daemon_defaults(mps: MpsControl) -> None:
     mps.start(settings(pct=40))
-    log = (mps.dirs(UID).log / "control.log").read_text().splitlines()
+    control_log = mps.dirs(UID).log / "control.log"
+    # the stand-in daemon logs each command as it reads it, which can be after start returns
+    def logged() -> list[str] | None:
+        lines = control_log.read_text().splitlines()
+        return lines if len(lines) >= 3 else None
+
+    log = wait_for("3 lines in the control log", logged, timeout=10, interval=0.02)
     assert log == [
         "started",
         "cmd set_default_active_thread_percentage 40",
