@@ -188,7 +188,7 @@ def kubelet_plugin(
     )
     try:
         run_until_signalled(run_plugin(opts))
-    except ckpt.CheckpointFromNewerVersion as e:
+    except ckpt.CheckpointRefused as e:
         log.error("refusing to start", error=str(e))
         raise click.ClickException(str(e)) from None
 

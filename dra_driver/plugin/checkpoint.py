@@ -7,8 +7,8 @@ claim as `started` before it touches the node (CDI spec, sharing daemons) and as
 
 The file is `<state dir>/checkpoint.json` (default /run/<driver>/state: a tmpfs, because
 everything it describes ends with the boot), replaced atomically (temp file, rename), with a
-format version, the build that wrote it, the boot id of the boot that wrote it, and a
-SHA-256 of its payload so that a torn or edited file is detected rather than trusted. A
+format version, the build that wrote it, the driver (name) and the boot id of the boot that
+wrote it, and a SHA-256 of its payload so that a torn or edited file is detected rather than trusted. A
 checkpoint from an earlier boot is discarded: the tmpfs CDI specs and any daemons it
 describes died with that boot.
 
@@ -20,8 +20,12 @@ Four fsyncs per Prepare bought nothing and cost most of its latency.
 
 Two kinds of unreadable file are told apart, because they call for opposite actions:
 `CheckpointUnreadable` (not a file, not JSON, wrong shape, wrong checksum: move it aside and
-rebuild), and `CheckpointFromNewerVersion` (a newer build wrote it: stop, never rewrite it,
-since a rollback to that build must find it intact).
+rebuild), and `CheckpointRefused` (readable, but not this plugin's to change: stop and leave
+it as it is). A checkpoint is refused when a newer build wrote it (`CheckpointFromNewerVersion`:
+a rollback to that build must find it intact) or another driver did
+(`CheckpointOfAnotherDriver`: two releases pointed at one state dir; adopting or rewriting
+the other's record would cost its pods their devices). A file from before the driver was
+recorded (no `driver` field) is read as this driver's and gets the field on the next save.
 
 `Checkpoint` is immutable and its entries (`started_entry`, `completed_entry`) are made by
 pure functions; only `load`, `save`, `read_boot_id`, `boot_time` and `quarantine` do I/O. This
@@ -65,7 +69,11 @@ class CheckpointUnreadable(Exception):
         self.problem = problem
 
 
-class CheckpointFromNewerVersion(Exception):
+class CheckpointRefused(Exception):
+    """The checkpoint is readable but not this plugin's to change; the plugin stops and leaves it."""
+
+
+class CheckpointFromNewerVersion(CheckpointRefused):
     """The checkpoint was written by a newer build in a format this build does not know."""
 
     def __init__(self, path: Path, version: int, written_by: str | None) -> None:
@@ -78,6 +86,21 @@ class CheckpointFromNewerVersion(Exception):
         self.path = path
         self.version = version
         self.written_by = written_by
+
+
+class CheckpointOfAnotherDriver(CheckpointRefused):
+    """The checkpoint was written by a plugin of another driver name."""
+
+    def __init__(self, path: Path, written_by_driver: str, driver: str) -> None:
+        super().__init__(
+            f"checkpoint {path} belongs to driver {written_by_driver}, and this plugin is driver {driver}: "
+            "two drivers must not share a state dir. Give each release its own (--state-dir; the chart's "
+            "stateDir; both default to /run/<driver name>/state) and restart this plugin; the file is left "
+            f"untouched so that the pods of {written_by_driver} keep their devices"
+        )
+        self.path = path
+        self.written_by_driver = written_by_driver
+        self.driver = driver
 
 
 class ClaimPhase(enum.StrEnum):
@@ -101,10 +124,11 @@ class ClaimEntry:
 class Checkpoint:
     boot_id: str
     claims: Mapping[str, ClaimEntry] = field(default_factory=dict)  # by UID; never mutated
+    driver: str | None = None  # the driver that wrote it; None: a file from before it was recorded
 
     @classmethod
-    def empty(cls, boot_id: str) -> Checkpoint:
-        return cls(boot_id=boot_id, claims={})
+    def empty(cls, boot_id: str, driver: str | None = None) -> Checkpoint:
+        return cls(boot_id=boot_id, claims={}, driver=driver)
 
 
 class LoadStatus(enum.StrEnum):
@@ -194,10 +218,13 @@ def _entry_to_dict(c: ClaimEntry) -> dict[str, Any]:
 
 
 def _payload(cp: Checkpoint) -> dict[str, Any]:
-    return {
+    payload: dict[str, Any] = {
         "bootId": cp.boot_id,
         "claims": [_entry_to_dict(c) for c in sorted(cp.claims.values(), key=lambda c: c.uid)],
     }
+    if cp.driver is not None:
+        payload["driver"] = cp.driver
+    return payload
 
 
 def _canonical(payload: Any) -> str:
@@ -250,6 +277,7 @@ def _strings(obj: Any, key: str, where: str) -> tuple[str, ...]:
 
 def _decode_payload(payload: Any) -> Checkpoint:
     boot_id = _field(payload, "bootId", str, "payload")
+    driver = _optional(payload, "driver", str, "payload")
     claims: dict[str, ClaimEntry] = {}
     for i, c in enumerate(_field(payload, "claims", list, "payload")):
         where = f"payload.claims[{i}]"
@@ -291,7 +319,7 @@ def _decode_payload(payload: Any) -> Checkpoint:
             devices=tuple(devices),
             updated_at=updated,
         )
-    return Checkpoint(boot_id=boot_id, claims=claims)
+    return Checkpoint(boot_id=boot_id, claims=claims, driver=driver)
 
 
 def decode(data: bytes, path: Path) -> Checkpoint:
@@ -347,19 +375,24 @@ def boot_time(stat_path: Path = Path("/proc/stat")) -> float:
     raise ValueError(f"{stat_path} has no btime line")
 
 
-def load(path: Path, boot_id: str) -> LoadResult:
-    """The checkpoint at `path` for this boot.
+def load(path: Path, boot_id: str, driver: str | None = None) -> LoadResult:
+    """The checkpoint at `path` for this boot, of `driver` (None: whichever wrote it).
 
     Missing file: empty. Written in another boot: empty, status STALE_BOOT, the old one
     in `discarded`. Anything at the path that cannot be trusted: CheckpointUnreadable (see
-    `quarantine`); written by a newer build: CheckpointFromNewerVersion."""
+    `quarantine`); written by a newer build: CheckpointFromNewerVersion; by another driver,
+    in this boot or an earlier one: CheckpointOfAnotherDriver."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.MISSING)
+        return LoadResult(checkpoint=Checkpoint.empty(boot_id, driver), status=LoadStatus.MISSING)
     except OSError as e:  # a directory, a dangling mount, no permission...
         raise CheckpointUnreadable(path, f"{e.strerror or e} ({type(e).__name__})") from e
     cp = decode(data, path)
+    if driver is not None and cp.driver is not None and cp.driver != driver:
+        raise CheckpointOfAnotherDriver(path, cp.driver, driver)
+    if driver is not None and cp.driver is None:
+        cp = replace(cp, driver=driver)  # from before the field: the next save records it
     if cp.boot_id != boot_id:
         log.warning(
             "checkpoint is from an earlier boot, discarding it",
@@ -368,7 +401,9 @@ def load(path: Path, boot_id: str) -> LoadResult:
             boot_id=boot_id,
             claims=sorted(cp.claims),
         )
-        return LoadResult(checkpoint=Checkpoint.empty(boot_id), status=LoadStatus.STALE_BOOT, discarded=cp)
+        return LoadResult(
+            checkpoint=Checkpoint.empty(boot_id, driver), status=LoadStatus.STALE_BOOT, discarded=cp
+        )
     return LoadResult(checkpoint=cp, status=LoadStatus.LOADED)
 
 

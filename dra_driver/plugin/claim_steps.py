@@ -135,8 +135,9 @@ class ClaimSteps:
 
     def load(self) -> ckpt.Checkpoint:
         """The checkpoint of this boot (one of an earlier boot is discarded: its CDI specs
-        and daemons died with that boot's tmpfs)."""
-        result = ckpt.load(self.checkpoint_path, self.boot_id)
+        and daemons died with that boot's tmpfs). Raises CheckpointOfAnotherDriver for
+        another driver's: nothing here may change it."""
+        result = ckpt.load(self.checkpoint_path, self.boot_id, self.driver)
         if result.discarded is not None:
             log.warning(
                 "checkpoint from an earlier boot discarded (its CDI specs died with the tmpfs)",
@@ -145,7 +146,7 @@ class ClaimSteps:
         return result.checkpoint
 
     def save(self, claims: dict[str, ckpt.ClaimEntry]) -> None:
-        ckpt.save(self.checkpoint_path, ckpt.Checkpoint(self.boot_id, dict(claims)))
+        ckpt.save(self.checkpoint_path, ckpt.Checkpoint(self.boot_id, dict(claims), self.driver))
 
 
 __all__ = ["FAULT_ENV", "LOCK_FILE", "ClaimPlan", "ClaimSteps", "fault"]

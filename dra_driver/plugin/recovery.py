@@ -9,8 +9,10 @@ A checkpoint that cannot be read, or that is missing while this boot's specs or 
 daemons are on disk (a wiped or moved state dir), never costs a running pod its devices:
 it is moved aside, and the specs on disk of claims that the API server says are allocated
 to this node are adopted into a new checkpoint; only specs of claims that are gone are
-removed, and none at all if the API server cannot say. A checkpoint from a newer build
-stops the plugin (CheckpointFromNewerVersion propagates).
+removed, and none at all if the API server cannot say. A checkpoint from a newer build or
+of another driver stops the plugin before anything on disk changes (CheckpointRefused
+propagates). Only this driver's files are looked at: its checkpoint (it records the driver),
+the CDI specs named with its vendor, and the sharing state under its own MPS root.
 
 It must not serve the kubelet's calls (state.py does) nor decide what a claim needs
 (ClaimSteps.plan does).
@@ -55,11 +57,9 @@ def _needs_adoption(steps: ClaimSteps) -> bool:
     CDI specs or sharing daemons are on disk: the state dir was wiped or moved, and only
     the API server can tell which of them running pods use."""
     try:
-        loaded = ckpt.load(steps.checkpoint_path, steps.boot_id)
+        loaded = ckpt.load(steps.checkpoint_path, steps.boot_id, steps.driver)
     except ckpt.CheckpointUnreadable:
         return True
-    except ckpt.CheckpointFromNewerVersion:
-        return False  # raised again by the locked section, with the lock held
     return loaded.status != ckpt.LoadStatus.LOADED and bool(_state_on_disk(steps))
 
 

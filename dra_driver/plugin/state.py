@@ -97,7 +97,7 @@ class NodePreparer:
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
-        return ckpt.load(self.steps.checkpoint_path, self.steps.boot_id).checkpoint
+        return ckpt.load(self.steps.checkpoint_path, self.steps.boot_id, self.steps.driver).checkpoint
 
     async def recover(self) -> None:
         """Make checkpoint, CDI specs and sharing state agree again (at start)."""
@@ -141,7 +141,7 @@ class NodePreparer:
         """The devices of those of `refs` that are prepared already."""
         try:
             cp = self.read_checkpoint()
-        except (ckpt.CheckpointUnreadable, ckpt.CheckpointFromNewerVersion):
+        except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused):
             return {}  # the locked section decides what to do about it
         entries = (cp.claims.get(r.uid) for r in refs)
         return {e.uid: e.devices for e in entries if e is not None and e.phase == ckpt.ClaimPhase.COMPLETED}
@@ -159,7 +159,7 @@ class NodePreparer:
             except ckpt.CheckpointUnreadable:
                 await self.recover()
                 return await asyncio.to_thread(section, work)
-        except ckpt.CheckpointFromNewerVersion as e:
+        except ckpt.CheckpointRefused as e:
             uids = [w.ref.uid if isinstance(w, ClaimPlan) else w.uid for w in work]
             return {uid: ClaimResult(error=str(e)) for uid in uids}
 

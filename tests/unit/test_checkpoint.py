@@ -334,3 +334,36 @@ def test_first_save_creates_the_data_dir(tmp_path: Path) -> None:
     path = ckpt.checkpoint_path(tmp_path / "plugins" / "gpu.dra-driver.dev")
     ckpt.save(path, sample())
     assert ckpt.load(path, BOOT).status == ckpt.LoadStatus.LOADED
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+def test_the_checkpoint_records_its_driver(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    ckpt.save(path, ckpt.Checkpoint(BOOT, sample().claims, "gpu.dra-driver.dev"))
+    assert json.loads(path.read_text())["payload"]["driver"] == "gpu.dra-driver.dev"
+    assert ckpt.load(path, BOOT, "gpu.dra-driver.dev").checkpoint.driver == "gpu.dra-driver.dev"
+
+
+@pytest.mark.parametrize("boot", [BOOT, OTHER_BOOT])
+def test_another_drivers_checkpoint_is_refused_naming_both_and_left_alone(tmp_path: Path, boot: str) -> None:
+    """Refused whether it is of this boot or an earlier one: an earlier boot's would otherwise be
+    discarded, which is a write."""
+    path = tmp_path / "checkpoint.json"
+    ckpt.save(path, ckpt.Checkpoint(BOOT, sample().claims, "gpu.a.example.com"))
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    with pytest.raises(ckpt.CheckpointOfAnotherDriver) as info:
+        ckpt.load(path, boot, "gpu.b.example.com")
+    assert "gpu.a.example.com" in str(info.value) and "gpu.b.example.com" in str(info.value)
+    assert isinstance(info.value, ckpt.CheckpointRefused)
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+
+def test_a_checkpoint_from_before_the_driver_was_recorded_is_read_as_ours(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    ckpt.save(path, sample())  # no driver: the format this build's predecessors wrote
+    assert "driver" not in json.loads(path.read_text())["payload"]
+    loaded = ckpt.load(path, BOOT, "gpu.dra-driver.dev").checkpoint
+    assert loaded.driver == "gpu.dra-driver.dev" and loaded.claims == sample().claims
+    assert ckpt.load(path, BOOT).checkpoint.driver is None, "read without a driver: as written"

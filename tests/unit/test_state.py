@@ -33,9 +33,11 @@ NODE = "node-a"
 BOOT = "boot-1"
 
 
-def _claim(ref: ClaimRef, device: str, config: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def _claim(
+    ref: ClaimRef, device: str, config: list[dict[str, Any]] | None = None, driver: str = DRIVER
+) -> dict[str, Any]:
     devices: dict[str, Any] = {
-        "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}]
+        "results": [{"request": "gpu", "driver": driver, "pool": NODE, "device": device}]
     }
     if config:
         devices["config"] = config
@@ -48,8 +50,10 @@ def _claim(ref: ClaimRef, device: str, config: list[dict[str, Any]] | None = Non
 class Node:
     """A simulated 4-GPU node's preparer with claims served from a dict instead of the API server."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, driver: str = DRIVER, state_dir: Path | None = None) -> None:
         self.root = root
+        self.driver = driver
+        self.state_dir = state_dir or root / "state"
         self.claims: dict[str, dict[str, Any]] = {}
         self.api_up = True
         self.reads = 0
@@ -68,28 +72,30 @@ class Node:
 
     def preparer(self) -> NodePreparer:
         return NodePreparer(
-            driver=DRIVER,
+            driver=self.driver,
             pool=NODE,
             devices=node_devices(self.inventory),
             claims=self,
             driver_files=simulated_driver_files([g.minor for g in self.inventory.gpus]),
             cdi_dir=self.root / "cdi",
-            state_dir=self.root / "state",
-            sharing=Sharing(DRIVER, NODE, MpsControl(self.root / "mps", "/nonexistent-driver-root")),
+            state_dir=self.state_dir,
+            sharing=Sharing(
+                self.driver, NODE, MpsControl(self.root / "mps" / self.driver, "/nonexistent-driver-root")
+            ),
             boot_id=BOOT,
         )
 
     def add(self, name: str, device: str, config: list[dict[str, Any]] | None = None) -> ClaimRef:
         ref = ClaimRef("ns", name, f"uid-{name}")
-        self.claims[ref.uid] = _claim(ref, device, config)
+        self.claims[ref.uid] = _claim(ref, device, config, self.driver)
         return ref
 
     def specs(self) -> set[str]:
-        return set(claim_uids_in(self.root / "cdi", DRIVER))
+        return set(claim_uids_in(self.root / "cdi", self.driver))
 
 
 async def _started(node: Node) -> NodePreparer:
-    (node.root / "state").mkdir(parents=True, exist_ok=True)
+    node.state_dir.mkdir(parents=True, exist_ok=True)
     p = node.preparer()
     await p.recover()
     return p
@@ -405,5 +411,74 @@ def test_a_lock_held_by_the_other_instance_never_blocks_the_event_loop(tmp_path:
             ticking.cancel()
         assert waited > 0.2, "the prepare waited for the other instance's section"
         assert ticks >= 10, f"the event loop stood still ({ticks} ticks in {waited:.2f} s)"
+
+    asyncio.run(run())
+
+
+OTHER_DRIVER = "gpu.other.example.com"
+
+
+def _disk(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `root` with its content and mtime."""
+    return {
+        str(f.relative_to(root)): (f.read_bytes(), f.stat().st_mtime_ns)
+        for f in sorted(root.rglob("*"))
+        if f.is_file()
+    }
+
+
+def test_a_checkpoint_of_another_driver_stops_start_and_nothing_on_disk_changes(tmp_path: Path) -> None:
+    """Two releases pointed at one state dir: the second plugin refuses to start, naming both
+    drivers, and neither adopts, rewrites nor removes anything of the first."""
+
+    async def run() -> None:
+        first = Node(tmp_path)
+        p = await _started(first)
+        ref = first.add("a", "gpu-0")
+        await prepared(p, ref)
+        before = _disk(tmp_path)
+
+        second = Node(tmp_path, OTHER_DRIVER, state_dir=first.state_dir)
+        second.add("b", "gpu-0")
+        with pytest.raises(ckpt.CheckpointOfAnotherDriver) as info:
+            await _started(second)
+        assert DRIVER in str(info.value) and OTHER_DRIVER in str(info.value)
+        assert "--state-dir" in str(info.value), "it says what to change"
+        assert _disk(tmp_path) == before, "nothing on disk changed"
+        assert second.lists == 0, "it did not try to adopt"
+
+    asyncio.run(run())
+
+
+def test_two_drivers_on_one_node_never_touch_each_others_state(tmp_path: Path) -> None:
+    """State dirs per driver, one CDI dir: a device of the same name prepared by both drivers, a
+    corrupted checkpoint of one, a wiped state dir of the other, restarts: each driver's specs
+    stay as they were, whatever the other's recovery does."""
+
+    async def run() -> None:
+        a_node = Node(tmp_path, DRIVER, state_dir=tmp_path / "state-a")
+        b_node = Node(tmp_path, OTHER_DRIVER, state_dir=tmp_path / "state-b")
+        a, b = await _started(a_node), await _started(b_node)
+        a_ref, b_ref = a_node.add("a", "gpu-0"), b_node.add("b", "gpu-0")
+        assert await prepared(a, a_ref) == ["gpu-0"]
+        assert await prepared(b, b_ref) == ["gpu-0"], "the other driver's gpu-0 is no conflict"
+        a_spec = claim_spec_path(tmp_path / "cdi", DRIVER, a_ref.uid)
+        b_spec = claim_spec_path(tmp_path / "cdi", OTHER_DRIVER, b_ref.uid)
+        a_before = (a_spec.read_bytes(), a_spec.stat().st_mtime_ns)
+
+        b.steps.checkpoint_path.write_text("{}")  # corrupted: B adopts from the API server
+        b = await _started(b_node)
+        assert (a_spec.read_bytes(), a_spec.stat().st_mtime_ns) == a_before, "B's recovery left A's spec"
+        assert b_spec.exists() and set(b.read_checkpoint().claims) == {b_ref.uid}
+        b_before = (b_spec.read_bytes(), b_spec.stat().st_mtime_ns)
+
+        a.steps.checkpoint_path.unlink()  # A's state dir wiped: A adopts its own
+        a = await _started(a_node)
+        assert (b_spec.read_bytes(), b_spec.stat().st_mtime_ns) == b_before, "A's recovery left B's spec"
+        assert a_spec.exists() and set(a.read_checkpoint().claims) == {a_ref.uid}
+        assert a.read_checkpoint().driver == DRIVER and b.read_checkpoint().driver == OTHER_DRIVER
+
+        await a.unprepare([a_ref])
+        assert not a_spec.exists() and b_spec.exists(), "A's unprepare removes A's spec only"
 
     asyncio.run(run())
