@@ -3,7 +3,10 @@
 Other modules import the objects and count (`metrics.health_events.labels(kind="xid").inc()`);
 `dra_driver.probes` serves `REGISTRY` on the metrics port. The names follow the
 `gpu_dra_` prefix; the label values are a closed set each (listed per metric), so a
-label never carries a claim or device name and the series count stays bounded.
+label never carries a claim or device name and the series count stays bounded. The one
+exception is `gpu_dra_device_claim_info`: one series per prepared device and pod, removed
+at Unprepare, so it is bounded by what the node holds now (it exists to be joined with
+DCGM's per-GPU series by UUID).
 
 This module only defines the metrics and the few helpers that record them; it never
 serves them, never starts a thread and never does I/O.
@@ -34,6 +37,7 @@ __all__ = [
     "api_errors",
     "build_info",
     "claims",
+    "device_claim_info",
     "devices_published",
     "health_events",
     "prepared_claims",
@@ -99,7 +103,7 @@ slice_conflicts: Final = Counter(
 )
 api_errors: Final = Counter(
     "gpu_dra_api_errors",
-    "Failed Kubernetes API calls, by component (publisher|claims) and HTTP status "
+    "Failed Kubernetes API calls, by component (publisher|claims|claim-status) and HTTP status "
     "(or 'network' when no answer came).",
     ["component", "code"],
     registry=REGISTRY,
@@ -108,6 +112,14 @@ health_events: Final = Counter(
     "gpu_dra_health_events",
     "Device health events seen, by kind (e.g. xid, ecc, unhealthy, recovered).",
     ["kind"],
+    registry=REGISTRY,
+)
+device_claim_info: Final = Gauge(
+    "gpu_dra_device_claim_info",
+    "1 for each device prepared on this node and each pod its claim is reserved for; removed at "
+    "Unprepare. Join with DCGM's per-GPU series on uuid = UUID (docs/observability.md).",
+    ["device", "uuid", "pci_bus_id", "claim_namespace", "claim_name", "claim_uid", "pod_namespace",
+     "pod_name"],
     registry=REGISTRY,
 )
 
