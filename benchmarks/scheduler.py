@@ -1,0 +1,603 @@
+"""Fleet-scale scheduling through the real kube-scheduler: pods/s on our slices and claim shapes
+beside the reference shape (plain devices), as upstream's scheduler_perf DRA benchmark measures it.
+
+Method: one fresh control plane per profile (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler exactly as tests/harness/cluster.py starts them), the scheduler and the
+controller-manager restarted with their client rate limits raised (`--kube-api-qps/burst`
+5000, as scheduler_perf runs without a client limit) unless `--default-limits`; N Node objects
+without kubelets (pods are bound, never run, as in scheduler_perf); each node's
+ResourceSlices built by `controller.slices.desired_slices` + `controller.plan.desired_objects`,
+the functions our publisher writes with, and created by this benchmark (publishing speed is
+benchmarks/slices.py's figure, not this one's). The cluster serves list-type attributes, so
+the slices carry them, as our publisher's probe would decide.
+
+Per shape, in a namespace of its own: one ResourceClaimTemplate, then P pods created at once
+(64 requests in flight); P is the pod count asked for, capped at what the fleet can hold for
+that shape (an 8-GPU node holds 8 one-GPU pods, 4 pairs, 2 quads). Figures:
+- `pods_per_s`: bound pods / (last binding - first creation). The binding count is the
+  scheduler's own `scheduler_schedule_attempts_total{result="scheduled"}` (counted after the
+  bind succeeds), polled every 0.25 s; the run ends when all P are bound or nothing was bound
+  for `--stall` seconds.
+- `create_s`: how long creating the P pods took (if it is close to the total, creation bound it).
+- the scheduler's `scheduler_pod_scheduling_sli_duration_seconds` (count, mean, p50/p99 from
+  the histogram buckets) and `scheduler_schedule_attempts_total` by result, as deltas;
+- CPU seconds (utime+stime from /proc) of kube-scheduler, kube-apiserver,
+  kube-controller-manager and etcd during the shape, and their RSS at its end.
+After each shape its pods are deleted (grace 0) and the benchmark waits until their claims
+are gone, so the next shape starts on a free fleet.
+
+Shapes: `reference` (devices with index, uuid, productName and capacity memory only; one GPU
+per pod: upstream's shape), and ours: `one-gpu`, `cel-memory` (one GPU, memory >= 24Gi), `pair`
+and `quad` (the documented 8-layer firstAvailable shape of controller/claim_shapes.py,
+deploy/examples/05), `share` (an 8Gi memory share, on slices published with memory shares).
+Profiles: hgx-h200, dgx1-v100, mixed (the two alternating).
+
+`--pprof-seconds S` takes a CPU profile of kube-scheduler over the first S seconds of each shape
+(its /debug/pprof/profile) and keeps `go tool pprof -top`'s first entries.
+
+The machine this ran on has 2 cores shared with other engineers' test runs: every figure was
+taken under that contention. Run alone: `python -m benchmarks.scheduler [--full]`; results go to
+benchmarks/results/scheduler.json (or `--out NAME`). This module must NOT assert timings nor
+change the control plane's flags beyond the client rate limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import fresh_control_plane, report
+from controller.claim_shapes import linked_gpus_ga
+from controller.plan import MANAGED_BY_LABEL, SLICES, PoolSpec, desired_objects
+from controller.slices import SliceFeatures, desired_slices
+from dra_driver import DEFAULT_DRIVER_NAME, kube
+from dra_driver.devices import node_devices
+from dra_driver.gpu import discover
+from dra_driver.gpu.model import Inventory
+from dra_driver.jsontypes import JSON
+from tests.harness.cluster import ADMIN_TOKEN, ControlPlane
+from tests.harness.objects import (
+    RESOURCE_API,
+    create_namespace,
+    create_object,
+    load_yaml_documents,
+    sync_client,
+    sync_request,
+    wait_for,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = DEFAULT_DRIVER_NAME
+GPU_CLASS = DRIVER
+SHARE_CLASS = f"gpu-share.{DRIVER}"
+REFERENCE_CLASS = f"reference.{DRIVER}"
+RAISED_QPS = 5000
+IN_FLIGHT = 64
+POLL_S = 0.25
+PROFILES: dict[str, tuple[str, ...]] = {
+    "hgx-h200": ("hgx-h200",),
+    "dgx1-v100": ("dgx1-v100",),
+    "mixed": ("hgx-h200", "dgx1-v100"),
+}
+SHARE_REQUEST = 8 * 2**30
+CEL_MEMORY = 'device.capacity["gpu.dra-driver.dev"].memory.compareTo(quantity("24Gi")) >= 0'
+COMPONENTS = ("kube-scheduler", "kube-apiserver", "kube-controller-manager", "etcd")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One claim shape: which slices it needs, how many GPUs (or shares) a pod takes, its claim."""
+
+    name: str
+    slices: str  # "reference" | "ours" | "shares"
+    gpus: int  # whole GPUs per pod; 0 for a memory share
+    claim: JSON
+
+
+def _one(device_class: str, selectors: Sequence[str] = ()) -> JSON:
+    exactly: JSON = {"deviceClassName": device_class}
+    if selectors:
+        exactly["selectors"] = [{"cel": {"expression": s}} for s in selectors]
+    return {"requests": [{"name": "gpu", "exactly": exactly}]}
+
+
+SHAPES: tuple[Shape, ...] = (
+    Shape("reference", "reference", 1, _one(REFERENCE_CLASS)),
+    Shape("one-gpu", "ours", 1, _one(GPU_CLASS)),
+    Shape("cel-memory", "ours", 1, _one(GPU_CLASS, [CEL_MEMORY])),
+    Shape("pair", "ours", 2, linked_gpus_ga(2)),
+    Shape("quad", "ours", 4, linked_gpus_ga(4)),
+    Shape("share", "shares", 0, {"requests": [{"name": "mem", "exactly": {
+        "deviceClassName": SHARE_CLASS, "capacity": {"requests": {"memory": "8Gi"}}}}]}),
+)
+
+
+# -- slices ----------------------------------------------------------------------------------
+
+
+def reference_specs(inventory: Inventory, node: str) -> tuple[JSON, ...]:
+    """The upstream benchmark's device shape: index, uuid, productName, capacity memory."""
+    devices = [
+        {
+            "name": d.name,
+            "attributes": {
+                "index": {"int": d.gpu.index},
+                "uuid": {"string": d.gpu.uuid},
+                "productName": {"string": d.gpu.product_name[:64]},
+            },
+            "capacity": {"memory": {"value": str(d.gpu.memory_bytes)}},
+        }
+        for d in sorted(node_devices(inventory).values(), key=lambda d: d.gpu.index)
+        if d.mig is None
+    ]
+    return ({"driver": DRIVER, "nodeName": node, "pool": {"name": node}, "devices": devices},)
+
+
+def node_specs(kind: str, inventory: Inventory, node: str) -> tuple[JSON, ...]:
+    if kind == "reference":
+        return reference_specs(inventory, node)
+    features = SliceFeatures(list_attributes=True, memory_shares=kind == "shares")
+    return desired_slices(inventory, node, DRIVER, features)
+
+
+def node_objects(kind: str, inventory: Inventory, node: str) -> list[JSON]:
+    pool = PoolSpec(node, node, node_specs(kind, inventory, node))
+    return list(desired_objects(DRIVER, pool, 1, None).values())
+
+
+def slice_bytes(kind: str, inventory: Inventory) -> int:
+    """Bytes of one node's ResourceSlice objects as JSON (what the benchmark sends)."""
+    return sum(len(json.dumps(o, separators=(",", ":"))) for o in node_objects(kind, inventory, "node-0000"))
+
+
+# -- async creation --------------------------------------------------------------------------
+
+
+async def _create_all(kubeconfig: Path, posts: Sequence[tuple[str, JSON]]) -> None:
+    api = await kube.load_client(str(kubeconfig))
+    gate = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(path: str, body: JSON) -> None:
+        async with gate:
+            await kube.request(api, "POST", path, body=body, timeout=300)
+
+    try:
+        await asyncio.gather(*(one(p, b) for p, b in posts))
+    finally:
+        await api.close()
+
+
+def create_all(cp: ControlPlane, posts: Sequence[tuple[str, JSON]]) -> None:
+    asyncio.run(_create_all(cp.kubeconfig, posts))
+
+
+def _node_body(name: str) -> JSON:
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110"}
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        "status": {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "simulated node without a kubelet",
+                            "lastHeartbeatTime": now, "lastTransitionTime": now}],
+        },
+    }
+
+
+def create_nodes(cp: ControlPlane, names: Sequence[str]) -> None:
+    """Nodes as tests.harness.objects.create_node makes them, many at once: created, then the
+    not-ready taint lifted and Ready set (status is a subresource; there is no kubelet)."""
+    create_all(cp, [("/api/v1/nodes", _node_body(n)) for n in names])
+
+    async def finish() -> None:
+        api = await kube.load_client(str(cp.kubeconfig))
+        gate = asyncio.Semaphore(IN_FLIGHT)
+
+        async def one(name: str) -> None:
+            async with gate:
+                await kube.request(api, "PATCH", f"/api/v1/nodes/{name}", body={"spec": {"taints": []}},
+                                   content_type="application/merge-patch+json")
+                await kube.request(api, "PATCH", f"/api/v1/nodes/{name}/status",
+                                   body={"status": _node_body(name)["status"]},
+                                   content_type="application/merge-patch+json")
+
+        try:
+            await asyncio.gather(*(one(n) for n in names))
+        finally:
+            await api.close()
+
+    asyncio.run(finish())
+
+
+def publish(cp: ControlPlane, api: Any, kind: str, fleet: dict[str, Inventory]) -> float:
+    """Replace every slice with `kind`'s; returns the seconds it took."""
+    t0 = time.perf_counter()
+    sync_request(api, "DELETE", SLICES, query={"labelSelector": f"{MANAGED_BY_LABEL}={DRIVER}"})
+    wait_for("old slices gone", lambda: not sync_request(api, "GET", SLICES, query={"limit": "1"})["items"],
+             timeout=300, interval=0.5)
+    create_all(cp, [(SLICES, o) for node, inv in fleet.items() for o in node_objects(kind, inv, node)])
+    return time.perf_counter() - t0
+
+
+# -- measurements ----------------------------------------------------------------------------
+
+
+def secure_port(cp: ControlPlane, component: str) -> int:
+    flag = next(a for a in cp.argv[component] if a.startswith("--secure-port="))
+    return int(flag.split("=", 1)[1])
+
+
+def component_get(cp: ControlPlane, component: str, path: str, timeout: float = 30) -> str:
+    import ssl
+    import urllib.request
+
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    url = f"https://127.0.0.1:{secure_port(cp, component)}{path}"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    with urllib.request.urlopen(req, context=ctx, timeout=timeout) as resp:
+        text: str = resp.read().decode(errors="replace")
+        return text
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? (\S+)$")
+
+
+def parse_metrics(text: str, names: Sequence[str]) -> dict[tuple[str, str], float]:
+    """(metric name, label string) -> value, for the metrics named (prefix match)."""
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if not line.startswith(tuple(names)):
+            continue
+        m = _SAMPLE.match(line)
+        if m:
+            out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+SCHED_METRICS = ("scheduler_schedule_attempts_total", "scheduler_pod_scheduling_sli_duration_seconds")
+
+
+def scheduler_metrics(cp: ControlPlane) -> dict[tuple[str, str], float]:
+    return parse_metrics(component_get(cp, "kube-scheduler", "/metrics"), SCHED_METRICS)
+
+
+def scheduled(metrics: dict[tuple[str, str], float]) -> float:
+    return sum(v for (n, labels), v in metrics.items()
+               if n == "scheduler_schedule_attempts_total" and 'result="scheduled"' in labels)
+
+
+Samples = dict[tuple[str, str], float]
+
+
+def _delta(after: Samples, before: Samples) -> Samples:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def sli_summary(delta: dict[tuple[str, str], float]) -> JSON:
+    """Count, mean and bucket-bound quantiles of the SLI histogram's growth during a shape."""
+    base = "scheduler_pod_scheduling_sli_duration_seconds"
+    count = sum(v for (n, _), v in delta.items() if n == base + "_count")
+    total = sum(v for (n, _), v in delta.items() if n == base + "_sum")
+    buckets: dict[float, float] = {}
+    for (n, labels), v in delta.items():
+        if n == base + "_bucket":
+            le = re.search(r'le="([^"]+)"', labels)
+            if le:
+                bound = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
+                buckets[bound] = buckets.get(bound, 0.0) + v
+
+    def quantile(q: float) -> float | None:
+        for bound in sorted(buckets):
+            if count and buckets[bound] >= q * count:
+                return bound
+        return None
+
+    return {"count": int(count), "mean_s": round(total / count, 4) if count else None,
+            "p50_le_s": quantile(0.5), "p99_le_s": quantile(0.99)}
+
+
+def attempts(delta: dict[tuple[str, str], float]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for (n, labels), v in delta.items():
+        if n == "scheduler_schedule_attempts_total":
+            result = re.search(r'result="([^"]+)"', labels)
+            key = result.group(1) if result else "?"
+            out[key] = out.get(key, 0) + int(v)
+    return out
+
+
+_CLK_TCK = 100
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def cpu_all(cp: ControlPlane) -> dict[str, float]:
+    return {c: cpu_seconds(cp.processes[c].pid) for c in COMPONENTS}
+
+
+class Profiler(threading.Thread):
+    """kube-scheduler's CPU profile over `seconds`, then `go tool pprof -top`'s first entries."""
+
+    def __init__(self, cp: ControlPlane, seconds: int, out: Path) -> None:
+        super().__init__(daemon=True)
+        self.cp, self.seconds, self.out = cp, seconds, out
+        self.top: list[str] = []
+
+    def run(self) -> None:
+        try:
+            import ssl
+            import urllib.request
+
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            url = (f"https://127.0.0.1:{secure_port(self.cp, 'kube-scheduler')}"
+                   f"/debug/pprof/profile?seconds={self.seconds}")
+            req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            with urllib.request.urlopen(req, context=ctx, timeout=self.seconds + 60) as resp:
+                self.out.write_bytes(resp.read())
+            proc = subprocess.run(["go", "tool", "pprof", "-top", "-nodecount=15", str(self.out)],
+                                  capture_output=True, text=True, check=False, timeout=120)
+            self.top = [line.rstrip() for line in proc.stdout.splitlines() if line.strip()][:22]
+        except Exception as e:  # a profile is extra: its failure is reported, not fatal
+            self.top = [f"profile failed: {e}"]
+
+
+def _claim_template(shape: Shape) -> JSON:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": shape.name}, "spec": {"spec": {"devices": shape.claim}}}
+
+
+def _pod(shape: Shape, i: int) -> JSON:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{shape.name}-{i:05d}"},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": shape.name}],
+            "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+                            "resources": {"claims": [{"name": "gpu"}]}}],
+        },
+    }
+
+
+def capacity(shape: Shape, fleet: dict[str, Inventory]) -> int:
+    """How many pods of `shape` the fleet holds (whole GPUs per node // GPUs per pod, or shares)."""
+    total = 0
+    for inv in fleet.values():
+        if shape.gpus:
+            total += len(inv.gpus) // shape.gpus
+        else:
+            total += sum(g.memory_bytes // SHARE_REQUEST for g in inv.gpus)
+    return total
+
+
+def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Inventory], pods: int,
+              stall_s: float, pprof_s: int, work: Path) -> JSON:
+    ns = f"s-{shape.name}"
+    create_namespace(api, ns)
+    create_object(api, _claim_template(shape), ns)
+    count = min(pods, capacity(shape, fleet))
+    bodies = [(f"/api/v1/namespaces/{ns}/pods", _pod(shape, i)) for i in range(count)]
+    before, cpu0 = scheduler_metrics(cp), cpu_all(cp)
+    base = scheduled(before)
+    profiler = Profiler(cp, pprof_s, work / f"{shape.name}.pprof") if pprof_s else None
+    creator = threading.Thread(target=create_all, args=(cp, bodies), daemon=True)
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.start()
+    creator.start()
+    created_at: float | None = None
+    last_bound, last_change, bound = t0, t0, 0
+    while bound < count:
+        time.sleep(POLL_S)  # the poll interval
+        now = time.perf_counter()
+        if created_at is None and not creator.is_alive():
+            created_at = now
+        seen = int(scheduled(scheduler_metrics(cp)) - base)
+        if seen > bound:
+            bound, last_bound, last_change = seen, now, now
+        elif now - last_change > stall_s and not creator.is_alive():
+            break
+    creator.join()
+    created_at = created_at or time.perf_counter()
+    after, cpu1 = scheduler_metrics(cp), cpu_all(cp)
+    if profiler:
+        profiler.join()
+    delta = _delta(after, before)
+    elapsed = last_bound - t0
+    pending = "" if bound >= count else _why_pending(api, ns)
+    result: JSON = {
+        "shape": shape.name,
+        "pods": count,
+        "bound": bound,
+        "seconds": round(elapsed, 2),
+        "pods_per_s": round(bound / elapsed, 1) if elapsed > 0 else None,
+        "create_s": round(created_at - t0, 2),
+        "sli": sli_summary(delta),
+        "attempts": attempts(delta),
+        "cpu_s": {c: round(cpu1[c] - cpu0[c], 1) for c in COMPONENTS},
+        "rss_mib": {c: rss_mib(cp.processes[c].pid) for c in COMPONENTS},
+    }
+    if pending:
+        result["pending_reason"] = pending
+    if profiler:
+        result["scheduler_pprof_top"] = profiler.top
+    _clean(api, ns)
+    return result
+
+
+def _why_pending(api: Any, ns: str) -> str:
+    pods = sync_request(api, "GET", f"/api/v1/namespaces/{ns}/pods",
+                        query={"fieldSelector": "spec.nodeName="})
+    for pod in pods["items"][:1]:
+        for cond in pod.get("status", {}).get("conditions", []):
+            if cond.get("type") == "PodScheduled":
+                return str(cond.get("message", ""))[:300]
+    return ""
+
+
+def _clean(api: Any, ns: str) -> None:
+    """Delete the shape's pods at once (no kubelet will confirm a graceful stop) and wait until the
+    controller-manager has deleted their claims, so that the next shape finds every GPU free."""
+    sync_request(api, "DELETE", f"/api/v1/namespaces/{ns}/pods", body={"gracePeriodSeconds": 0})
+    wait_for(f"claims of {ns} deleted",
+             lambda: not sync_request(api, "GET", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims",
+                                      query={"limit": "1"})["items"],
+             timeout=600, interval=1.0)
+    sync_request(api, "DELETE", f"/api/v1/namespaces/{ns}")
+
+
+def raise_limits(cp: ControlPlane) -> None:
+    """Restart kube-scheduler and kube-controller-manager with client limits raised (scheduler_perf
+    runs its scheduler without a client rate limit; 50/100 and 20/30 are the defaults)."""
+    for name in ("kube-controller-manager", "kube-scheduler"):
+        cp.stop_component(name)
+        cp.argv[name] += [f"--kube-api-qps={RAISED_QPS}", f"--kube-api-burst={RAISED_QPS}"]
+        cp.start_component(name)
+        wait_for(f"{name} healthy", lambda n=name: _healthy(cp, n), timeout=120, interval=0.5)  # type: ignore[misc]
+
+
+def _healthy(cp: ControlPlane, name: str) -> bool:
+    try:
+        return component_get(cp, name, "/healthz", timeout=5).strip() == "ok"
+    except OSError:
+        return False
+
+
+def device_classes(api: Any) -> None:
+    for path in ("deploy/deviceclasses/gpu.yaml", "deploy/deviceclasses/gpu-share.yaml"):
+        for doc in load_yaml_documents(REPO / path):
+            create_object(api, doc)
+    create_object(api, {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+                        "metadata": {"name": REFERENCE_CLASS},
+                        "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]}})
+
+
+def fleet_of(profile: str, nodes: int) -> dict[str, Inventory]:
+    inventories = [discover(p) for p in PROFILES[profile]]
+    return {f"{profile}-{i:04d}": inventories[i % len(inventories)] for i in range(nodes)}
+
+
+def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *, raised: bool,
+                stall_s: float, pprof_s: int, log: Callable[[str], None]) -> JSON:
+    fleet = fleet_of(profile, nodes)
+    with fresh_control_plane("dra-bench-sched-") as (cp, work):
+        if raised:
+            raise_limits(cp)
+        api = sync_client(str(cp.kubeconfig))
+        device_classes(api)
+        t0 = time.perf_counter()
+        create_nodes(cp, list(fleet))
+        log(f"{profile}: {nodes} nodes in {time.perf_counter() - t0:.1f}s")
+        results: list[JSON] = []
+        published: dict[str, float] = {}
+        for kind in ("reference", "ours", "shares"):
+            todo = [s for s in shapes if s.slices == kind]
+            if not todo:
+                continue
+            published[kind] = round(publish(cp, api, kind, fleet), 1)
+            log(f"{profile}: {kind} slices in {published[kind]}s")
+            for shape in todo:
+                r = run_shape(cp, api, shape, fleet, pods, stall_s, pprof_s, work)
+                log(f"{profile} {nodes} nodes {shape.name}: {r['bound']}/{r['pods']} pods, "
+                    f"{r['pods_per_s']} pods/s (created in {r['create_s']}s)")
+                results.append(r)
+        ref = next((r["pods_per_s"] for r in results if r["shape"] == "reference"), None)
+        for r in results:
+            if ref and r["pods_per_s"]:
+                r["vs_reference"] = round(r["pods_per_s"] / ref, 2)
+        inventories = {p: discover(p) for p in PROFILES[profile]}
+        return {
+            "profile": profile,
+            "nodes": nodes,
+            "client_limits": "raised" if raised else "default",
+            "slices_publish_s": published,
+            "slice_bytes_per_node": {p: {k: slice_bytes(k, inv) for k in ("reference", "ours", "shares")}
+                                     for p, inv in inventories.items()},
+            "shapes": results,
+        }
+
+
+SMALL = {"sizes": [(20, 100)], "profiles": list(PROFILES), "default_limits": (20, 100)}
+FULL = {"sizes": [(100, 5000), (500, 5000), (1000, 5000)], "profiles": list(PROFILES),
+        "default_limits": (100, 300)}
+
+
+def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
+        profiles: Sequence[str] | None = None, shapes: Sequence[str] | None = None,
+        defaults: bool = True, stall_s: float = 30.0, pprof_s: int = 0) -> JSON:
+    plan = FULL if full else SMALL
+    chosen = [s for s in SHAPES if not shapes or s.name in shapes]
+    cases: list[JSON] = []
+
+    def log(msg: str) -> None:
+        print(f"[scheduler-bench] {msg}", flush=True)
+
+    for nodes, pods in sizes or plan["sizes"]:  # type: ignore[attr-defined]
+        for profile in profiles or plan["profiles"]:  # type: ignore[attr-defined]
+            cases.append(run_profile(profile, nodes, pods, chosen, raised=True, stall_s=stall_s,
+                                     pprof_s=pprof_s, log=log))
+    if defaults:
+        nodes, pods = plan["default_limits"]  # type: ignore[misc]
+        two = [s for s in chosen if s.name in ("reference", "one-gpu")]
+        cases.append(run_profile("hgx-h200", nodes, pods, two, raised=False, stall_s=stall_s, pprof_s=0,
+                                 log=log))
+    return {"driver": DRIVER, "contention": "2 cores shared with other engineers' test runs",
+            "method": "benchmarks/scheduler.py docstring", "cases": cases}
+
+
+def _size(text: str) -> tuple[int, int]:
+    nodes, _, pods = text.partition(":")
+    try:
+        return int(nodes), int(pods or 5000)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--size {text!r}: write NODES:PODS, e.g. 500:5000") from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scheduler",
+                                     description="Pods/s through the real kube-scheduler, per claim shape.")
+    parser.add_argument("--full", action="store_true", help="100, 500 and 1,000 nodes, 5,000 pods")
+    parser.add_argument("--size", action="append", type=_size, metavar="NODES:PODS")
+    parser.add_argument("--profile", action="append", choices=sorted(PROFILES))
+    parser.add_argument("--shape", action="append", choices=[s.name for s in SHAPES])
+    parser.add_argument("--no-defaults", action="store_true", help="skip the default-rate-limit case")
+    parser.add_argument("--stall", type=float, default=30.0,
+                        help="end a shape after this long without a binding")
+    parser.add_argument("--pprof-seconds", type=int, default=0)
+    parser.add_argument("--out", default="scheduler", help="results file name under benchmarks/results")
+    args = parser.parse_args(argv)
+    result = run(args.full, args.size, args.profile, args.shape, not args.no_defaults, args.stall,
+                 args.pprof_seconds)
+    report(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
