@@ -81,6 +81,22 @@ def test_bad_values_are_refused_clearly(helm: Helm, value: str, message: str) ->
     assert message in proc.stderr, proc.stderr
 
 
+def test_every_host_path_a_release_writes_carries_its_driver_name(helm: Helm) -> None:
+    """Two releases with different driver names never share a state dir or an MPS root (the
+    plugin sockets and CDI spec names carry the driver name in the plugin itself)."""
+    paths = {}
+    for driver in ("gpu.a.example.com", "gpu.b.example.com"):
+        (ds,) = [d for d in _render(helm, f"driverName={driver}") if d["kind"] == "DaemonSet"]
+        args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+        host = {v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"]}
+        assert f"--state-dir=/run/{driver}/state" in args and f"--mps-root=/run/{driver}/mps" in args
+        assert (host["state"], host["mps"]) == (f"/run/{driver}/state", f"/run/{driver}/mps")
+        paths[driver] = {host["state"], host["mps"]}
+    assert not paths["gpu.a.example.com"] & paths["gpu.b.example.com"]
+    (ds,) = [d for d in _render(helm, "stateDir=/srv/state") if d["kind"] == "DaemonSet"]
+    assert "--state-dir=/srv/state" in ds["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
 def test_plugin_accepts_every_flag_the_chart_passes(helm: Helm) -> None:
     """Each `--flag` the DaemonSet passes exists in `dra-driver kubelet-plugin --help`."""
     usage = subprocess.run([sys.executable, "-m", "dra_driver", "kubelet-plugin", "--help"],

@@ -25,6 +25,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: kubelet-plugin
 {{- end -}}
 
+{{/* Host paths a release writes: each carries the driver name unless set, like the command line's defaults. */}}
+{{- define "gpu-dra-driver.mpsRoot" -}}
+{{- default (printf "/run/%s/mps" .Values.driverName) .Values.mpsRoot -}}
+{{- end -}}
+
+{{- define "gpu-dra-driver.stateDir" -}}
+{{- default (printf "/run/%s/state" .Values.driverName) .Values.stateDir -}}
+{{- end -}}
+
 {{- define "gpu-dra-driver.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
