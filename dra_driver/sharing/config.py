@@ -39,6 +39,7 @@ from typing import Any, Final
 API_VERSION: Final = "v1alpha1"
 KIND: Final = "GpuConfig"
 DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
+NVIDIA_API_VERSION: Final = "resource.nvidia.com/v1beta1"  # read by nvidia_config.py
 
 # The syntax of a Kubernetes resource.Quantity without the sub-unit suffixes (m, u, n):
 # what this project reads are byte counts. Parsed here rather than with the client's
@@ -69,6 +70,9 @@ class MpsConfig:
 
     default_active_thread_percentage: int | None = None
     default_pinned_device_memory_limit: int | None = None  # bytes
+    # NVIDIA's defaultPerDevicePinnedMemoryLimit (device index or UUID, bytes) until
+    # nvidia_config.per_device resolves it into each device's own limit above
+    per_device_pinned_memory_limits: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class GpuConfig:
     """One validated `GpuConfig` object."""
 
     sharing: SharingConfig = SharingConfig()
+    nvidia_kind: str | None = None  # GpuConfig or MigDeviceConfig when written in NVIDIA's API
 
     @property
     def uses_mps(self) -> bool:
@@ -135,7 +140,7 @@ def format_mps_memory(limit_bytes: int) -> str:
 # --------------------------------------------------------------------------- the object
 
 
-def _check_fields(obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
+def check_fields(obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
     unknown = sorted(set(obj) - set(allowed))
     if unknown:
         raise ConfigError(
@@ -152,7 +157,7 @@ def _mapping(value: object, where: str) -> Mapping[str, Any]:
 
 def _parse_mps(value: object, where: str) -> MpsConfig:
     obj = _mapping(value, where)
-    _check_fields(obj, ("defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit"), where)
+    check_fields(obj, ("defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit"), where)
     pct = obj.get("defaultActiveThreadPercentage")
     if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100):
         raise ConfigError(
@@ -176,7 +181,7 @@ def _parse_sharing(value: object, where: str) -> SharingConfig:
             f"the GPU); remove {interval}: a GPU shared by several pods is time-sliced with the "
             "driver's default interval, or use strategy MPS for limits"
         )
-    _check_fields(obj, ("strategy", "mps"), where)
+    check_fields(obj, ("strategy", "mps"), where)
     raw = obj.get("strategy")
     choices = ", ".join(s.value for s in SharingStrategy)
     if raw is None:
@@ -197,8 +202,12 @@ def _parse_sharing(value: object, where: str) -> SharingConfig:
 def parse_gpu_config(parameters: object, driver: str = DEFAULT_GROUP, where: str = "parameters") -> GpuConfig:
     """Validate one `opaque.parameters` object of this driver."""
     obj = _mapping(parameters, where)
-    _check_fields(obj, ("apiVersion", "kind", "sharing"), where)
-    accepted = sorted({f"{driver}/{API_VERSION}", f"{DEFAULT_GROUP}/{API_VERSION}"})
+    if obj.get("apiVersion") == NVIDIA_API_VERSION:
+        from dra_driver.sharing.nvidia_config import parse_nvidia_config  # it builds on this module
+
+        return parse_nvidia_config(obj, where)
+    check_fields(obj, ("apiVersion", "kind", "sharing"), where)
+    accepted = [*sorted({f"{driver}/{API_VERSION}", f"{DEFAULT_GROUP}/{API_VERSION}"}), NVIDIA_API_VERSION]
     if obj.get("apiVersion") not in accepted:
         raise ConfigError(
             f"{where}.apiVersion: {obj.get('apiVersion')!r} is not supported; use {' or '.join(accepted)}"
@@ -264,6 +273,18 @@ def config_for_request(entries: Sequence[ConfigEntry], request: str) -> GpuConfi
             if entry.from_class == from_class and entry.applies_to(request):
                 chosen = entry.config
     return chosen
+
+
+def device_requests(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, frozenset[str]]:
+    """The main requests each device this driver allocated in `pool` serves: a container
+    that names a request gets only that request's devices."""
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    out: dict[str, set[str]] = {}
+    for result in (allocation.get("devices") or {}).get("results") or []:
+        if isinstance(result, Mapping) and result.get("driver") == driver and result.get("pool") == pool:
+            request = str(result.get("request", "")).split("/", 1)[0]
+            out.setdefault(str(result.get("device", "")), set()).add(request)
+    return {device: frozenset(requests) for device, requests in out.items()}
 
 
 def device_configs(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, GpuConfig]:

@@ -28,8 +28,10 @@ from dra_driver.sharing.config import (
     MpsConfig,
     claim_config_entries,
     device_configs,
+    device_requests,
 )
 from dra_driver.sharing.mps import MpsControl, MpsError, MpsSettings, settings_for_claim
+from dra_driver.sharing.nvidia_config import per_device
 from dra_driver.sharing.shares import Share, allocated_shares, derived_thread_percentage
 
 SharingPlan = MpsSettings  # what a claim's sharing needs on the node; None: nothing to share
@@ -53,17 +55,23 @@ class Sharing:
     ) -> SharingPlan | None:
         """What `claim` asks for on `devices` (each once); None if it shares nothing.
         Raises ConfigError, whose message says what to fix in the claim or class."""
-        configs = device_configs(claim, self.driver, self.pool)
+        configs = per_device(device_configs(claim, self.driver, self.pool), devices)
         shares = allocated_shares(claim, self.driver, self.pool, devices)
         mps = [d for d in devices if d.name in shares or configs[d.name].uses_mps]
         if not mps:
             return None
-        if len(mps) != len(devices):
+        requests = device_requests(claim, self.driver, self.pool)
+        mixed = {r for d in mps for r in requests.get(d.name, ())} & {
+            r for d in devices if d not in mps for r in requests.get(d.name, ())
+        }
+        if mixed:
+            # A container gets the devices of the requests it names; an MPS client sees only
+            # the daemon's GPUs, so one request cannot hold both kinds.
             raise ConfigError(
-                "MPS must be configured for all devices of a claim or for none (an MPS client sees "
-                f"only the daemon's GPUs; a memory share is always served by MPS); MPS is set for "
-                f"{', '.join(d.name for d in mps)} only: put the other devices in a claim of their own, "
-                "or configure MPS for them"
+                "MPS must be configured for all devices of a request or for none (an MPS client sees "
+                f"only the daemon's GPUs; a memory share is always served by MPS); request "
+                f"{', '.join(sorted(mixed))} has MPS for {', '.join(d.name for d in mps)} only: put the "
+                "other devices in a request of their own, or configure MPS for them"
             )
         percentage = _share_thread_percentage(shares, configs)
         entries = []

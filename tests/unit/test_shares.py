@@ -250,14 +250,29 @@ def test_configs_that_contradict_a_share_are_refused(
         sharing.plan("u1", share_claim("u1", parameters=parameters), [h200_devices["gpu-0-share"]])
 
 
-def test_a_share_and_a_whole_gpu_without_mps_in_one_claim_are_refused(tmp_path: Path) -> None:
+def test_a_share_and_a_whole_gpu_without_mps_in_one_request_are_refused(tmp_path: Path) -> None:
+    devices = node_devices(discover("hgx-h200"))
+    devices.update(share_views(devices))
+    whole = {"request": "share/whole", "driver": DRIVER, "pool": POOL, "device": "gpu-1"}
+    claim = share_claim("u1", extra_results=[whole])
+    sharing = Sharing(DRIVER, POOL, MpsControl(tmp_path, "/driver"))
+    with pytest.raises(ConfigError, match=r"request share has MPS for gpu-0-share only: put the other"):
+        sharing.plan("u1", claim, [devices["gpu-0-share"], devices["gpu-1"]])
+
+
+def test_a_share_and_a_whole_gpu_in_two_requests_of_one_claim_are_served_apart(tmp_path: Path) -> None:
+    """A container names the request whose devices it gets: the whole GPU's containers get no
+    MPS edits, so nothing hides that GPU from them."""
     devices = node_devices(discover("hgx-h200"))
     devices.update(share_views(devices))
     whole = {"request": "whole", "driver": DRIVER, "pool": POOL, "device": "gpu-1"}
     claim = share_claim("u1", extra_results=[whole])
     sharing = Sharing(DRIVER, POOL, MpsControl(tmp_path, "/driver"))
-    with pytest.raises(ConfigError, match=r"MPS is set for gpu-0-share only: put the other devices"):
-        sharing.plan("u1", claim, [devices["gpu-0-share"], devices["gpu-1"]])
+    hardware = [devices["gpu-0-share"], devices["gpu-1"]]
+    plan = sharing.plan("u1", claim, hardware)
+    assert plan is not None
+    assert [d.uuid for d in plan.devices] == [devices["gpu-0-share"].uuid]
+    assert set(sharing.edits(plan, hardware)) == {"gpu-0-share"}
 
 
 # --------------------------------------------------------------------------- prepare, for real

@@ -1,0 +1,246 @@
+"""NVIDIA's claim configuration (`resource.nvidia.com/v1beta1`) read as this driver's own.
+
+A claim written for NVIDIA's GPU DRA driver carries its sharing settings as:
+
+    opaque:
+      driver: gpu.dra-driver.dev              # was gpu.nvidia.com: the one edit a user makes
+      parameters:
+        apiVersion: resource.nvidia.com/v1beta1
+        kind: GpuConfig                       # or MigDeviceConfig
+        sharing:
+          strategy: MPS                       # or TimeSlicing
+          mpsConfig:
+            defaultActiveThreadPercentage: 50
+            defaultPinnedDeviceMemoryLimit: 10Gi
+            defaultPerDevicePinnedMemoryLimit: {"0": 5Gi}   # device index or UUID
+
+`parse_nvidia_config` maps that onto `GpuConfig` (docs/migrating.md has the table). A field
+this driver cannot honour is refused with the reason, never ignored. The reasons are
+module constants because the chart's admission policy
+(deploy/helm/gpu-dra-driver/templates/claim-config-policy.yaml) refuses the same configs
+with the same text when the claim is written; tests/unit/test_nvidia_config.py checks that
+each one is in the template. `per_device` resolves NVIDIA's per-device memory limits once
+the allocated devices are known (a device index counts the devices the config applies to,
+in allocation order, as NVIDIA's driver counts them).
+
+Pure functions only: nothing here does I/O, and it knows nothing of MPS daemons or CDI.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Final
+
+from dra_driver.sharing.config import (
+    NVIDIA_API_VERSION,
+    ConfigError,
+    GpuConfig,
+    MpsConfig,
+    SharingConfig,
+    SharingStrategy,
+    check_fields,
+    quantity_value,
+)
+
+if TYPE_CHECKING:
+    from dra_driver.devices import NodeDevice
+
+API_VERSION: Final = NVIDIA_API_VERSION
+GPU_KIND: Final = "GpuConfig"
+MIG_KIND: Final = "MigDeviceConfig"
+KINDS: Final = (GPU_KIND, MIG_KIND)
+
+# The refusals, word for word what the admission policy says (after the field's path).
+KIND_REASON: Final = (
+    "must be GpuConfig or MigDeviceConfig: NVIDIA's VfioDeviceConfig and ComputeDomain configs "
+    "have no counterpart on this driver (it offers no VFIO passthrough and no IMEX compute domains)"
+)
+STRATEGY_REASON: Final = "must be TimeSlicing or MPS"
+MPS_ONLY_REASON: Final = "is only allowed with strategy MPS"
+TIME_SLICING_ONLY_REASON: Final = "is only allowed with strategy TimeSlicing (and only in a GpuConfig)"
+INTERVAL_REASON: Final = (
+    "only Default can be honoured: a GPU's time slice is set with nvidia-smi compute-policy for "
+    "the whole GPU, outside any one claim, so this driver leaves every GPU at its default; remove "
+    "interval or write Default"
+)
+PERCENTAGE_REASON: Final = (
+    "must be a whole number from 1 to 100 (0, which NVIDIA's driver accepts, would leave the "
+    "claim's MPS clients no streaming multiprocessors)"
+)
+LIMIT_REASON: Final = 'must be a quantity of at least 1Mi, e.g. "10Gi"'
+PER_DEVICE_REASON: Final = (
+    "keys must be a device index (0, 1, ...) among the devices this config applies to, or a "
+    'device UUID (GPU-... or MIG-...); values a quantity of at least 1Mi, e.g. "10Gi"'
+)
+MULTI_USER_REASON: Final = (
+    "true is not supported: this driver's MPS daemon runs in single-user mode, where a client "
+    "of a second user waits until the first user's clients are gone; run the claim's "
+    "containers as one user and remove multiUser (or set it to false)"
+)
+BOOL_REASON: Final = "must be true or false"
+
+_ALL_REASONS: Final = (
+    KIND_REASON,
+    STRATEGY_REASON,
+    MPS_ONLY_REASON,
+    TIME_SLICING_ONLY_REASON,
+    INTERVAL_REASON,
+    PERCENTAGE_REASON,
+    LIMIT_REASON,
+    PER_DEVICE_REASON,
+    MULTI_USER_REASON,
+    BOOL_REASON,
+)
+_UUID_KEY = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
+_INDEX_KEY = re.compile(r"[0-9]+")
+_MIB: Final = 2**20
+
+
+def reasons() -> tuple[str, ...]:
+    """Every refusal's text (the admission policy must carry each of them verbatim)."""
+    return _ALL_REASONS
+
+
+def _refuse(where: str, reason: str) -> ConfigError:
+    return ConfigError(f"{where}: {reason}")
+
+
+def _mapping(value: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be an object")
+    return value
+
+
+def _limit(value: object, where: str, reason: str = LIMIT_REASON) -> int:
+    """Bytes of a quantity, at least 1Mi (NVIDIA's driver refuses less: it counts whole MiB)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise _refuse(where, reason)
+    total = quantity_value(str(value))
+    if total is None or total < _MIB:
+        raise _refuse(where, reason)
+    return int(total)
+
+
+def _parse_mps(value: object, where: str) -> MpsConfig:
+    obj = _mapping(value, where)
+    check_fields(
+        obj,
+        (
+            "defaultActiveThreadPercentage",
+            "defaultPinnedDeviceMemoryLimit",
+            "defaultPerDevicePinnedMemoryLimit",
+            "multiUser",
+        ),
+        where,
+    )
+    pct = obj.get("defaultActiveThreadPercentage")
+    if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100):
+        raise _refuse(f"{where}.defaultActiveThreadPercentage", PERCENTAGE_REASON)
+    limit = obj.get("defaultPinnedDeviceMemoryLimit")
+    default = None if limit is None else _limit(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
+    per_device: list[tuple[str, int]] = []
+    raw = obj.get("defaultPerDevicePinnedMemoryLimit")
+    if raw is not None:
+        at = f"{where}.defaultPerDevicePinnedMemoryLimit"
+        if not isinstance(raw, Mapping):
+            raise _refuse(at, PER_DEVICE_REASON)
+        for key, v in raw.items():
+            if not isinstance(key, str) or not (_INDEX_KEY.fullmatch(key) or _UUID_KEY.fullmatch(key)):
+                raise _refuse(at, PER_DEVICE_REASON)
+            per_device.append((key, _limit(v, at, PER_DEVICE_REASON)))
+    multi_user = obj.get("multiUser")
+    if multi_user is not None and not isinstance(multi_user, bool):
+        raise _refuse(f"{where}.multiUser", BOOL_REASON)
+    if multi_user:
+        raise _refuse(f"{where}.multiUser", MULTI_USER_REASON)
+    return MpsConfig(
+        default_active_thread_percentage=pct,
+        default_pinned_device_memory_limit=default,
+        per_device_pinned_memory_limits=tuple(sorted(per_device)),
+    )
+
+
+def _parse_sharing(value: object, kind: str, where: str) -> SharingConfig:
+    obj = _mapping(value, where)
+    allowed = (
+        ("strategy", "timeSlicingConfig", "mpsConfig") if kind == GPU_KIND else ("strategy", "mpsConfig")
+    )
+    if kind == MIG_KIND and "timeSlicingConfig" in obj:
+        raise _refuse(f"{where}.timeSlicingConfig", TIME_SLICING_ONLY_REASON)
+    check_fields(obj, allowed, where)
+    raw = obj.get("strategy")
+    if raw not in (SharingStrategy.TIME_SLICING.value, SharingStrategy.MPS.value):
+        raise _refuse(f"{where}.strategy", STRATEGY_REASON)
+    strategy = SharingStrategy(raw)
+    if strategy is SharingStrategy.MPS:
+        if "timeSlicingConfig" in obj:
+            raise _refuse(f"{where}.timeSlicingConfig", TIME_SLICING_ONLY_REASON)
+        return SharingConfig(strategy, _parse_mps(obj.get("mpsConfig") or {}, f"{where}.mpsConfig"))
+    if "mpsConfig" in obj:
+        raise _refuse(f"{where}.mpsConfig", MPS_ONLY_REASON)
+    if "timeSlicingConfig" in obj:
+        ts = _mapping(obj["timeSlicingConfig"], f"{where}.timeSlicingConfig")
+        check_fields(ts, ("interval",), f"{where}.timeSlicingConfig")
+        if ts.get("interval", "Default") != "Default":
+            raise _refuse(f"{where}.timeSlicingConfig.interval", INTERVAL_REASON)
+    return SharingConfig(strategy)
+
+
+def parse_nvidia_config(obj: Mapping[str, Any], where: str) -> GpuConfig:
+    """One `opaque.parameters` object of NVIDIA's API version, as this driver's config.
+    Raises ConfigError naming the field and the reason."""
+    check_fields(obj, ("apiVersion", "kind", "sharing"), where)
+    kind = obj.get("kind")
+    if kind not in KINDS:
+        raise _refuse(f"{where}.kind", KIND_REASON)
+    if obj.get("sharing") is None:
+        return GpuConfig(nvidia_kind=str(kind))
+    return GpuConfig(
+        sharing=_parse_sharing(obj["sharing"], str(kind), f"{where}.sharing"), nvidia_kind=str(kind)
+    )
+
+
+def per_device(configs: Mapping[str, GpuConfig], devices: Sequence[NodeDevice]) -> dict[str, GpuConfig]:
+    """Each device's config with NVIDIA's per-device settings resolved for it: the kind
+    checked against the device (GpuConfig for a GPU, MigDeviceConfig for a MIG device, as
+    NVIDIA's driver checks) and `defaultPerDevicePinnedMemoryLimit` turned into the
+    device's own limit. Devices sharing one config are counted in the order given (the
+    allocation's), which is what an index key means."""
+    groups: dict[GpuConfig, list[NodeDevice]] = {}
+    for d in devices:
+        config = configs[d.name]
+        if config.nvidia_kind is not None:
+            wanted = MIG_KIND if d.mig is not None else GPU_KIND
+            if config.nvidia_kind != wanted:
+                raise ConfigError(
+                    f"cannot apply {config.nvidia_kind} to device {d.name}, a "
+                    f"{'MIG device' if d.mig is not None else 'whole GPU'}: use kind {wanted} in the "
+                    "config for its request"
+                )
+        groups.setdefault(config, []).append(d)
+    out = dict(configs)
+    for config, members in groups.items():
+        mps = config.sharing.mps
+        if mps is None or not mps.per_device_pinned_memory_limits:
+            continue
+        limits = {d.uuid: mps.default_pinned_device_memory_limit for d in members}
+        for key, value in mps.per_device_pinned_memory_limits:
+            if key in limits:
+                limits[key] = value
+            elif key.isdigit() and int(key) < len(members):
+                limits[members[int(key)].uuid] = value
+            else:
+                names = ", ".join(d.name for d in members)
+                raise ConfigError(
+                    f"mpsConfig.defaultPerDevicePinnedMemoryLimit: key {key!r} names none of the "
+                    f"{len(members)} device(s) this config applies to ({names}): "
+                    f"use an index from 0 to {len(members) - 1} or one of their UUIDs"
+                )
+        for d in members:
+            resolved = replace(
+                mps, default_pinned_device_memory_limit=limits[d.uuid], per_device_pinned_memory_limits=()
+            )
+            out[d.name] = replace(config, sharing=replace(config.sharing, mps=resolved))
+    return out
