@@ -46,6 +46,8 @@ from dra_driver.health.notify import ClaimEvents, ClaimUse
 from dra_driver.kube import ApiClient
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS, ClaimReader
+from dra_driver.plugin.claim_status import ClaimStatus, ReportingPreparer, nvlink_peers
+from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_using, keep_fresh, mirror
 from dra_driver.plugin.lock import Lease
 from dra_driver.plugin.registration import RegistrationService, add_registration
@@ -256,6 +258,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         state_dir=opts.state_dir,
         sharing=Sharing(opts.driver, opts.node_name, mps),
     )
+    claim_status = ClaimStatus(api, opts.driver, opts.node_name, devices, nvlink_peers(inventory, devices))
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)
     heartbeat = Heartbeat("slice-publisher", stuck_after=PUBLISHER_STUCK_SECONDS)
     probes = plugin_probes(
@@ -271,6 +274,10 @@ async def run_plugin(opts: PluginOptions) -> None:
     health: NodeHealth | None = None
     try:
         await preparer.recover()
+        # a restarted plugin reports again what it holds (the kubelet does not prepare again)
+        for entry in preparer.read_checkpoint().claims.values():
+            if entry.phase is ckpt.ClaimPhase.COMPLETED:
+                claim_status.prepared(ClaimRef(entry.namespace, entry.name, entry.uid), entry.devices)
         health = await _start_health(opts, inventory, devices, paths.data_dir)
         if health is None:
             board = DeviceHealthBoard(opts.node_name, devices, "UNKNOWN", NOT_MONITORED)
@@ -278,7 +285,9 @@ async def run_plugin(opts: PluginOptions) -> None:
         else:
             board = DeviceHealthBoard(opts.node_name, devices)
             tasks += _health_tasks(api, opts, health, board, preparer, paths.data_dir)
-        dra_server = SocketServer("dra", lambda s: add_dra_services(s, preparer, board))
+            tasks.append(asyncio.create_task(claim_status.follow(health.keeper), name="claim-status-health"))
+        reporting = ReportingPreparer(preparer, claim_status)
+        dra_server = SocketServer("dra", lambda s: add_dra_services(s, reporting, board))
         await dra_server.start(paths.dra_socket)
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
         reg_server = SocketServer("registration", lambda s: add_registration(s, registration))
@@ -299,6 +308,7 @@ async def run_plugin(opts: PluginOptions) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await claim_status.stop()
         if health is not None:
             await health.stop()
         lease.release()
