@@ -39,6 +39,9 @@ from typing import Any, Final
 API_VERSION: Final = "v1alpha1"
 KIND: Final = "GpuConfig"
 DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
+# The /dev/shm of an MPS or share claim: a tmpfs of its own of this size unless `mps.shmSize`
+# says otherwise; what containerd and Docker give every container's /dev/shm.
+DEFAULT_SHM_SIZE: Final = 64 * 2**20
 NVIDIA_API_VERSION: Final = "resource.nvidia.com/v1beta1"  # read by nvidia_config.py
 
 # The syntax of a Kubernetes resource.Quantity without the sub-unit suffixes (m, u, n):
@@ -73,6 +76,7 @@ class MpsConfig:
     # NVIDIA's defaultPerDevicePinnedMemoryLimit (device index or UUID, bytes) until
     # nvidia_config.per_device resolves it into each device's own limit above
     per_device_pinned_memory_limits: tuple[tuple[str, int], ...] = ()
+    shm_size: int | None = None  # bytes of the claim's /dev/shm tmpfs; None: DEFAULT_SHM_SIZE
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ def _mapping(value: object, where: str) -> Mapping[str, Any]:
 
 def _parse_mps(value: object, where: str) -> MpsConfig:
     obj = _mapping(value, where)
-    check_fields(obj, ("defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit"), where)
+    check_fields(obj, ("defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit", "shmSize"), where)
     pct = obj.get("defaultActiveThreadPercentage")
     if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100):
         raise ConfigError(
@@ -168,7 +172,13 @@ def _parse_mps(value: object, where: str) -> MpsConfig:
     if limit is not None:
         limit_bytes = parse_quantity(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
         format_mps_memory(limit_bytes)  # at least 1Mi
-    return MpsConfig(default_active_thread_percentage=pct, default_pinned_device_memory_limit=limit_bytes)
+    shm = obj.get("shmSize")
+    shm_size = None if shm is None else parse_quantity(shm, f"{where}.shmSize")  # a quantity, above 0
+    return MpsConfig(
+        default_active_thread_percentage=pct,
+        default_pinned_device_memory_limit=limit_bytes,
+        shm_size=shm_size,
+    )
 
 
 def _parse_sharing(value: object, where: str) -> SharingConfig:

@@ -41,12 +41,14 @@ that does not quit is killed by PID.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ import structlog
 from dra_driver.atomic import write_file_atomic
 from dra_driver.cdi.spec import ContainerEdits, Mount, validate_claim_uid
 from dra_driver.driver_root import BINARY_DIRS, library_dirs, resolve_in_root
-from dra_driver.sharing.config import ConfigError, MpsConfig, format_mps_memory
+from dra_driver.sharing.config import DEFAULT_SHM_SIZE, ConfigError, MpsConfig, format_mps_memory
 
 log = structlog.get_logger(__name__)
 
@@ -67,7 +69,18 @@ CONTAINER_PIPE_DIR: Final = "/tmp/nvidia-mps"  # the default CUDA itself uses
 CONTAINER_SHM_DIR: Final = "/dev/shm"
 CLAIM_MARKER_ENV: Final = "GPU_DRA_MPS_CLAIM"
 SETTINGS_FILE: Final = "settings.json"
+PID_FILE: Final = "daemon.pid"
 MOUNT_OPTIONS: Final = ("rw", "nosuid", "nodev", "bind")
+# Modes, no wider than MPS needs. The claim's directory: others may pass through it by name
+# (the MPS server runs as the client's user and must reach pipe/ and log/), not list it.
+# pipe/ and log/: the daemon runs as root but starts each MPS server as its first client's
+# user, unknown at Prepare, and that server creates its pipes and its log there; so every
+# user may create files (w+x), nobody but root may list them, and the sticky bit keeps one
+# user from removing another's. shm/ is a tmpfs of its own with /dev/shm's usual 1777.
+BASE_MODE: Final = 0o711
+PIPE_LOG_MODE: Final = 0o1733
+SHM_MODE: Final = 0o1777
+_MNT_DETACH: Final = 2
 
 
 class MpsError(Exception):
@@ -89,12 +102,14 @@ class MpsSettings:
     claim_uid: str
     devices: tuple[MpsDevice, ...]
     active_thread_percentage: int | None = None
+    shm_size: int = DEFAULT_SHM_SIZE  # bytes of the claim's /dev/shm tmpfs
 
     def to_json(self) -> dict[str, Any]:
         return {
             "claimUID": self.claim_uid,
             "devices": [{"uuid": d.uuid, "pinnedMemoryLimit": d.pinned_memory_limit} for d in self.devices],
             "activeThreadPercentage": self.active_thread_percentage,
+            "shmSize": self.shm_size,
         }
 
     @classmethod
@@ -110,6 +125,7 @@ class MpsSettings:
             active_thread_percentage=None
             if obj.get("activeThreadPercentage") is None
             else int(obj["activeThreadPercentage"]),
+            shm_size=int(obj.get("shmSize", DEFAULT_SHM_SIZE)),
         )
 
 
@@ -117,7 +133,7 @@ def settings_for_claim(claim_uid: str, devices: Sequence[tuple[str, MpsConfig]])
     """The daemon settings of a claim from its MPS devices `(uuid, config)`, in client order.
 
     The active thread percentage applies to every client of the daemon, so all the
-    claim's MPS devices must agree on it."""
+    claim's MPS devices must agree on it; the claim's /dev/shm is the largest any asks for."""
     if not devices:
         raise ValueError(f"claim {claim_uid}: an MPS daemon needs at least one device")
     percentages = sorted({c.default_active_thread_percentage for _, c in devices}, key=str)
@@ -130,6 +146,7 @@ def settings_for_claim(claim_uid: str, devices: Sequence[tuple[str, MpsConfig]])
         claim_uid=claim_uid,
         devices=tuple(MpsDevice(uuid, c.default_pinned_device_memory_limit) for uuid, c in devices),
         active_thread_percentage=percentages[0],
+        shm_size=max((c.shm_size for _, c in devices if c.shm_size is not None), default=DEFAULT_SHM_SIZE),
     )
 
 
@@ -232,6 +249,10 @@ class ClaimDirs:
     def settings(self) -> Path:
         return self.base / SETTINGS_FILE
 
+    @property
+    def pid_file(self) -> Path:
+        return self.base / PID_FILE
+
 
 class MpsControl:
     """Starts, finds and stops the per-claim MPS control daemons of this node.
@@ -239,8 +260,10 @@ class MpsControl:
     `root` is where this process keeps the claims' directories, `host_root` where the
     container runtime finds that same directory (the CDI mounts); `driver_root` is where
     this process sees the driver's files. `private_shm=False` leaves the daemon on the
-    host's /dev/shm and mounts none into the container (for tests that cannot create mount
-    namespaces; a real node needs True)."""
+    host's /dev/shm and mounts none into the container (for tests that cannot mount; a real
+    node needs True: each claim then gets a tmpfs of its own, of the claim's shm size).
+    `host_cgroup=True` starts each daemon in the cgroups of PID 1 (see `mps_launch`), so
+    that it outlives the plugin's container; it needs the host's PID namespace."""
 
     def __init__(
         self,
@@ -249,19 +272,19 @@ class MpsControl:
         *,
         host_root: str | os.PathLike[str] | None = None,
         private_shm: bool = True,
+        host_cgroup: bool = False,
         control_binary: str | os.PathLike[str] | None = None,
         start_timeout: float = 15.0,
         stop_timeout: float = 15.0,
-        dir_mode: int = 0o1777,
     ) -> None:
         self.root = Path(root)
         self.host_root = Path(host_root) if host_root is not None else self.root
         self.driver_root = Path(driver_root)
         self.private_shm = private_shm
+        self.host_cgroup = host_cgroup
         self._control_binary = Path(control_binary) if control_binary is not None else None
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
-        self.dir_mode = dir_mode
 
     # -- paths and pure parts ----------------------------------------------------------
 
@@ -342,71 +365,93 @@ class MpsControl:
             return None
 
     def daemon_pids(self, claim_uid: str) -> tuple[int, ...]:
-        """Processes (control daemon, servers) started for this claim, found by their marker."""
-        marker = f"{CLAIM_MARKER_ENV}={claim_uid}".encode()
-        pids = []
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/environ", "rb") as f:
-                    environ = f.read().split(b"\0")
-            except OSError:  # gone, or not ours to read
-                continue
-            if marker in environ:
-                pids.append(int(entry.name))
-        return tuple(sorted(pids))
+        """Processes (control daemon, servers) started for this claim, found by their marker.
+        With the host's PID namespace that includes those an earlier plugin started."""
+        return tuple(sorted(pid for pid in _proc_pids() if _has_marker(pid, claim_uid)))
+
+    def daemon_pid(self, claim_uid: str) -> int | None:
+        """The claim's control daemon from its pid file, if that process is alive and is
+        the claim's (a PID reused by another process does not carry the claim's marker)."""
+        try:
+            pid = int(self.dirs(claim_uid).pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+        return pid if _has_marker(pid, claim_uid) else None
 
     def is_running(self, claim_uid: str) -> bool:
-        return bool(self.daemon_pids(claim_uid))
+        if self.daemon_pid(claim_uid) is not None:
+            return True
+        return bool(self.daemon_pids(claim_uid))  # a daemon started before pid files
 
     # -- start and stop ----------------------------------------------------------------
 
     def start(self, settings: MpsSettings) -> None:
-        """Start the claim's daemon; a no-op if it already runs with these settings."""
+        """Start the claim's daemon; a no-op if it already runs with these settings.
+
+        A daemon that died is started again in the same directories, which running
+        containers have mounted: a directory is only removed by `stop`."""
         uid = settings.claim_uid
         dirs = self.dirs(uid)
         if self.is_running(uid):
             if self.saved_settings(uid) == settings:
                 return
             log.warning("MPS daemon of the claim runs with other settings; restarting it", claim_uid=uid)
-        self.stop(uid)
+            self._end_processes(uid)
+        fresh = not dirs.base.exists()
         binary = self.control_binary()
         check_pipe_dir_length(dirs.pipe)
-        dirs.base.mkdir(parents=True, exist_ok=True, mode=0o755)
-        # The daemon runs as root, but it starts each MPS server with the user id of the
-        # first client (the container's user); that server creates pipes here and writes
-        # server.log, so both directories are open to every user, like /tmp.
+        if self.private_shm and not _is_mount_point(dirs.shm):
+            check_shm_size(settings.shm_size, self.root)
+        try:
+            self._launch(binary, dirs, settings)
+        except MpsError:
+            self._end_processes(uid)
+            if fresh:
+                self._remove(uid)
+            raise
+        log.info(
+            "MPS control daemon started",
+            claim_uid=uid,
+            devices=[d.uuid for d in settings.devices],
+            pids=list(self.daemon_pids(uid)),
+            shm_size=settings.shm_size if self.private_shm else None,
+            host_cgroup=self.host_cgroup,
+        )
+
+    def _make_dirs(self, dirs: ClaimDirs, settings: MpsSettings) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o755)
+        dirs.base.mkdir(exist_ok=True, mode=BASE_MODE)
+        os.chmod(dirs.base, BASE_MODE)
         for d in (dirs.pipe, dirs.log, dirs.shm):
             d.mkdir(exist_ok=True)
-            os.chmod(d, self.dir_mode)
-        try:
-            check_searchable(dirs.pipe)
-            check_searchable(dirs.log)
-        except MpsError:
-            self.stop(uid)
-            raise
+        for d in (dirs.pipe, dirs.log):
+            os.chmod(d, PIPE_LOG_MODE)
+            check_searchable(d)
+        if self.private_shm and not _is_mount_point(dirs.shm):
+            mount_tmpfs(dirs.shm, settings.shm_size)
+        elif not self.private_shm:
+            os.chmod(dirs.shm, SHM_MODE)
+        for stale in dirs.pipe.iterdir():  # a dead daemon's pipes and sockets
+            stale.unlink(missing_ok=True)
+
+    def _launch(self, binary: Path, dirs: ClaimDirs, settings: MpsSettings) -> None:
+        uid = settings.claim_uid
+        self._make_dirs(dirs, settings)
         write_file_atomic(dirs.settings, (json.dumps(settings.to_json(), indent=2) + "\n").encode())
         cmd = [str(binary), "-d"]
+        launch = []
+        if self.host_cgroup:
+            launch += ["--join-cgroups-of", "1"]
         if self.private_shm:
-            cmd = [
-                "unshare",
-                "--mount",
-                "--propagation",
-                "private",
-                "--",
-                "/bin/sh",
-                "-c",
-                'mount --bind "$0" /dev/shm && exec "$@"',
-                str(dirs.shm),
-                *cmd,
-            ]
+            launch += ["--shm", str(dirs.shm)]
+        if launch:
+            cmd = [sys.executable, "-m", "dra_driver.sharing.mps_launch", *launch, "--", *cmd]
         start_log = dirs.log / "start.log"
         with open(start_log, "wb") as out:  # never a pipe: the daemon would hold it open
             try:
                 rc = subprocess.run(
                     cmd,
-                    env=self._env(dirs, settings),
+                    env={**self._env(dirs, settings), **_python_env()},
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -415,28 +460,21 @@ class MpsControl:
                     start_new_session=True,
                 ).returncode
             except (OSError, subprocess.TimeoutExpired) as e:
-                self.stop(uid)
                 raise MpsError(f"starting the MPS control daemon failed: {e}") from e
         if rc != 0:
-            detail = _tail(start_log)
-            self.stop(uid)
-            raise MpsError(f"starting the MPS control daemon failed (exit {rc}): {detail}")
+            raise MpsError(f"starting the MPS control daemon failed (exit {rc}): {_tail(start_log)}")
         if not _wait_for(lambda: (dirs.pipe / "control").exists(), self.start_timeout):
             detail = _tail(dirs.log / "control.log") or _tail(start_log)
             detail += f" (pipe directory holds: {sorted(os.listdir(dirs.pipe))})"
-            self.stop(uid)
             raise MpsError(
                 f"the MPS control daemon did not open its control pipe in {self.start_timeout:.0f}s: "
                 f"{detail or 'no log'}"
             )
+        pids = self.daemon_pids(uid)  # no client yet: the control daemon alone
+        if pids:
+            write_file_atomic(dirs.pid_file, f"{pids[0]}\n".encode())
         for command in control_commands(settings):
             self._send(dirs, command, settings)
-        log.info(
-            "MPS control daemon started",
-            claim_uid=uid,
-            devices=[d.uuid for d in settings.devices],
-            pids=list(self.daemon_pids(uid)),
-        )
 
     def send(self, claim_uid: str, command: str) -> str:
         """Send one command to the claim's control daemon; returns its answer."""
@@ -473,6 +511,13 @@ class MpsControl:
         `stop_timeout` get SIGTERM, then SIGKILL. Raises MpsError only if one survives that."""
         if not self.has_state(claim_uid):
             return False
+        had = self._end_processes(claim_uid)
+        self._remove(claim_uid)
+        log.info("MPS control daemon stopped", claim_uid=claim_uid, had_processes=had)
+        return True
+
+    def _end_processes(self, claim_uid: str) -> bool:
+        """End the claim's processes, and only those; True if there were any."""
         dirs = self.dirs(claim_uid)
         pids = self.daemon_pids(claim_uid)
         if pids and (dirs.pipe / "control").exists():
@@ -500,9 +545,72 @@ class MpsControl:
         left = self.daemon_pids(claim_uid)
         if left:
             raise MpsError(f"MPS processes {list(left)} of claim {claim_uid} survived SIGKILL")
+        return bool(pids)
+
+    def _remove(self, claim_uid: str) -> None:
+        dirs = self.dirs(claim_uid)
+        if _is_mount_point(dirs.shm):
+            unmount(dirs.shm)
         shutil.rmtree(dirs.base, ignore_errors=True)
-        log.info("MPS control daemon stopped", claim_uid=claim_uid, had_processes=bool(pids))
-        return True
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def check_shm_size(size: int, root: Path) -> None:
+    """A claim's /dev/shm tmpfs may not be larger than what is free where the MPS root is
+    (/run by default), the budget the node set aside for runtime tmpfs."""
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    st = os.statvfs(probe)
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise MpsError(
+            f"mps.shmSize {size} bytes ({size / 2**20:.0f}Mi) is more than the {free / 2**20:.0f}Mi free on "
+            f"this node's {probe}: ask for less (the default is {DEFAULT_SHM_SIZE // 2**20}Mi)"
+        )
+
+
+def mount_tmpfs(target: Path, size: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    flags = 0x2 | 0x4  # MS_NOSUID | MS_NODEV
+    options = f"size={size},mode={SHM_MODE:o}".encode()
+    if libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", flags, options) != 0:
+        err = ctypes.get_errno()
+        raise MpsError(f"mounting the claim's /dev/shm tmpfs on {target} failed: {os.strerror(err)}")
+
+
+def unmount(target: Path) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.umount2(os.fsencode(target), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        log.warning("unmounting a claim's /dev/shm tmpfs failed", path=str(target), error=os.strerror(err))
+
+
+def _is_mount_point(path: Path) -> bool:
+    try:
+        return os.path.ismount(path)
+    except OSError:
+        return False
+
+
+def _python_env() -> dict[str, str]:
+    """What the launcher (this interpreter, `-m dra_driver...`) needs to import the driver."""
+    return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def _proc_pids() -> list[int]:
+    return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
+
+
+def _has_marker(pid: int, claim_uid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+    return f"{CLAIM_MARKER_ENV}={claim_uid}".encode() in environ
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:

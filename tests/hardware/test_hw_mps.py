@@ -62,7 +62,7 @@ def test_mps_claim_limits_memory_and_stops_cleanly(
     # The driver's default root (/run/<driver>/mps): short, since MPS binds UNIX sockets in
     # the pipe directory, and searchable, since servers run as the client's user.
     root = os.environ.get("HW_MPS_ROOT") or str(default_root(DRIVER))
-    mps = MpsControl(root, driver_root, dir_mode=int(os.environ.get("HW_MPS_DIR_MODE", "1777"), 8))
+    mps = MpsControl(root, driver_root)
     preparer = make_preparer(tmp_path, inventory, driver_files, claim, mps=mps)
     ref = ClaimRef("default", "h200-mps", CLAIM_UID)
     asyncio.run(preparer.recover())

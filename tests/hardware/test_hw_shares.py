@@ -121,7 +121,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
     container_options: ctr.ContainerOptions,
     record: Recorder,
 ) -> None:
-    mps = MpsControl(os.environ.get("HW_MPS_ROOT") or default_root(DRIVER), driver_root, dir_mode=0o1777)
+    mps = MpsControl(os.environ.get("HW_MPS_ROOT") or default_root(DRIVER), driver_root)
     devices = node_devices(inventory)
     devices.update(share_views(devices))
     claims = {ref.uid: share_claim(ref, gib) for ref, gib, _, _ in PLAN}

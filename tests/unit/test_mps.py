@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from dra_driver.gpu import discover
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
-from dra_driver.sharing.config import ConfigError, MpsConfig
+from dra_driver.sharing.config import DEFAULT_SHM_SIZE, ConfigError, MpsConfig, parse_gpu_config
 from dra_driver.sharing.mps import (
     CLAIM_MARKER_ENV,
     CONTAINER_PIPE_DIR,
@@ -42,6 +43,7 @@ from dra_driver.sharing.mps import (
     find_control_binary,
     settings_for_claim,
 )
+from dra_driver.sharing.mps_launch import cgroup_targets
 from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
@@ -153,7 +155,8 @@ def test_start_then_stop(mps: MpsControl) -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(dirs.pipe)
     assert env[CLAIM_MARKER_ENV] == UID
-    assert os.stat(dirs.pipe).st_mode & 0o7777 == 0o1777
+    assert os.stat(dirs.pipe).st_mode & 0o7777 == 0o1733  # users create, only root lists
+    assert os.stat(dirs.base).st_mode & 0o7777 == 0o711
     assert "ok" in mps.send(UID, "get_server_list")
 
     assert mps.stop(UID)
@@ -187,6 +190,31 @@ def test_start_is_idempotent_and_restarts_on_new_settings(mps: MpsControl) -> No
     second = mps.daemon_pids(UID)
     assert second and second != first
     assert mps.saved_settings(UID) == settings(limit=5 * GI)
+
+
+def test_a_pid_file_naming_another_process_is_not_the_daemon(mps: MpsControl) -> None:
+    mps.start(settings())
+    pid = mps.daemon_pid(UID)
+    assert pid is not None
+    mps.dirs(UID).pid_file.write_text(f"{os.getpid()}\n")  # a reused PID: no claim marker
+    assert mps.daemon_pid(UID) is None
+    assert mps.is_running(UID), "the marker still finds the daemon"
+
+
+def test_a_dead_daemon_restarts_in_the_same_directories(mps: MpsControl) -> None:
+    mps.start(settings())
+    dirs = mps.dirs(UID)
+    inodes = {d: os.stat(d).st_ino for d in (dirs.base, dirs.pipe, dirs.shm)}
+    (dirs.pipe / "client-socket").write_text("")  # what a dead daemon leaves behind
+    for pid in mps.daemon_pids(UID):
+        os.kill(pid, 9)
+    wait_for("the daemon to die", lambda: not mps.daemon_pids(UID) or None, timeout=5, interval=0.02)
+    assert not mps.is_running(UID)
+
+    mps.start(settings())
+    assert mps.is_running(UID)
+    assert {d: os.stat(d).st_ino for d in inodes} == inodes
+    assert not (dirs.pipe / "client-socket").exists(), "stale pipes are cleared, the directory kept"
 
 
 def test_a_daemon_that_ignores_quit_is_killed(mps: MpsControl, fake_bin: Path) -> None:
@@ -259,6 +287,76 @@ def test_private_shm_is_the_claims_directory(short_root: Path, fake_bin: Path) -
         assert not Path("/dev/shm", marker).exists()
     finally:
         control.stop(UID)
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and mount(2)")
+def test_each_claim_gets_a_tmpfs_of_its_size_for_dev_shm(short_root: Path, fake_bin: Path) -> None:
+    control = MpsControl(short_root / "mps", fake_bin.parent.parent, start_timeout=5, stop_timeout=2)
+    try:
+        control.start(replace(settings(), shm_size=32 * 2**20))
+        shm = control.dirs(UID).shm
+        st = os.statvfs(shm)
+        assert os.path.ismount(shm)
+        assert st.f_blocks * st.f_frsize == 32 * 2**20
+        assert os.stat(shm).st_mode & 0o7777 == 0o1777
+    finally:
+        control.stop(UID)
+    assert not os.path.ismount(shm) and not shm.exists()
+
+
+def test_an_shm_size_above_the_free_space_is_refused_before_anything_changes(
+    short_root: Path, fake_bin: Path
+) -> None:
+    control = MpsControl(short_root / "mps", fake_bin.parent.parent, start_timeout=5, stop_timeout=2)
+    st = os.statvfs(short_root)
+    too_big = st.f_bavail * st.f_frsize + 2**30
+    with pytest.raises(MpsError, match=r"mps\.shmSize .* is more than the .* free .*ask for less"):
+        control.start(replace(settings(), shm_size=too_big))
+    assert not control.claim_uids()
+    assert not control.daemon_pids(UID)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("lots", "is not a Kubernetes quantity"),
+        ("0", "must be greater than zero"),
+        (0, "must be greater than zero"),
+    ],
+)
+def test_shm_size_must_be_a_positive_quantity(value: object, message: str) -> None:
+    params = {**MPS_PARAMS, "sharing": {"strategy": "MPS", "mps": {"shmSize": value}}}
+    with pytest.raises(ConfigError, match=rf"sharing\.mps\.shmSize: .*{message}"):
+        parse_gpu_config(params, DRIVER)
+    ok = {**MPS_PARAMS, "sharing": {"strategy": "MPS", "mps": {"shmSize": "1Gi"}}}
+    assert parse_gpu_config(ok, DRIVER).sharing.mps == MpsConfig(shm_size=2**30)
+
+
+def test_the_claims_shm_size_is_the_largest_asked_and_defaults_to_64mi() -> None:
+    assert settings_for_claim(UID, [("GPU-a", MpsConfig())]).shm_size == DEFAULT_SHM_SIZE == 64 * 2**20
+    big = settings_for_claim(UID, [("GPU-a", MpsConfig(shm_size=GI)), ("GPU-b", MpsConfig())])
+    assert big.shm_size == GI
+    assert MpsSettings.from_json(big.to_json()) == big
+
+
+def test_the_launcher_finds_the_cgroups_of_a_process_in_every_hierarchy() -> None:
+    cgroup = "9:name=systemd:/init.scope\n4:memory:/system\n1:cpu,cpuacct:/\n0::/init.scope\n"
+    mountinfo = "\n".join(
+        [
+            "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755",
+            "32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct",
+            "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory",
+            "40 31 0:37 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,xattr,name=systemd",
+            "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw,nsdelegate",
+            "50 23 0:32 /other /elsewhere rw,relatime - cgroup cgroup rw,memory",  # another subtree
+        ]
+    )
+    assert [str(t) for t in cgroup_targets(cgroup, mountinfo)] == [
+        "/sys/fs/cgroup/cpu,cpuacct/cgroup.procs",
+        "/sys/fs/cgroup/memory/system/cgroup.procs",
+        "/sys/fs/cgroup/systemd/init.scope/cgroup.procs",
+        "/sys/fs/cgroup/unified/init.scope/cgroup.procs",
+    ]
 
 
 # --------------------------------------------------------------------------- in prepare
@@ -387,12 +485,35 @@ def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec_with_its_edits(
         spec.unlink()
     (mps.dirs(UID).pipe / "control").unlink()
 
+    pipe_inode = os.stat(mps.dirs(UID).pipe).st_ino
+
     restarted = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(restarted.recover())
     assert mps.is_running(UID)
+    assert os.stat(mps.dirs(UID).pipe).st_ino == pipe_inode, (
+        "the daemon came back in the directory the claim's containers have mounted"
+    )
     assert (
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10G" in spec_of(restarted)["devices"][0]["containerEdits"]["env"]
     )
+
+
+def test_recover_adopts_a_live_daemon_another_plugin_started(make_preparer: Any, mps: MpsControl) -> None:
+    preparer = make_preparer(mps_claim(MPS_PARAMS))
+    asyncio.run(preparer.recover())
+    prepare(preparer)
+    pid = mps.daemon_pid(UID)
+    assert pid is not None and mps.daemon_pids(UID) == (pid,)
+    inode = os.stat(mps.dirs(UID).pipe).st_ino
+
+    # a new plugin process (new MpsControl, new preparer) on the same node dirs
+    again = MpsControl(mps.root, mps.driver_root, private_shm=False, start_timeout=5, stop_timeout=2)
+    restarted = make_preparer(mps_claim(MPS_PARAMS))
+    restarted.steps.sharing.mps = again
+    asyncio.run(restarted.recover())
+    assert again.daemon_pid(UID) == pid, "the same daemon, not a new one"
+    assert again.daemon_pids(UID) == (pid,)
+    assert os.stat(again.dirs(UID).pipe).st_ino == inode
 
 
 def test_recover_stops_daemons_of_unknown_claims(make_preparer: Any, mps: MpsControl) -> None:
