@@ -97,6 +97,14 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
     "path; default /run/<driver-name>/mps.",
 )
 @click.option(
+    "--mps-host-cgroup/--no-mps-host-cgroup",
+    default=False,
+    show_default=True,
+    help="Start each claim's MPS daemon in the cgroups of PID 1, so that it outlives this plugin's container "
+    "(upgrades, crashes, uninstall) and lives from its claim's Prepare to its Unprepare; needs the "
+    "host's PID namespace (the chart sets hostPID).",
+)
+@click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -147,6 +155,7 @@ def kubelet_plugin(
     host_driver_root: Path | None,
     dev_root: Path,
     mps_root: Path | None,
+    mps_host_cgroup: bool,
     state_dir: Path | None,
     rolling_update_uid: str | None,
     claim_read_timeout: float,
@@ -177,6 +186,7 @@ def kubelet_plugin(
         simulate=simulate,
         kubeconfig=kubeconfig,
         mps_root=mps_root,
+        mps_host_cgroup=mps_host_cgroup,
         state_dir=state_dir or default_state_dir(driver_name),
         rolling_update_uid=rolling_update_uid,
         claim_read_timeout=claim_read_timeout,
@@ -212,6 +222,7 @@ class PluginOptions:
     kubeconfig: str | None
     state_dir: Path
     mps_root: Path | None = None
+    mps_host_cgroup: bool = False
     rolling_update_uid: str | None = None
     claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS
     list_attributes: Literal["auto", "on", "off"] = "auto"
@@ -247,7 +258,11 @@ async def run_plugin(opts: PluginOptions) -> None:
     opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     api = await kube.load_client(opts.kubeconfig)
-    mps = MpsControl(opts.mps_root or mps_default_root(opts.driver), opts.driver_root or Path("/"))
+    mps = MpsControl(
+        opts.mps_root or mps_default_root(opts.driver),
+        opts.driver_root or Path("/"),
+        host_cgroup=opts.mps_host_cgroup,
+    )
     preparer = NodePreparer(
         driver=opts.driver,
         pool=opts.node_name,
