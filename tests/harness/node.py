@@ -264,6 +264,8 @@ class Node:
         setup = " && ".join(
             [
                 "mount -t tmpfs -o mode=0755 node-run /run",
+                # shared, as / is on a systemd host: the chart's MPS root is a Bidirectional mount
+                "mount --make-rshared /run",
                 "mount -t tmpfs -o mode=0755 node-var-lib /var/lib",
                 "mkdir -p /var/lib/kubelet /run/cdi",
                 "mount -t tmpfs -o mode=0755 node-var-log /var/log",
