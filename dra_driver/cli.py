@@ -20,6 +20,7 @@ SUBCOMMANDS: Final = {
     "cdi": "dra_driver.commands.cdi:cdi",
     "controller": "dra_driver.commands.controller:controller",
     "kubelet-plugin": "dra_driver.commands.kubelet_plugin:kubelet_plugin",
+    "status": "dra_driver.commands.status:status",
 }
 
 

@@ -1,0 +1,313 @@
+"""`dra-driver status --node N` and `kubectl gpu N`: who holds which GPU of one node.
+
+Reads the API server only (the node, its ResourceSlices of the driver, the ResourceClaims
+allocated in its pools, the pods on it) and prints the node's GPUs (product, memory, UUID,
+health from the devices' taints), the NVLink matrix from the published `nvlinkPeers`, and
+per device the claims and pods that hold it: whole GPUs, memory shares with the memory each
+got, MIG instances; with the `Ready` condition the plugin wrote in the claim's status.
+`-o json` prints the same view as JSON. A big cluster's claims are read page by page with a
+progress line on stderr.
+
+`node_view` (JSON in, view out) and `render` are pure; only `read_node` does I/O. It must
+NOT need anything on the node itself (no NVML, no checkpoint), and never writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+import click
+
+from dra_driver import DEFAULT_DRIVER_NAME, kube, log
+from dra_driver.jsontypes import JSON
+
+RESOURCE_API: Final = "/apis/resource.k8s.io/v1"
+PAGE: Final = 500
+
+
+class StatusError(click.ClickException):
+    """What the user asked about cannot be shown; the message says what to check."""
+
+
+# --------------------------------------------------------------------------- the view
+
+
+@dataclass(frozen=True)
+class Holder:
+    claim_namespace: str
+    claim_name: str
+    claim_uid: str
+    pods: tuple[str, ...]  # "namespace/name (Phase)"
+    share_id: str | None = None
+    memory: str | None = None  # what a share consumed
+    ready: str | None = None  # the Ready condition the plugin wrote: "True", "False: <reason>"
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    name: str
+    kind: str  # whole | share | mig
+    uuid: str
+    memory: str
+    holders: tuple[Holder, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    index: int
+    name: str
+    product: str
+    memory: str
+    pci_bus_id: str
+    uuid: str
+    health: str  # Healthy | Unhealthy
+    taints: tuple[str, ...]
+    nvlink_peers: tuple[int, ...]
+    devices: tuple[DeviceRow, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class NodeView:
+    node: str
+    driver: str
+    gpus: tuple[GpuRow, ...]
+
+
+def _attr(device: JSON, name: str) -> Any:
+    value = (device.get("attributes") or {}).get(name) or {}
+    for kind in ("string", "int", "bool", "version", "ints", "strings"):
+        if kind in value:
+            return value[kind]
+    return None
+
+
+def _peers(value: Any) -> tuple[int, ...]:
+    """nvlinkPeers as published: a list of ints, or "1,2,3" with ranges such as "0-3,5"."""
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    if not isinstance(value, str) or not value:
+        return ()
+    peers: list[int] = []
+    for part in value.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if match:
+            lo, hi = int(match[1]), int(match[2] or match[1])
+            peers.extend(range(lo, hi + 1))
+    return tuple(peers)
+
+
+def _kind(device: JSON) -> str:
+    kind = _attr(device, "type")
+    return {"gpu": "whole", "gpu-share": "share", "mig": "mig"}.get(str(kind), str(kind))
+
+
+def _memory(device: JSON) -> str:
+    return str(((device.get("capacity") or {}).get("memory") or {}).get("value", "-"))
+
+
+def _ready(claim: JSON, driver: str, pool: str, device: str, share_id: str | None) -> str | None:
+    for entry in (claim.get("status") or {}).get("devices") or []:
+        if (entry.get("driver"), entry.get("pool"), entry.get("device"), entry.get("shareID")) != (
+            driver, pool, device, share_id
+        ):
+            continue
+        for c in entry.get("conditions") or []:
+            if c.get("type") == "Ready":
+                return "True" if c.get("status") == "True" else f"{c.get('status')}: {c.get('reason', '')}"
+    return None
+
+
+def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[JSON],
+              pods: Sequence[JSON]) -> NodeView:
+    """The node's GPUs and their holders, from the API objects (pure)."""
+    pools = {s["spec"]["pool"]["name"] for s in slices}
+    phases = {p["metadata"]["uid"]: p.get("status", {}).get("phase", "Unknown") for p in pods}
+    held: dict[str, list[Holder]] = {}
+    for claim in claims:
+        meta = claim["metadata"]
+        status = claim.get("status") or {}
+        reserved = [r for r in status.get("reservedFor") or [] if r.get("resource") == "pods"]
+        pod_names = tuple(f"{meta['namespace']}/{r['name']} ({phases.get(r.get('uid'), 'not on this node')})"
+                          for r in reserved)
+        allocation = status.get("allocation") or {}
+        for result in (allocation.get("devices") or {}).get("results") or []:
+            if result.get("driver") != driver or result.get("pool") not in pools:
+                continue
+            share = result.get("shareID")
+            memory = (result.get("consumedCapacity") or {}).get("memory") if share else None
+            held.setdefault(result["device"], []).append(Holder(
+                meta["namespace"], meta["name"], meta["uid"], pod_names, share, memory,
+                _ready(claim, driver, result["pool"], result["device"], share),
+            ))
+
+    by_gpu: dict[int, dict[str, Any]] = {}
+    for s in slices:
+        for device in s["spec"].get("devices") or []:
+            kind = _kind(device)
+            index = _attr(device, "parentIndex") if kind == "mig" else _attr(device, "index")
+            if index is None:
+                continue
+            gpu = by_gpu.setdefault(int(index), {"devices": [], "taints": set(), "whole": None,
+                                                 "any": device})
+            if kind == "whole":
+                gpu["whole"] = device
+            taints = device.get("taints") or []
+            gpu["taints"].update(f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in taints)
+            gpu["devices"].append(DeviceRow(device["name"], kind, str(_attr(device, "uuid") or "-"),
+                                            _memory(device), tuple(held.get(device["name"], ()))))
+    rows = []
+    for index in sorted(by_gpu):
+        gpu = by_gpu[index]
+        whole = gpu["whole"] or gpu["any"]
+        mig_mode = gpu["whole"] is None and _kind(whole) == "mig"
+        taints = tuple(sorted(gpu["taints"]))
+        rows.append(GpuRow(
+            index=index,
+            name=f"gpu-{index}",
+            product=str(_attr(whole, "productName") or "-"),
+            memory="MIG mode" if mig_mode else _memory(whole),
+            pci_bus_id=str(_attr(whole, "resource.kubernetes.io/pciBusID") or "-"),
+            uuid=str((_attr(whole, "parentUUID") if mig_mode else _attr(whole, "uuid")) or "-"),
+            health="Unhealthy" if taints else "Healthy",
+            taints=taints,
+            nvlink_peers=_peers(_attr(whole, "nvlinkPeers")),
+            devices=tuple(sorted(gpu["devices"], key=lambda d: d.name)),
+        ))
+    return NodeView(node, driver, tuple(rows))
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    return ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in (header, *rows)]
+
+
+def render(view: NodeView) -> str:
+    """The view as a person reads it in a terminal."""
+    lines = [f"Node {view.node}: {len(view.gpus)} GPUs of driver {view.driver}", ""]
+    lines += _table(
+        ("GPU", "PRODUCT", "MEMORY", "PCI BUS ID", "UUID", "HEALTH", "TAINTS"),
+        [(g.name, g.product, g.memory, g.pci_bus_id, g.uuid, g.health, ",".join(g.taints) or "-")
+         for g in view.gpus],
+    )
+    indices = [g.index for g in view.gpus]
+    if any(g.nvlink_peers for g in view.gpus):
+        lines += ["", "NVLink (NV: linked, -: not linked)"]
+        peers = {g.index: set(g.nvlink_peers) for g in view.gpus}
+        lines += _table(
+            ("", *(f"gpu-{i}" for i in indices)),
+            [(f"gpu-{a}", *("X" if a == b else "NV" if b in peers[a] else "-" for b in indices))
+             for a in indices],
+        )
+    lines += ["", "Devices and who holds them"]
+    rows = []
+    for g in view.gpus:
+        for d in g.devices:
+            if not d.holders and d.kind != "share":  # a free GPU shows once, as itself
+                rows.append((d.name, d.kind, d.memory, "-", "-", "-", d.uuid))
+            for h in d.holders:
+                detail = f"{h.memory} of {d.memory}" if h.memory else d.memory
+                rows.append((d.name, d.kind, detail, f"{h.claim_namespace}/{h.claim_name}",
+                             ", ".join(h.pods) or "-", h.ready or "-", d.uuid))
+    lines += _table(("DEVICE", "KIND", "MEMORY", "CLAIM", "PODS", "READY", "UUID"), rows)
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+async def _list(api: kube.ApiClient, path: str, what: str, query: Mapping[str, str],
+                progress: Callable[[str], None]) -> list[JSON]:
+    items: list[JSON] = []
+    params = {**query, "limit": str(PAGE)}
+    pages = 0
+    while True:
+        page = await kube.request(api, "GET", path, query=params)
+        items.extend(page.get("items") or [])
+        pages += 1
+        token = (page.get("metadata") or {}).get("continue")
+        if pages > 1 or token:
+            progress(f"reading {what}: {len(items)} so far")
+        if not token:
+            return items
+        params = {**query, "limit": str(PAGE), "continue": token}
+
+
+async def read_node(api: kube.ApiClient, node: str, driver: str,
+                    progress: Callable[[str], None]) -> NodeView:
+    try:
+        await kube.request(api, "GET", f"/api/v1/nodes/{node}")
+    except kube.ApiException as e:
+        if e.status != 404:
+            raise
+        slices = await _list(api, f"{RESOURCE_API}/resourceslices", "ResourceSlices",
+                             {"fieldSelector": f"spec.driver={driver}"}, progress)
+        known = sorted({s["spec"].get("nodeName") for s in slices if s["spec"].get("nodeName")})
+        raise StatusError(f"node {node!r} does not exist in this cluster; nodes with GPUs of driver "
+                          f"{driver}: {', '.join(known) or 'none'}") from None
+    slices = await _list(api, f"{RESOURCE_API}/resourceslices", "ResourceSlices",
+                         {"fieldSelector": f"spec.nodeName={node},spec.driver={driver}"}, progress)
+    if not slices:
+        raise StatusError(f"node {node!r} has no ResourceSlices of driver {driver}: is the driver's kubelet "
+                          "plugin running there (kubectl get pods -o wide), and is --driver-name right?")
+    claims = await _list(api, f"{RESOURCE_API}/resourceclaims", "ResourceClaims", {}, progress)
+    pods = await _list(api, "/api/v1/pods", "Pods", {"fieldSelector": f"spec.nodeName={node}"}, progress)
+    return node_view(node, driver, slices, claims, pods)
+
+
+def show(node: str, driver: str, kubeconfig: str | None, output: str) -> None:
+    def progress(line: str) -> None:
+        click.echo(f"\r{line}", err=True, nl=False)
+
+    async def run() -> NodeView:
+        api = await kube.load_client(kubeconfig)
+        try:
+            return await read_node(api, node, driver, progress)
+        except (kube.ApiException, OSError, TimeoutError) as e:
+            raise StatusError(f"reading node {node!r} from the API server failed: {e}") from None
+        finally:
+            await api.close()
+
+    view = asyncio.run(run())
+    click.echo("\r", err=True, nl=False)
+    click.echo(json.dumps(asdict(view), indent=2) if output == "json" else render(view))
+
+
+_OUTPUT = click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text",
+                       show_default=True)
+_DRIVER = click.option("--driver-name", default=DEFAULT_DRIVER_NAME, show_default=True,
+                       help="The DRA driver name whose devices are shown.")
+_KUBECONFIG = click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+                           help="Kubeconfig file; default: in-cluster, then $KUBECONFIG or ~/.kube/config.")
+
+
+@click.command("status")
+@click.option("--node", required=True, help="The node to show.")
+@_DRIVER
+@_KUBECONFIG
+@_OUTPUT
+def status(node: str, driver_name: str, kubeconfig: str | None, output: str) -> None:
+    """The node's GPUs, NVLink matrix, and the claims and pods holding each device (API server only)."""
+    show(node, driver_name, kubeconfig, output)
+
+
+@click.command("kubectl-gpu", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("node")
+@_DRIVER
+@_KUBECONFIG
+@_OUTPUT
+def kubectl_gpu(node: str, driver_name: str, kubeconfig: str | None, output: str) -> None:
+    """kubectl gpu NODE: the node's GPUs and who holds them (as `dra-driver status --node NODE`)."""
+    log.configure("warning", "console")
+    show(node, driver_name, kubeconfig, output)
+
+
+def main() -> None:
+    """The `kubectl-gpu` entry point (kubectl finds it on PATH as the `gpu` plugin)."""
+    kubectl_gpu(prog_name="kubectl gpu", auto_envvar_prefix="DRA_DRIVER", args=sys.argv[1:])
