@@ -8,6 +8,13 @@ wait is fed by injected events. Rules kept here:
 - never block the caller: the wait (a C call that releases the GIL) runs in this thread;
   events are coalesced (identical ones counted) and delivered at most once per
   `batch_window`, so a storm of thousands per second costs the event loop a few calls;
+- keep up with any storm NVML can raise: NVML hands events over one wait at a time, in
+  order, so a fatal XID behind a storm is only as late as the storm's backlog. An event
+  therefore costs one wait and one count: the GPU is found from the handle NVML returns
+  (mapped once, at registration; no `nvmlDeviceGetUUID` per event) and an event is a key
+  in a counter until its batch goes out (no record per event). A batch with an event that
+  is not the same as the one before goes out after `batch_window` at most; a run of
+  identical events in one batch costs a single record;
 - every `probe_interval` seconds, and at once after NVML says a GPU is lost, each GPU is
   checked: can NVML still reach it (memory info), and which recovery action does NVML ask
   for (field 230, where offered);
@@ -19,11 +26,11 @@ It must NOT classify events or touch Kubernetes: that is `classify`/`keeper`'s w
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import pynvml
@@ -62,6 +69,7 @@ _VALUE_FIELDS: Final = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
 }
 _LOST: Final = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST})
+_UNSEEN: Final = -1  # a handle not mapped to a GPU (or to None, "not ours") yet
 _NOT_OFFERED: Final = frozenset(
     {
         pynvml.NVML_ERROR_NOT_SUPPORTED,
@@ -101,6 +109,16 @@ class GpuRef:
 
 
 Batch = Sequence[HealthEvent | Probe]
+# One NVML event as the loop counts it: (GPU index, event type bit, data, GPU instance, compute instance).
+EventKey = tuple[int, int, int, int, int]
+
+
+def handle_key(handle: Any) -> Hashable:
+    """What identifies a device handle across calls: pynvml returns a new ctypes pointer object
+    for the same device each time, so its address; FakeNvml's handles are plain values."""
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle  # type: ignore[no-any-return]
 
 
 def _text(value: object) -> str:
@@ -144,6 +162,7 @@ class NvmlHealthMonitor:
         self._max_batch = max_batch
         self._clock = clock
         self._handles: dict[int, Any] = {}
+        self._gpu_of_handle: dict[Hashable, int | None] = {}  # handle_key -> GPU index; None: not ours
         self._field_offered: dict[int, bool] = {}
         self._event_set: Any = None
         self._thread: threading.Thread | None = None
@@ -152,7 +171,7 @@ class NvmlHealthMonitor:
         self._said: set[str] = set()
         self.alive_at = time.monotonic()
         self.facts = MonitorFacts({}, {}, {})
-        self.delivered_events = 0  # NVML events seen (before coalescing), for benchmarks
+        self.delivered_events = 0  # NVML events seen (before coalescing), for benchmarks and tests
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -207,6 +226,7 @@ class NvmlHealthMonitor:
                     "discovery; restart the plugin"
                 )
             self._handles[index] = handle
+            self._gpu_of_handle[handle_key(handle)] = index
             try:
                 supported = int(self._nvml.nvmlDeviceGetSupportedEventTypes(handle))
             except pynvml.NVMLError as err:
@@ -248,8 +268,9 @@ class NvmlHealthMonitor:
     # -- the loop ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        pending: list[HealthEvent] = []
-        first_at = 0.0
+        pending: dict[EventKey, int] = {}  # coalesced: each distinct event and how often it came
+        first_at = 0.0  # monotonic time of the batch's first event
+        last_at = 0.0  # wall clock of the batch's last event
         next_probe = time.monotonic()
         while not self._stop.is_set():
             now = time.monotonic()
@@ -261,26 +282,27 @@ class NvmlHealthMonitor:
                 timeout = max(0.0, first_at + self._batch_window - now)
             else:
                 timeout = min(self._wait_ms / 1000, max(0.0, next_probe - now))
-            event = self._wait(int(timeout * 1000))
-            if event is not None:
+            key = self._wait(int(timeout * 1000))
+            if key is not None:
                 if not pending:
                     first_at = time.monotonic()
-                pending.append(event)
+                pending[key] = pending.get(key, 0) + 1
+                last_at = self._clock()
                 self.delivered_events += 1
             now = time.monotonic()
             probe_due = now >= next_probe
             # Events go out before a probe, so that a check never overtakes the event that explains it.
             batch_due = len(pending) >= self._max_batch or now - first_at >= self._batch_window
             if pending and (probe_due or batch_due):
-                self._flush(pending)
-                pending = []
+                self._flush(pending, last_at)
+                pending = {}
             if probe_due:
                 self._deliver_safely(self._probe_all())
                 next_probe = time.monotonic() + self._probe_interval
         if pending:
-            self._flush(pending)
+            self._flush(pending, last_at)
 
-    def _wait(self, timeout_ms: int) -> HealthEvent | None:
+    def _wait(self, timeout_ms: int) -> EventKey | None:
         try:
             data = self._nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
         except pynvml.NVMLError as err:
@@ -294,42 +316,54 @@ class NvmlHealthMonitor:
                            error=str(err))
             self._stop.wait(0.5)
             return None
-        return self._event(data)
+        event_type = int(data.eventType)
+        handle = handle_key(data.device)
+        gpu = self._gpu_of_handle.get(handle, _UNSEEN)
+        if gpu == _UNSEEN:
+            gpu = self._attribute(data.device)
+            if gpu == _UNSEEN:
+                return None
+            self._gpu_of_handle[handle] = gpu
+        if gpu is None or event_type not in WANTED:
+            if gpu is not None:
+                self._say_once(f"unknown-type-{event_type}", "NVML event of a type not asked for ignored",
+                               log.info, gpu=gpu, event_type=event_type)
+            return None
+        return gpu, event_type, int(data.eventData), int(data.gpuInstanceId), int(data.computeInstanceId)
 
-    def _event(self, data: Any) -> HealthEvent | None:
-        kind = WANTED.get(int(data.eventType))
+    def _attribute(self, handle: Any) -> int | None:
+        """The GPU index of a handle not seen at registration (a MIG device's, say), by its UUID."""
         try:
-            uuid = _text(self._nvml.nvmlDeviceGetUUID(data.device))
+            uuid = _text(self._nvml.nvmlDeviceGetUUID(handle))
         except pynvml.NVMLError as err:
             self._say_once("unattributed", "NVML event for a GPU NVML cannot name; checking every GPU",
                            log.warning, error=str(err))
             self._probe_now.set()
-            return None
+            return _UNSEEN  # not remembered: asked again next time
         gpu = self._by_uuid.get(uuid)
-        if kind is None or gpu is None:
-            self._say_once(f"unknown-{uuid}-{kind}", "NVML event ignored: unknown GPU or event type",
-                           log.info, uuid=uuid, event_type=int(data.eventType))
-            return None
-        gi, ci = int(data.gpuInstanceId), int(data.computeInstanceId)
-        return HealthEvent(
-            gpu=gpu,
-            kind=kind,
-            data=int(data.eventData),
-            gpu_instance=None if gi == WHOLE_GPU else gi,
-            compute_instance=None if ci == WHOLE_GPU else ci,
-            at=self._clock(),
-        )
+        if gpu is None:
+            self._say_once(f"unknown-{uuid}", "NVML events of a GPU not in the inventory ignored", log.info,
+                           uuid=uuid)
+        return gpu
 
-    def _flush(self, pending: list[HealthEvent]) -> None:
-        counted = Counter(replace(e, at=0.0) for e in pending)
-        last_at = max(e.at for e in pending)
+    def _flush(self, pending: dict[EventKey, int], at: float) -> None:
         actions = {
             gpu: self._read_recovery_action(gpu, self._handles[gpu])
-            for gpu in {e.gpu for e in counted if e.kind is EventKind.XID}
+            for gpu in {key[0] for key in pending if WANTED[key[1]] is EventKind.XID}
             if self._field_offered.get(gpu)
         }
         batch = [
-            replace(e, count=n, at=last_at, recovery_action=actions.get(e.gpu)) for e, n in counted.items()
+            HealthEvent(
+                gpu=gpu,
+                kind=WANTED[event_type],
+                data=data,
+                gpu_instance=None if gi == WHOLE_GPU else gi,
+                compute_instance=None if ci == WHOLE_GPU else ci,
+                recovery_action=actions.get(gpu),
+                count=n,
+                at=at,
+            )
+            for (gpu, event_type, data, gi, ci), n in pending.items()
         ]
         self._deliver_safely(batch)
 

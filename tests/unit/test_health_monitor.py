@@ -111,6 +111,43 @@ def test_a_storm_is_coalesced_into_a_few_batches(started: Started) -> None:
     assert sum(batches) < 200, f"{len(batches)} batches holding {sum(batches)} items for 8000 events"
 
 
+def test_an_event_costs_no_nvml_call_but_the_wait(started: Started) -> None:
+    """A storm is only as harmless as the monitor is fast: NVML hands events over one at a
+    time, so a fatal XID behind 20,000 informational ones waits for each of them to be read.
+    No UUID lookup per event: the GPU comes from the handle, mapped at registration."""
+    monitor, collector, fake = started
+    assert fake.events is not None
+    fake.calls.clear()
+    fake.events.inject({"gpu": 0, "xid": 13, "repeat": 20_000})
+    fake.events.inject({"gpu": 3, "xid": 79, "recovery_action": 1})
+    items = collector.until("the fatal XID behind the storm", lambda got: any(
+        e.data == 79 for e in events(got)))
+    assert monitor.delivered_events == 20_001, "every event read, in order"
+    assert sum(e.count for e in events(items) if e.data == 13) == 20_000
+    per_event = [name for name, _ in fake.calls if name != "nvmlDeviceGetFieldValues"]
+    assert per_event == [], f"NVML calls beside the wait during the storm: {per_event[:5]}"
+
+
+def test_events_of_a_handle_not_registered_are_attributed_by_uuid_once() -> None:
+    """A handle the monitor did not see at registration (as a MIG device's may be) is named
+    once through nvmlDeviceGetUUID, then remembered."""
+    profile = load_profile(PROFILE)
+    source = FakeEventSource(len(profile.gpus))
+    fake = FakeNvml(profile, source)
+    collector = Collector()
+    monitor = NvmlHealthMonitor(fake, gpu_refs(discover(PROFILE)), collector, probe_interval=30.0)
+    monitor.start()
+    try:
+        monitor._gpu_of_handle.clear()  # as if NVML returned handles it never gave at registration
+        fake.calls.clear()
+        source.inject({"gpu": 2, "xid": 13, "repeat": 50})
+        items = collector.until("the events", lambda got: sum(e.count for e in events(got)) >= 50)
+        assert {e.gpu for e in events(items)} == {2}
+        assert [n for n, _ in fake.calls].count("nvmlDeviceGetUUID") == 1
+    finally:
+        monitor.stop()
+
+
 def test_a_lost_gpu_is_found_at_once_not_at_the_next_periodic_check(
     started: tuple[NvmlHealthMonitor, Collector, FakeNvml],
 ) -> None:
