@@ -60,6 +60,7 @@ NVLINK_CLIQUES = "nvlinkCliques"
 NVLINK_LAYER_PREFIX = "nvlinkClique"
 NVLINK_DOMAIN = "nvlinkDomain"
 FABRIC_CLIQUE_ID = "cliqueId"
+ISOLATION = "isolation"  # share views only (dra_driver.sharing.shares.ISOLATION_ATTRIBUTE)
 
 # Group sizes published as nvlinkGroup<N>; bounded so that a device stays under the
 # 32 attributes+capacities limit whatever the topology module reports.
@@ -181,6 +182,10 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
     AttributeDoc(FABRIC_CLIQUE_ID, "string", '"8c1f…-…-….7"',
                  "multi-node NVLink fabric clique `<clusterUUID>.<cliqueId>` (NVIDIA's node label "
                  "`nvidia.com/gpu.clique`), only in a fabric", "label only", "gpu"),
+    AttributeDoc(ISOLATION, "string", '"cooperative"',
+                 "on memory-share views only: the share's memory limit holds for processes that use its MPS "
+                 "daemon, not for one that steps around MPS (docs/sharing.md, \"What a share isolates\"); "
+                 'select `!= "cooperative"` to keep a workload off shares', "no", "gpu-share"),
 )
 
 

@@ -17,6 +17,8 @@ from controller.attributes import TYPE, binary_quantity
 from dra_driver.devices import NodeDevice
 from dra_driver.jsontypes import JSON
 from dra_driver.sharing.shares import (
+    COOPERATIVE,
+    ISOLATION_ATTRIBUTE,
     MEMORY,
     SHARE_TYPE,
     counter_set_name,
@@ -51,7 +53,11 @@ def share_view(device: NodeDevice, whole: JSON) -> JSON | None:
     policy = memory_policy(device.gpu.memory_bytes)
     if policy is None:
         return None
-    attributes = {**whole.get("attributes", {}), TYPE: {"string": SHARE_TYPE}}
+    attributes = {
+        **whole.get("attributes", {}),
+        TYPE: {"string": SHARE_TYPE},
+        ISOLATION_ATTRIBUTE: {"string": COOPERATIVE},
+    }
     return {
         "name": share_view_name(device.name),
         "attributes": attributes,

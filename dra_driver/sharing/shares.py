@@ -36,6 +36,12 @@ from dra_driver.sharing.config import ConfigError, quantity_value
 
 GI: Final = 2**30
 SHARE_TYPE: Final = "gpu-share"  # the `type` attribute of a share view
+# A share view's `isolation` attribute: its memory limit holds only for processes that use
+# the share's MPS daemon; one that steps around MPS gets the whole GPU (docs/sharing.md has
+# the measurement). A cluster policy can select on it, e.g. to keep shares from tenants
+# that must not trust each other.
+ISOLATION_ATTRIBUTE: Final = "isolation"
+COOPERATIVE: Final = "cooperative"
 SHARE_SUFFIX: Final = "-share"
 COUNTER_SET_SUFFIX: Final = "-memory"
 MEMORY: Final = "memory"  # the capacity and the counter

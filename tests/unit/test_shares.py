@@ -74,7 +74,9 @@ def test_each_whole_gpu_gets_a_share_view_and_a_counter_set() -> None:
     assert share["allowMultipleAllocations"] is True
     assert share["attributes"]["type"] == {"string": "gpu-share"}
     assert whole["attributes"]["type"] == {"string": "gpu"}
-    assert {k: v for k, v in share["attributes"].items() if k != "type"} == {
+    assert share["attributes"]["isolation"] == {"string": "cooperative"}, "a policy can tell shares apart"
+    assert "isolation" not in whole["attributes"]
+    assert {k: v for k, v in share["attributes"].items() if k not in ("type", "isolation")} == {
         k: v for k, v in whole["attributes"].items() if k != "type"
     }
     # memory is the share view's only capacity: another one without a policy would be
