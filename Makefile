@@ -68,8 +68,10 @@ test-hardware: setup
 h200-carry:
 	@bash hack/h200/build.sh >/dev/null
 
+# `make bench` runs every benchmark with a small fleet (minutes); `make bench FULL=1` runs the
+# slices and scheduler benchmarks at fleet scale (5,000 nodes' slices; 500 nodes, 5,000 pods).
 bench: setup cluster-build
-	@$(PY) -m benchmarks.run
+	@$(PY) -m benchmarks.run $(if $(FULL),--full)
 
 protos: setup
 	@$(PY) hack/gen-protos.py

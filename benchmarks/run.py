@@ -1,6 +1,9 @@
 """`make bench`: the benchmarks one after the other, `prepare` (the kubelet plugin), `huge_prepare`
-(one 10,000-claim call), `slices` (the ResourceSlice controller) and `health_storm` (Prepare
-latency and slice writes during a storm of health events). The node tier's figures
+(one 10,000-claim call), `slices` (the ResourceSlice controller), `scheduler` (pods/s through
+the real kube-scheduler per claim shape) and `health_storm` (Prepare latency and slice writes
+during a storm of health events). `slices` and `scheduler` run a small fleet by default
+(minutes); `--full` runs them at fleet scale (5,000 nodes' slices; 100, 500 and 1,000 nodes
+with 5,000 pods: over an hour on 2 cores). The node tier's figures
 (`python -m benchmarks.node`) need the node binaries and run apart.
 
 Each starts its own control plane and stops it before the next begins, so no benchmark
@@ -9,7 +12,7 @@ are printed as JSON when it ends (the method of each is in its own module's docs
 each is still runnable alone: `python -m benchmarks.<name>`). `--only NAME` runs a subset.
 This module must NOT measure anything itself nor run two benchmarks at once.
 
-Run: `python -m benchmarks.run [--only prepare] [--only slices]`.
+Run: `python -m benchmarks.run [--only prepare] [--only slices] [--full]`.
 """
 
 from __future__ import annotations
@@ -18,13 +21,19 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import health_storm, huge_prepare, prepare, report, slices
+from benchmarks import health_storm, huge_prepare, prepare, report, scheduler, slices
 
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "prepare": prepare.run,
     "huge_prepare": huge_prepare.run,
     "slices": slices.run,
+    "scheduler": scheduler.run,
     "health_storm": health_storm.run,
+}
+# The ones with a fleet-scale size behind --full.
+SIZED: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "slices": lambda full: slices.run(full=full),
+    "scheduler": lambda full: scheduler.run(full=full),
 }
 
 
@@ -40,10 +49,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="NAME",
         help=f"run only this benchmark (repeatable; one of: {', '.join(BENCHMARKS)})",
     )
+    parser.add_argument("--full", action="store_true",
+                        help="slices and scheduler at fleet scale (over an hour) instead of a small fleet")
     args = parser.parse_args(argv)
     for name in args.only or list(BENCHMARKS):
         print(f"== benchmark {name}", flush=True)
-        report(name, BENCHMARKS[name]())
+        report(name, SIZED[name](args.full) if name in SIZED else BENCHMARKS[name]())
 
 
 if __name__ == "__main__":
