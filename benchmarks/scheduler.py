@@ -32,8 +32,8 @@ and `quad` (the documented 8-layer firstAvailable shape of controller/claim_shap
 deploy/examples/05), `share` (an 8Gi memory share, on slices published with memory shares).
 Profiles: hgx-h200, dgx1-v100, mixed (the two alternating).
 
-`--pprof-seconds S` takes a CPU profile of kube-scheduler over the first S seconds of each shape
-(its /debug/pprof/profile) and keeps `go tool pprof -top`'s first entries.
+`--pprof-seconds S` takes a CPU profile of kube-scheduler over S seconds of each shape, from
+the moment all its pods exist (its /debug/pprof/profile) and keeps `go tool pprof -top`'s first entries.
 
 The machine this ran on has 2 cores shared with other engineers' test runs: every figure was
 taken under that contention. Run alone: `python -m benchmarks.scheduler [--full]`; results go to
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import itertools
 import json
 import re
 import ssl
@@ -355,6 +356,7 @@ def attempts(delta: Samples) -> dict[str, int]:
 
 
 _CLK_TCK = 100
+_RUNS = itertools.count()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -432,7 +434,7 @@ def capacity(shape: Shape, fleet: dict[str, Inventory]) -> int:
 
 def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Inventory], pods: int,
               stall_s: float, pprof_s: int, work: Path) -> JSON:
-    ns = f"s-{shape.name}"
+    ns = f"s{next(_RUNS)}-{shape.name}"  # a namespace of its own: the last one may still be terminating
     create_namespace(api, ns)
     create_object(api, _claim_template(shape), ns)
     count = min(pods, capacity(shape, fleet))
@@ -443,8 +445,6 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
     profiler = Profiler(cp, pprof_s, work / f"{shape.name}.pprof") if pprof_s else None
     creator = threading.Thread(target=create_all, args=(cp, bodies), daemon=True)
     t0 = time.perf_counter()
-    if profiler:
-        profiler.start()
     creator.start()
     created_at: float | None = None
     last_bound, last_change, bound = t0, t0, 0
@@ -453,6 +453,8 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
         now = time.perf_counter()
         if created_at is None and not creator.is_alive():
             created_at = now
+            if profiler and bound < count:
+                profiler.start()  # the window where the scheduler alone has work
         seen = int(scheduled(scheduler_metrics(metrics)) - base)
         if seen > bound:
             bound, last_bound, last_change = seen, now, now
@@ -462,7 +464,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
     created_at = created_at or time.perf_counter()
     after, cpu1 = scheduler_metrics(metrics), cpu_all(cp)
     metrics.close()
-    if profiler:
+    if profiler and profiler.is_alive():
         profiler.join()
     delta = _delta(after, before)
     elapsed = last_bound - t0
