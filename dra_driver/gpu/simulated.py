@@ -26,7 +26,7 @@ import pynvml
 
 from dra_driver.gpu.nvml import normalize_pci_bus_id
 from dra_driver.gpu.profiles import GpuSpec, MigInstanceSpec, Profile
-from dra_driver.gpu.simulated_events import ALL_EVENTS, EventData, FakeEventSource
+from dra_driver.gpu.simulated_events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
 
 
 @dataclass(frozen=True)
@@ -383,7 +383,7 @@ class FakeNvml:
         source = self._source()
         deadline = time.monotonic() + timeout_ms / 1000
         while True:
-            source.poll()
+            source.poll(POLL_EVERY)
             if source.take_lost_news():
                 raise _fail(pynvml.NVML_ERROR_GPU_IS_LOST)
             now = time.monotonic()

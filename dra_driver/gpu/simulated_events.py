@@ -56,6 +56,7 @@ WANTED_BY_NAME: Final[Mapping[str, int]] = {
 }
 ALL_EVENTS: Final = sum(WANTED_BY_NAME.values())
 WHOLE: Final = 0xFFFFFFFF
+POLL_EVERY: Final = 0.001  # seconds between two reads of the control file
 _KEYS: Final = frozenset(
     {"gpu", "xid", "event", "data", "recovery_action", "repeat", "per_second", "gpu_instance",
      "compute_instance", "lost", "recover"}
@@ -106,6 +107,7 @@ class FakeEventSource:
         self._lock = threading.Lock()
         self._offset = 0
         self._partial = b""
+        self._polled_at = 0.0
         if control_file is not None and control_file.exists():
             data = control_file.read_bytes()
             complete = data[: data.rfind(b"\n") + 1]
@@ -130,10 +132,17 @@ class FakeEventSource:
         except (ValueError, BadInjection) as err:
             log.warning("simulated health event skipped", where=where, line=line[:200], problem=str(err))
 
-    def poll(self) -> None:
-        """Read the lines appended to the control file since the last call."""
+    def poll(self, min_interval: float = 0.0) -> None:
+        """Read the lines appended to the control file since the last read, unless that read
+        was less than `min_interval` seconds ago (FakeNvml's event wait, called once per
+        event, passes POLL_EVERY: opening the file 10,000 times a second would make the
+        simulation, not the monitor, what a storm costs)."""
         if self.control_file is None:
             return
+        now = time.monotonic()
+        if now - self._polled_at < min_interval:
+            return
+        self._polled_at = now
         try:
             with self.control_file.open("rb") as f:
                 f.seek(self._offset)
