@@ -1,4 +1,4 @@
-"""The metrics port: Prometheus metrics, liveness and readiness over plain HTTP.
+"""The metrics port: Prometheus metrics, liveness and readiness, served by aiohttp's web server.
 
 `ProbeServer` answers three paths:
 * `/metrics`: `dra_driver.metrics.REGISTRY` in the Prometheus text format;
@@ -7,11 +7,14 @@
 * `/readyz`: 200 when the liveness checks and the readiness checks pass.
 
 It is served from the daemon's own event loop on purpose: when that loop is blocked, the
-gRPC servers are too, and an unanswered probe is what makes the kubelet act. The checks
-are given by the caller; two are here because they need nothing of the plugin: a gRPC
-socket that must answer a call (`socket_check`), and a background loop that must not sit
-in one unit of work for too long (`Heartbeat`). This module must not know what the plugin
-or the publisher do; it only asks them.
+gRPC servers are too, and an unanswered probe is what makes the kubelet act. Anyone who can
+reach the port can send probes, so a probe must cost the node next to nothing: the checks
+run at most once per `CHECK_INTERVAL_SECONDS` whatever the request rate (concurrent requests
+share one run, later ones its result), they only open and close a connection to each
+socket (never a gRPC call, never NodePrepareResources), and requests beyond `MAX_IN_FLIGHT`
+at once are answered 503 without work. The HTTP is aiohttp's (already installed for the API
+client), not our own. This module must not know what the plugin or the publisher do; it
+only asks them.
 """
 
 from __future__ import annotations
@@ -20,24 +23,22 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import structlog
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dra_driver import metrics
-from dra_driver.kubeletapi.dra.v1.api_pb2 import NodePrepareResourcesRequest
-
-if TYPE_CHECKING:
-    import grpc
 
 log = structlog.get_logger(__name__)
 
-READ_TIMEOUT_SECONDS: Final = 5.0
-PROBE_CALL_TIMEOUT_SECONDS: Final = 5.0
-MAX_REQUEST_BYTES: Final = 8192
+PROBE_CONNECT_TIMEOUT_SECONDS: Final = 5.0
+CHECK_INTERVAL_SECONDS: Final = 1.0  # the checks run at most this often, whatever the request rate
+MAX_IN_FLIGHT: Final = 16  # requests being answered at once; more get 503 at once
+KEEPALIVE_SECONDS: Final = 5.0
 
 
 @dataclass(frozen=True)
@@ -90,24 +91,32 @@ class Heartbeat:
 
 
 def socket_check(
-    name: str, socket: Callable[[], Path], call: Callable[[grpc.aio.Channel], Awaitable[Any]], timeout: float
+    name: str, socket: Callable[[], Path], timeout: float = PROBE_CONNECT_TIMEOUT_SECONDS
 ) -> Check:
-    """A check that `call` on a fresh channel to the unix socket `socket()` answers within `timeout`."""
+    """A check that the unix socket `socket()` accepts a connection within `timeout`; the
+    connection is closed at once, so the server behind it sees no call."""
 
     async def check() -> CheckResult:
-        import grpc  # the first probe pays for its import, not the plugin's start
-
         path = socket()
         if not path.exists():
             return CheckResult(name, False, f"{path} is gone")
         try:
-            async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
-                await asyncio.wait_for(call(channel), timeout)
-        except (grpc.RpcError, TimeoutError) as e:
-            return CheckResult(name, False, f"{path} does not answer: {type(e).__name__} {e}"[:300])
+            _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), timeout)
+        except (OSError, TimeoutError) as e:
+            return CheckResult(name, False, f"{path} does not accept: {type(e).__name__} {e}"[:300])
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
         return CheckResult(name, True)
 
     return check
+
+
+@dataclass
+class _Cached:
+    at: float = -1e9
+    results: list[CheckResult] = field(default_factory=list)
+    running: asyncio.Task[list[CheckResult]] | None = None
 
 
 @dataclass
@@ -117,89 +126,102 @@ class ProbeServer:
     registry: CollectorRegistry
     liveness: Sequence[Check] = ()
     readiness: Sequence[Check] = ()
-    _server: asyncio.Server | None = None
+    interval: float = CHECK_INTERVAL_SECONDS
+    max_in_flight: int = MAX_IN_FLIGHT
+    runs: int = 0  # how many times the checks ran (tests and the probe-flood benchmark read it)
+    _runner: web.AppRunner | None = None
+    _cached: dict[bool, _Cached] = field(default_factory=lambda: {False: _Cached(), True: _Cached()})
+    _in_flight: int = 0
     _last_failure: str = ""
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the port (useful with port 0)."""
-        self._server = await asyncio.start_server(self._handle, host, port, limit=MAX_REQUEST_BYTES)
-        bound = int(self._server.sockets[0].getsockname()[1])
+        app = web.Application(middlewares=[self._cap], client_max_size=1024)
+        app.router.add_get("/metrics", self._metrics)
+        for path in ("/livez", "/healthz", "/readyz"):
+            app.router.add_get(path, self._probe)
+        self._runner = web.AppRunner(
+            app, access_log=None, keepalive_timeout=KEEPALIVE_SECONDS, max_line_size=4096, max_field_size=4096
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=self.max_in_flight)
+        await site.start()
+        bound = int(self._runner.addresses[0][1])
         log.info("serving metrics and probes", address=host,
                  port=bound, paths=["/metrics", "/livez", "/readyz"])
         return bound
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for cached in self._cached.values():
+            if cached.running is not None:
+                cached.running.cancel()
 
     async def run_checks(self, ready: bool) -> list[CheckResult]:
-        checks = [*self.liveness, *(self.readiness if ready else ())]
-        results = await asyncio.gather(*(c() for c in checks), return_exceptions=True)
-        return [
-            r if isinstance(r, CheckResult) else CheckResult("check", False, f"{type(r).__name__}: {r}")
-            for r in results
-        ]
+        """The checks' results, run now or shared: at most one run per `interval` per kind."""
+        cached = self._cached[ready]
+        if time.monotonic() - cached.at < self.interval:
+            return cached.results
+        if cached.running is None:
+            cached.running = asyncio.create_task(self._run(ready))
+        return await asyncio.shield(cached.running)
 
-    async def _answer(self, path: str) -> tuple[int, str, bytes]:
-        if path == "/metrics":
-            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
-        if path in ("/livez", "/healthz", "/readyz"):
-            results = await self.run_checks(ready=path == "/readyz")
-            failed = [r for r in results if not r.ok]
-            body = "".join(f"[{'+' if r.ok else '-'}]{r.name} {r.detail}".rstrip() + "\n" for r in results)
-            if failed:
-                summary = "; ".join(f"{r.name}: {r.detail}" for r in failed)
-                if summary != self._last_failure:  # once per change, not once per probe
-                    log.warning("probe failing", path=path, failed=summary)
-                self._last_failure = summary
-                return 503, "text/plain; charset=utf-8", body.encode()
-            self._last_failure = ""
-            return 200, "text/plain; charset=utf-8", (body + "ok\n").encode()
-        return 404, "text/plain; charset=utf-8", b"not found: try /metrics, /livez or /readyz\n"
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _run(self, ready: bool) -> list[CheckResult]:
+        cached = self._cached[ready]
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_SECONDS)
-            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            path = target.split("?", 1)[0]
-            if method not in ("GET", "HEAD"):
-                status, ctype, body = 405, "text/plain; charset=utf-8", b"only GET\n"
-            else:
-                status, ctype, body = await self._answer(path)
-            reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
-            writer.write(
-                f"HTTP/1.1 {status} {reason[status]}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                + (body if method == "GET" else b"")
-            )
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, OSError):
-            pass  # a client that sent no proper request gets nothing
+            self.runs += 1
+            checks = [*self.liveness, *(self.readiness if ready else ())]
+            results = await asyncio.gather(*(c() for c in checks), return_exceptions=True)
+            cached.results = [
+                r if isinstance(r, CheckResult) else CheckResult("check", False, f"{type(r).__name__}: {r}")
+                for r in results
+            ]
+            cached.at = time.monotonic()
+            return cached.results
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            cached.running = None
+
+    @web.middleware
+    async def _cap(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self._in_flight >= self.max_in_flight:
+            return web.Response(status=503, text="too many requests at once\n")
+        self._in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self._in_flight -= 1
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def _probe(self, request: web.Request) -> web.Response:
+        path = request.path
+        results = await self.run_checks(ready=path == "/readyz")
+        failed = [r for r in results if not r.ok]
+        body = "".join(f"[{'+' if r.ok else '-'}]{r.name} {r.detail}".rstrip() + "\n" for r in results)
+        if failed:
+            summary = "; ".join(f"{r.name}: {r.detail}" for r in failed)
+            if summary != self._last_failure:  # once per change, not once per probe
+                log.warning("probe failing", path=path, failed=summary)
+            self._last_failure = summary
+            return web.Response(status=503, text=body)
+        self._last_failure = ""
+        return web.Response(text=body + "ok\n")
 
 
 def plugin_probes(dra_socket: Path, registration_socket: Path, publisher: Heartbeat | None) -> ProbeServer:
-    """The kubelet plugin's probes. Live: the DRA socket answers a (claimless) Prepare call and
-    the slice publisher is not stuck. Ready: also the registration socket takes connections."""
-
-    async def empty_prepare(channel: grpc.aio.Channel) -> None:
-        from dra_driver.kubeletapi.dra.v1.api_pb2_grpc import DRAPluginStub
-
-        await DRAPluginStub(channel).NodePrepareResources(NodePrepareResourcesRequest())
-
-    async def connects(channel: grpc.aio.Channel) -> None:
-        # Not GetInfo: the plugin logs each GetInfo as the kubelet's, every probe would show.
-        await channel.channel_ready()
-
-    liveness = [socket_check("dra-socket", lambda: dra_socket, empty_prepare, PROBE_CALL_TIMEOUT_SECONDS)]
+    """The kubelet plugin's probes. Live: the event loop answers (it serves this), the DRA
+    socket accepts connections and the slice publisher is not stuck. Ready: also the
+    registration socket accepts connections. No gRPC call is made: a probe must never reach
+    NodePrepareResources nor show up in the kubelet's call metrics."""
+    liveness = [socket_check("dra-socket", lambda: dra_socket)]
     if publisher is not None:
         liveness.append(publisher.check)
-    readiness = [
-        socket_check("registration-socket", lambda: registration_socket, connects, PROBE_CALL_TIMEOUT_SECONDS)
-    ]
+    readiness = [socket_check("registration-socket", lambda: registration_socket)]
     return ProbeServer(metrics.REGISTRY, liveness, readiness)

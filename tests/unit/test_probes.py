@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from dra_driver import metrics
@@ -135,7 +136,10 @@ def test_plugin_probes_follow_the_sockets(tmp_path: Path) -> None:
             assert after == before
             await dra.stop(None)
             dra_socket.unlink(missing_ok=True)
-            status, body = await _fetch(port, "/livez")
+            deadline = time.monotonic() + 10  # the last result is reused for up to a second
+            while (answer := await _fetch(port, "/livez"))[0] == 200 and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)  # the poll interval
+            status, body = answer
             assert status == 503 and "dra-socket" in body and "is gone" in body
         finally:
             await server.stop()
@@ -175,3 +179,43 @@ def test_api_error_labels() -> None:
     metrics.api_error("publisher", OSError("connection refused"))
     assert _sample("gpu_dra_api_errors_total", component="publisher", code="409") == before + 1
     assert _sample("gpu_dra_api_errors_total", component="publisher", code="network") >= 1
+
+
+def test_a_probe_flood_runs_the_checks_at_most_once_a_second_and_is_capped() -> None:
+    """200 concurrent /livez requests share one run of the checks; requests beyond the cap
+    are answered 503 at once; the checks run again only after the interval."""
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow() -> CheckResult:
+        started.set()
+        await release.wait()
+        return CheckResult("slow", True)
+
+    async def main() -> None:
+        server = ProbeServer(metrics.REGISTRY, liveness=[slow], max_in_flight=8, interval=3600)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+            async def get() -> int:
+                async with session.get(f"http://127.0.0.1:{port}/livez") as response:
+                    return response.status
+
+            flood = [asyncio.create_task(get()) for _ in range(40)]
+            await asyncio.wait_for(started.wait(), 10)
+            deadline = time.monotonic() + 10
+            while server._in_flight < 8 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # the poll interval: wait for the cap to fill
+            release.set()
+            answers = await asyncio.gather(*flood)
+            await session.close()
+            assert answers.count(200) >= 8 and set(answers) <= {200, 503}, answers
+            assert 503 in answers, "no request was refused above the cap"
+            assert server.runs == 1, f"the checks ran {server.runs} times for one flood"
+            assert (await _fetch(port, "/livez"))[0] == 200
+            assert server.runs == 1, "within the interval the result is reused"
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
