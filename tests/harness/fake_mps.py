@@ -64,11 +64,12 @@ else:
 
 
 
-def install_fake_mps_control(driver_root: Path) -> Path:
-    """Put the stand-in at `<driver_root>/bin/nvidia-cuda-mps-control`; returns its path."""
+def install_fake_mps_control(driver_root: Path, python: str = sys.executable) -> Path:
+    """Put the stand-in at `<driver_root>/bin/nvidia-cuda-mps-control`; returns its path.
+    `python`: the interpreter where it runs (the driver image's, in a plugin pod)."""
     (driver_root / "bin").mkdir(parents=True, exist_ok=True)
     binary = driver_root / "bin" / CONTROL_BINARY
-    binary.write_text(FAKE.format(python=sys.executable, marker=CLAIM_MARKER_ENV))
+    binary.write_text(FAKE.format(python=python, marker=CLAIM_MARKER_ENV))
     binary.chmod(0o755)
     return binary
 
