@@ -1,57 +1,67 @@
-"""An NVML event storm against a running kubelet plugin: Prepare latency and ResourceSlice writes.
+"""An NVML event storm against a running kubelet plugin: events handled per second, the lag of a
+fatal XID injected mid-storm, the plugin's CPU, Prepare latency beside quiet, slice writes.
 
 Method: a real control plane (etcd, kube-apiserver) and one `dra-driver kubelet-plugin`
 subprocess for a simulated 16-GPU node (the profile and driver root of benchmarks.prepare),
-publishing its slices, with `--health-quiet-period 2`. Its simulated NVML follows a control
-file (`--simulate-health-events`); the storm is appended there and comes out of the plugin's
-real NVML event wait, so it costs the plugin what a real storm would (event wait, attribution,
+publishing its slices, with its metrics port on. Its simulated NVML follows a control file
+(`--simulate-health-events`); the storm is appended there and comes out of the plugin's real
+NVML event wait, so it costs the plugin what a real storm would (event wait, attribution,
 coalescing, classification, the state machine), not a shortcut.
 
-Phases, each `PHASE_SECONDS` long, with sequential Prepare + Unprepare cycles of claims on
-GPUs 4..15 (never touched by the storm) timed on the client side of the socket, as in
-benchmarks.prepare:
-1. quiet: no events;
-2. storm: on GPU 0 informational XID 13 at 5,000/s and fatal XID 79 (recovery action
-   gpu-reset) at 1,000/s; on GPU 1 double-bit ECC at 1,000/s; on GPU 2 single-bit ECC at
-   2,000/s (9,000 events/s in all);
-3. recovery: `recover` for GPUs 0 and 1, then until their taints are gone.
-ResourceSlice writes are the API server's own count (`apiserver_request_total` for
-resourceslices, every verb but get/list/watch) read before and after each phase; the
-plugin's CPU time comes from /proc. The figure that matters is the ratio of storm p50 (and
-p99) to quiet; the slice writes must be a handful, not one per event.
+First the monitor's own CPU: `ALONE_SECONDS` idle, then as long with the storm's rate of
+informational events and nothing else (the plugin's CPU per second of each). Then phases
+with sequential Prepare + Unprepare cycles of claims on GPUs 4..15 (never touched by the
+storm) timed on the client side of the socket, as in benchmarks.prepare:
+1. quiet, `QUIET_SECONDS`: no events;
+2. storm, `--storm-seconds` (default 20): informational XID 13 on GPU 0 at `STORM_RATE`
+   (10,000/s). Halfway through, one fatal XID 79 (recovery action gpu-reset) on GPU 3: its
+   lag is the time from appending it to the control file until the API server's
+   ResourceSlice shows GPU 3 tainted (slices polled every 20 ms; the taint write itself
+   included);
+3. drain: until the plugin has counted every injected event (its `gpu_dra_health_events_total`
+   counter, read from /metrics every 0.5 s): how late the last storm event was handled;
+4. capacity: `BURST` informational events injected at once (all due, no rate): the rate at
+   which the plugin counts them is the most it can handle, the margin over the storm.
+Handled rate: events counted during the storm / the storm's seconds (the offered rate when
+the plugin keeps up). Plugin CPU: utime + stime from /proc per second of each phase.
+ResourceSlice writes: the API server's own count (`apiserver_request_total` for
+resourceslices, every verb but get/list/watch) before and after each phase.
 
-Run alone: `python -m benchmarks.health_storm` (prints JSON; writes benchmarks/results/health_storm.json).
+Run alone: `python -m benchmarks.health_storm [--storm-seconds N]` (prints JSON; writes
+benchmarks/results/health_storm.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
-import statistics
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from benchmarks import fresh_control_plane, report
 from benchmarks.prepare import GPUS, _driver_root, _percentiles, _profile
-from tests.harness.cluster import ControlPlane
+from tests.harness.cluster import ControlPlane, free_port
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_node, sync_client, sync_request
 
 NODE = "storm-node"
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims"
-PHASE_SECONDS = 10.0
-STORM = (
-    {"gpu": 0, "xid": 13, "per_second": 5000},
-    {"gpu": 0, "xid": 79, "recovery_action": 1, "per_second": 1000},
-    {"gpu": 1, "event": "double-bit-ecc", "per_second": 1000},
-    {"gpu": 2, "event": "single-bit-ecc", "per_second": 2000},
-)
+QUIET_SECONDS = 10.0
+ALONE_SECONDS = 5.0
+STORM_RATE = 10_000
+STORM_GPU, FATAL_GPU = 0, 3
+DRAIN_DEADLINE = 180.0
+BURST = 200_000
 _WRITE = re.compile(
     r'^apiserver_request_total\{(?=[^}]*resource="resourceslices")(?=[^}]*verb="([A-Z]+)")[^}]*\}\s+(\S+)$'
 )
+_EVENTS = re.compile(r'^gpu_dra_health_events_total\{kind="([^"]+)"\}\s+(\S+)$', re.M)
 
 
 def slice_writes(cp: ControlPlane) -> int:
@@ -69,6 +79,22 @@ def slice_writes(cp: ControlPlane) -> int:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _counts(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {kind: float(v) for kind, v in _EVENTS.findall(text)}
+
+
+def events_counted(port: int) -> int:
+    """NVML events the plugin has counted (every kind), from its /metrics."""
+    return int(sum(v for kind, v in _counts(port).items() if kind not in ("unhealthy", "recovered")))
+
+
+def unhealthy_transitions(port: int) -> int:
+    """Devices the plugin has turned unhealthy so far (its keeper's transitions)."""
+    return int(_counts(port).get("unhealthy", 0))
 
 
 def node_taints(api: Any) -> dict[str, list[str]]:
@@ -111,7 +137,30 @@ def _cycles(kubelet: KubeletSide, claims: list[ClaimName], seconds: float) -> li
     return samples
 
 
-def run() -> dict[str, Any]:
+def _inject(control: Path, record: dict[str, Any]) -> None:
+    """One line for the plugin's simulated NVML (dra_driver.gpu.simulated_events)."""
+    with control.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _fatal_lag(api: Any, control: Path, port: int) -> tuple[float, float]:
+    """Append one fatal XID for FATAL_GPU; seconds until the plugin turned that GPU unhealthy
+    (its metrics), and until the slice shows it tainted."""
+    device = f"gpu-{FATAL_GPU}"
+    unhealthy = unhealthy_transitions(port)
+    _inject(control, {"gpu": FATAL_GPU, "xid": 79, "recovery_action": 1})
+    start = time.monotonic()
+    handled = 0.0
+    while device not in node_taints(api):
+        if not handled and unhealthy_transitions(port) > unhealthy:
+            handled = time.monotonic() - start
+        assert time.monotonic() - start < DRAIN_DEADLINE, "the fatal XID never tainted its GPU"
+        time.sleep(0.02)
+    tainted = time.monotonic() - start
+    return handled or tainted, tainted
+
+
+def run(storm_seconds: float = 20.0) -> dict[str, Any]:
     with fresh_control_plane("dra-storm-") as (cp, work):
         api = sync_client(str(cp.kubeconfig))
         create_node(api, NODE)
@@ -119,13 +168,15 @@ def run() -> dict[str, Any]:
                      {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bench"}})
         claims = _claims(api)
         control = work / "events.jsonl"
+        port = free_port()
         plugin = DriverProcess(
             NODE, str(_profile(work / "bench16.yaml")), cp.kubeconfig, work / "p",
-            extra_args=("--driver-root", str(_driver_root(work / "driver-root")),
-                        "--health-quiet-period", "2", "--simulate-health-events", str(control)),
+            extra_args=("--driver-root", str(_driver_root(work / "driver-root")), "--metrics-port", str(port),
+                        "--metrics-bind-address", "127.0.0.1", "--simulate-health-events", str(control)),
         )
         plugin.start(wait=True)
         assert plugin.proc is not None
+        pid = plugin.proc.pid
         kubelet = KubeletSide(plugin.registration_socket())
         deadline = time.monotonic() + 60
         while not sync_request(api, "GET", "/apis/resource.k8s.io/v1/resourceslices",
@@ -136,61 +187,79 @@ def run() -> dict[str, Any]:
         _cycles(kubelet, spare, 2.0)  # warm-up
         time.sleep(2)
 
-        writes0, cpu0 = slice_writes(cp), cpu_seconds(plugin.proc.pid)
-        quiet = _cycles(kubelet, spare, PHASE_SECONDS)
-        writes1, cpu1 = slice_writes(cp), cpu_seconds(plugin.proc.pid)
-
-        repeat = {k: int(r["per_second"] * PHASE_SECONDS) for k, r in enumerate(STORM)}
-        with control.open("a") as f:
-            for k, record in enumerate(STORM):
-                f.write(json.dumps({**record, "repeat": repeat[k]}) + "\n")
-        storm_start = time.monotonic()
-        storm = _cycles(kubelet, spare, PHASE_SECONDS)
-        storm_seconds = time.monotonic() - storm_start
-        taints_in_storm = node_taints(api)
-        time.sleep(3)  # the storm's tail and the last coalesced write
-        writes2, cpu2 = slice_writes(cp), cpu_seconds(plugin.proc.pid)
-        health = json.loads((plugin.data_dir / "health.json").read_text())
-
-        with control.open("a") as f:
-            f.writelines(json.dumps({"gpu": g, "recover": True}) + "\n" for g in (0, 1))
-        recover_start = time.monotonic()
-        while node_taints(api):
-            assert time.monotonic() - recover_start < 60, node_taints(api)
+        cpu_idle0 = cpu_seconds(pid)
+        time.sleep(ALONE_SECONDS)  # what is measured: the idle plugin's CPU over this time
+        cpu_idle1, counted_alone0 = cpu_seconds(pid), events_counted(port)
+        alone = int(STORM_RATE * ALONE_SECONDS)
+        _inject(control, {"gpu": STORM_GPU, "xid": 13, "per_second": STORM_RATE, "repeat": alone})
+        alone_start = time.monotonic()
+        while events_counted(port) - counted_alone0 < alone:
+            assert time.monotonic() - alone_start < DRAIN_DEADLINE, "the storm alone was never counted"
             time.sleep(0.1)
-        recovered_after = time.monotonic() - recover_start
-        time.sleep(2)
-        writes3 = slice_writes(cp)
+        alone_seconds, cpu_alone = time.monotonic() - alone_start, cpu_seconds(pid) - cpu_idle1
+
+        writes0, cpu0, t0 = slice_writes(cp), cpu_seconds(pid), time.monotonic()
+        quiet = _cycles(kubelet, spare, QUIET_SECONDS)
+        writes1, cpu1, t1 = slice_writes(cp), cpu_seconds(pid), time.monotonic()
+
+        injected = int(STORM_RATE * storm_seconds)
+        counted0 = events_counted(port)
+        _inject(control, {"gpu": STORM_GPU, "xid": 13, "per_second": STORM_RATE, "repeat": injected})
+        storm_start = time.monotonic()
+        storm: list[float] = []
+        cycler = threading.Thread(target=lambda: storm.extend(_cycles(kubelet, spare, storm_seconds)))
+        cycler.start()
+        time.sleep(storm_seconds / 2)
+        fatal_handled, fatal_tainted = _fatal_lag(api, control, port)
+        cycler.join()
+        storm_end = time.monotonic()
+        counted_at_end = events_counted(port) - counted0
+        writes2, cpu2 = slice_writes(cp), cpu_seconds(pid)
+
+        while (counted := events_counted(port) - counted0) < injected + 1:
+            assert time.monotonic() - storm_end < DRAIN_DEADLINE, f"{counted} of {injected + 1} counted"
+            time.sleep(0.5)
+        drained_after = time.monotonic() - storm_end
+
+        counted0, cpu3 = events_counted(port), cpu_seconds(pid)
+        _inject(control, {"gpu": STORM_GPU, "xid": 13, "repeat": BURST})
+        burst_start = time.monotonic()
+        while (counted := events_counted(port) - counted0) < BURST:
+            assert time.monotonic() - burst_start < DRAIN_DEADLINE, f"{counted} of {BURST} counted"
+            time.sleep(0.1)
+        burst_seconds, burst_cpu = time.monotonic() - burst_start, cpu_seconds(pid) - cpu3
         kubelet.close()
         plugin.stop()
 
-        injected = sum(repeat.values())
         quiet_p, storm_p = _percentiles(quiet), _percentiles(storm)
+        storm_wall = storm_end - storm_start
         return {
-            "events_injected": injected,
-            "events_per_second_offered": sum(int(r["per_second"]) for r in STORM),
-            "events_seen_by_plugin": health["eventsSeen"],
-            "storm_seconds": round(storm_seconds, 2),
+            "storm_events_per_second_offered": STORM_RATE,
+            "storm_seconds": round(storm_wall, 2),
+            "events_injected": injected + 1,
+            "events_handled_per_second_in_storm": round(counted_at_end / storm_wall),
+            "last_storm_event_handled_after_storm_end_s": round(drained_after, 2),
+            "fatal_xid_to_unhealthy_s": round(fatal_handled, 3),
+            "fatal_xid_to_slice_taint_s": round(fatal_tainted, 3),
+            "capacity_events_per_second": round(BURST / burst_seconds),
+            "plugin_cpu_us_per_event_at_capacity": round(burst_cpu / BURST * 1e6, 1),
+            "plugin_cpu_cores_idle": round((cpu_idle1 - cpu_idle0) / ALONE_SECONDS, 3),
+            "plugin_cpu_cores_storm_alone": round(cpu_alone / alone_seconds, 3),
+            "plugin_cpu_cores_quiet": round((cpu1 - cpu0) / (t1 - t0), 3),
+            "plugin_cpu_cores_storm": round((cpu2 - cpu1) / storm_wall, 3),
             "prepare_quiet": quiet_p,
             "prepare_storm": storm_p,
             "storm_to_quiet_p50": round(storm_p["p50_ms"] / quiet_p["p50_ms"], 2),
             "storm_to_quiet_p99": round(storm_p["p99_ms"] / quiet_p["p99_ms"], 2),
-            "prepares_quiet": len(quiet),
-            "prepares_storm": len(storm),
             "slice_writes_quiet": writes1 - writes0,
             "slice_writes_storm": writes2 - writes1,
-            "slice_writes_recovery": writes3 - writes2,
-            "taints_during_storm": taints_in_storm,
-            "untainted_after_recover_s": round(recovered_after, 2),
-            "plugin_cpu_s_quiet": round(cpu1 - cpu0, 2),
-            "plugin_cpu_s_storm": round(cpu2 - cpu1, 2),
-            "event_counts_gpu0": health["devices"]["gpu-0"]["counts"],
-            "quiet_p50_stdev_ms": round(statistics.pstdev(quiet) * 1000, 3),
         }
 
 
 def main() -> None:
-    report("health_storm", run())
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--storm-seconds", type=float, default=20.0)
+    report("health_storm", run(parser.parse_args().storm_seconds))
 
 
 if __name__ == "__main__":

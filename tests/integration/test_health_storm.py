@@ -1,0 +1,103 @@
+"""A fatal XID in an informational storm is acted on at once, not after the storm's backlog.
+
+NVML hands events over one wait at a time, in order: a plugin that reads them slower than
+they come builds a backlog, and a fatal XID waits behind all of it (the issue saw the last
+events of a 10,000/s storm handled ~53 s late). Here a plugin for a simulated 8-GPU node
+takes 30 s of informational XID 13 at 10,000/s on GPU 0 through its real NVML event wait;
+then a fatal XID 79 on GPU 3 must taint GPU 3 in the API server's ResourceSlice. The time is
+logged (benchmarks.health_storm has the figure and its method); the deadline here is
+generous (10 s, against under 1 s measured) so that only a backlog fails it, not a loaded
+machine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from kubernetes import client
+
+from tests.harness.cluster import ControlPlane, free_port
+from tests.harness.driver import DriverProcess
+from tests.harness.objects import create_node, sync_request, wait_for
+
+pytestmark = pytest.mark.integration
+log = structlog.get_logger(__name__)
+
+PROFILE = "hgx-h200"
+STORM_RATE = 10_000
+STORM_SECONDS = 30.0
+FATAL_DEADLINE = 10.0
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """Unix socket paths are limited to 107 bytes; pytest's tmp_path is too deep for them."""
+    path = Path(tempfile.mkdtemp(prefix="dra-storm-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _taints(api: client.ApiClient, node: str) -> dict[str, list[str]]:
+    slices = sync_request(api, "GET", "/apis/resource.k8s.io/v1/resourceslices",
+                          query={"fieldSelector": f"spec.nodeName={node}"})["items"]
+    return {
+        d["name"]: [f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in d["taints"]]
+        for s in slices for d in s["spec"].get("devices", []) if d.get("taints")
+    }
+
+
+def _xid_events(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    prefix = 'gpu_dra_health_events_total{kind="xid"} '
+    return next((int(float(line[len(prefix):])) for line in text.splitlines() if line.startswith(prefix)), 0)
+
+
+def test_a_fatal_xid_after_30_s_of_a_10000_per_s_storm_taints_its_gpu_at_once(
+    control_plane: ControlPlane, api: client.ApiClient, unique: str, short_tmp: Path
+) -> None:
+    node = f"storm-{unique}"
+    create_node(api, node)
+    control = short_tmp / "events.jsonl"
+    port = free_port()
+    plugin = DriverProcess(
+        node, PROFILE, control_plane.kubeconfig, short_tmp / "p", log_level="info",
+        extra_args=("--metrics-port", str(port), "--metrics-bind-address", "127.0.0.1",
+                    "--simulate-health-events", str(control)),
+    )
+    plugin.start()
+    try:
+        wait_for("the node's slices", lambda: sync_request(
+            api, "GET", "/apis/resource.k8s.io/v1/resourceslices",
+            query={"fieldSelector": f"spec.nodeName={node}"})["items"], timeout=60)
+        injected = int(STORM_RATE * (STORM_SECONDS + 2))  # the storm goes on past the fatal XID
+        with control.open("a") as f:
+            f.write(json.dumps({"gpu": 0, "xid": 13, "per_second": STORM_RATE, "repeat": injected}) + "\n")
+        time.sleep(STORM_SECONDS)  # the scenario: the storm runs this long before the fatal XID comes
+        counted = _xid_events(port)
+        with control.open("a") as f:
+            f.write(json.dumps({"gpu": 3, "xid": 79, "recovery_action": 1}) + "\n")
+        start = time.monotonic()
+        taints: dict[str, Any] = wait_for(
+            "GPU 3 tainted for the fatal XID", lambda: (t := _taints(api, node)) and "gpu-3" in t and t,
+            timeout=FATAL_DEADLINE, interval=0.02,
+            detail=lambda: f"taints {_taints(api, node)}; plugin log:\n{plugin.log_tail()}",
+        )
+        lag = time.monotonic() - start
+        log.info("fatal XID under storm", seconds_to_slice_taint=round(lag, 3),
+                 storm_events_counted_before_it=counted, offered_before_it=int(STORM_RATE * STORM_SECONDS))
+        assert taints["gpu-3"] == ["gpu.dra-driver.dev/xid=79:NoSchedule"]
+        assert "gpu-0" not in taints, "an informational storm taints nothing"
+        assert counted > 0.5 * STORM_RATE * STORM_SECONDS, "the storm reached the plugin"
+    finally:
+        plugin.stop()
+
