@@ -17,7 +17,8 @@ wait is fed by injected events. Rules kept here:
   identical events in one batch costs a single record;
 - every `probe_interval` seconds, and at once after NVML says a GPU is lost, each GPU is
   checked: can NVML still reach it (memory info), and which recovery action does NVML ask
-  for (field 230, where offered);
+  for (field 230, where offered; a new action once two checks in a row read it). The check
+  never waits behind NVML's event queue, so behind any storm it sees a fatal XID's action;
 - `alive_at` moves on every turn of the loop, so a wedged NVML call shows (the health
   stream then stops vouching for the devices and the kubelet marks them Unknown).
 
@@ -164,6 +165,9 @@ class NvmlHealthMonitor:
         self._handles: dict[int, Any] = {}
         self._gpu_of_handle: dict[Hashable, int | None] = {}  # handle_key -> GPU index; None: not ours
         self._field_offered: dict[int, bool] = {}
+        # The recovery action of each GPU as last read, and as last read twice in a row (reported).
+        self._action_read: dict[int, int | None] = {}
+        self._action_held: dict[int, int | None] = {}
         self._event_set: Any = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -236,7 +240,9 @@ class NvmlHealthMonitor:
             mask = self._register_gpu(index, handle, wanted & supported)
             registered[index] = _kinds(mask)
             unsupported[index] = _kinds(wanted & ~mask)
-            self._field_offered[index] = self._read_recovery_action(index, handle, at_start=True) is not None
+            action = self._read_recovery_action(index, handle, at_start=True)
+            self._field_offered[index] = action is not None
+            self._action_read[index] = self._action_held[index] = action
             log.info(
                 "health monitor watching GPU",
                 gpu=index,
@@ -388,7 +394,18 @@ class NvmlHealthMonitor:
             self._say_once(f"probe-{index}-{err.value}", "NVML check of GPU failed", log.warning,
                            gpu=index, error=str(err))
         action = self._read_recovery_action(index, handle) if self._field_offered.get(index) else None
-        return Probe(index, lost=False, recovery_action=action, at=self._clock())
+        return Probe(index, lost=False, recovery_action=self._held(index, action), at=self._clock())
+
+    def _held(self, index: int, action: int | None) -> int | None:
+        """The recovery action the check reports: a new value once two checks in a row read it.
+        NVML sets the action with the XID that calls for it, and that XID's event reaches the
+        keeper within a batch window, naming the cause, unless a storm's backlog is ahead of
+        it in NVML's queue; the check, which never waits behind the queue, then reports the
+        action one interval later."""
+        previous, self._action_read[index] = self._action_read.get(index), action
+        if action == previous:
+            self._action_held[index] = action
+        return self._action_held.get(index)
 
     def _read_recovery_action(self, index: int, handle: Any, at_start: bool = False) -> int | None:
         try:

@@ -10,7 +10,10 @@ after the device checks out well again and a quiet period passed.
 
 Informational events only add to the history and the counts. A bad probe adds a
 condition only when nothing at least as strong is already there (a "gpu-reset" recovery
-action after XID 79 keeps the one XID taint, it does not add a second).
+action after XID 79 keeps the one XID taint, it does not add a second); and the event that
+explains a probe's condition replaces it: the probe reads NVML's recovery action every
+second whatever the event queue holds, so behind a storm it may see a fatal XID's action
+before the XID itself is read, and the taint then names the XID once it comes.
 
 Pure: every transition takes the time as an argument and returns a new state.
 """
@@ -25,6 +28,7 @@ from dra_driver.health.classify import Severity, Verdict
 from dra_driver.health.events import HealthEvent
 
 HISTORY_LENGTH: Final = 20  # recent events kept per device
+PROBE_CATEGORY: Final = "recovery-action"  # the condition a probe's recovery action adds
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ def on_event(state: DeviceState, event: HealthEvent, verdict: Verdict, now: floa
     state = replace(state, counts=counts, recent=_remember(state, record))
     if verdict.severity is Severity.INFO:
         return state
+    probed = state.conditions.get(PROBE_CATEGORY)
+    if probed is not None and verdict.category != PROBE_CATEGORY and probed.severity <= verdict.severity:
+        state = replace(state, conditions={k: c for k, c in state.conditions.items() if k != PROBE_CATEGORY})
     return _critical(state, verdict, now)
 
 

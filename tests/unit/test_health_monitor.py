@@ -128,6 +128,33 @@ def test_an_event_costs_no_nvml_call_but_the_wait(started: Started) -> None:
     assert per_event == [], f"NVML calls beside the wait during the storm: {per_event[:5]}"
 
 
+def test_a_fatal_xid_behind_a_backlog_taints_from_the_periodic_check(tmp_path: Path) -> None:
+    """More informational events than the monitor can read: the fatal XID waits behind them in
+    NVML's queue, but its recovery action does not, and the check (every second) taints the
+    GPU long before the XID itself is read."""
+    inventory = discover(PROFILE)
+    backlog = 2_000_000
+
+    async def scenario() -> tuple[int, list[str]]:
+        nvml = nvml_for(PROFILE, None)
+        assert isinstance(nvml, FakeNvml) and nvml.events is not None
+        health = await start_node_health(inventory, node_devices(inventory), "gpu.dra-driver.dev",
+                                         HealthPolicy(), nvml)
+        try:
+            nvml.events.inject({"gpu": 0, "xid": 13, "repeat": backlog})
+            nvml.events.inject({"gpu": 5, "xid": 79, "recovery_action": 1})
+            await wait_for_async("gpu-5 tainted", lambda: not health.keeper.views["gpu-5"].healthy,
+                                 timeout=60, detail=lambda: health.monitor.delivered_events)
+            read = health.monitor.delivered_events
+            return read, [f"{t.key}={t.value}" for t in health.keeper.views["gpu-5"].taints]
+        finally:
+            await health.stop()
+
+    read, taints = asyncio.run(scenario())
+    assert read < backlog, f"tainted only after the whole backlog was read ({read} events)"
+    assert taints == ["gpu.dra-driver.dev/recovery-action=gpu-reset"]
+
+
 def test_events_of_a_handle_not_registered_are_attributed_by_uuid_once() -> None:
     """A handle the monitor did not see at registration (as a MIG device's may be) is named
     once through nvmlDeviceGetUUID, then remembered."""

@@ -142,3 +142,18 @@ def test_a_device_always_recovers_after_clean_checks_and_the_quiet_period(
             assert all(c.severity > Severity.INFO for c in state.conditions.values())
     state = on_probe(state, None, now + 1)
     assert not settle(state, now + 62, 60.0).conditions
+
+
+def test_the_xid_that_explains_a_probed_recovery_action_replaces_its_condition() -> None:
+    """Behind a storm the periodic check may see a fatal XID's recovery action before the XID
+    is read: the device is tainted at once, and the XID's condition then takes the place of
+    the check's, so one taint names the cause."""
+    state = probe(DeviceState(), 10.0, action=1)
+    assert [(t.key, t.value) for t in device_view(state, DRIVER, POLICY).taints] == [
+        (f"{DRIVER}/recovery-action", "gpu-reset")
+    ]
+    state = event(state, HealthEvent(gpu=0, kind=EventKind.XID, data=79, recovery_action=1), 10.4)
+    assert [(t.key, t.value) for t in device_view(state, DRIVER, POLICY).taints] == [(f"{DRIVER}/xid", "79")]
+    assert probe(state, 11.0, action=1).conditions.keys() == {"xid"}, "the next check adds nothing"
+    weaker = event(probe(DeviceState(), 10.0, action=1), XID74, 10.4)  # NoSchedule: explains less
+    assert weaker.conditions.keys() == {"recovery-action", "xid"}
