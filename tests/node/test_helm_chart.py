@@ -103,7 +103,8 @@ def test_every_host_path_a_release_writes_carries_its_driver_name(helm: Helm) ->
     for driver in ("gpu.a.example.com", "gpu.b.example.com"):
         (ds,) = [d for d in _render(helm, f"driverName={driver}") if d["kind"] == "DaemonSet"]
         args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
-        host = {v["name"]: v["hostPath"]["path"] for v in ds["spec"]["template"]["spec"]["volumes"]}
+        volumes = ds["spec"]["template"]["spec"]["volumes"]
+        host = {v["name"]: v["hostPath"]["path"] for v in volumes if "hostPath" in v}
         assert f"--state-dir=/run/{driver}/state" in args and f"--mps-root=/run/{driver}/mps" in args
         assert (host["state"], host["mps"]) == (f"/run/{driver}/state", f"/run/{driver}/mps")
         paths[driver] = {host["state"], host["mps"]}
