@@ -35,7 +35,8 @@ from dra_driver.commands.options import (
 )
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.driver_root import scan_driver_files
-from dra_driver.gpu import discover
+from dra_driver.gpu import discover, load_profile
+from dra_driver.gpu.compute_mode import ComputeModes
 from dra_driver.gpu.model import Inventory
 from dra_driver.health import history
 from dra_driver.health.classify import HealthPolicy, Severity, TaintEffect
@@ -105,6 +106,14 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
     "host's PID namespace (the chart sets hostPID).",
 )
 @click.option(
+    "--mps-exclusive-compute-mode/--no-mps-exclusive-compute-mode",
+    default=False,
+    show_default=True,
+    help="Set the GPUs of a whole-GPU MPS claim to exclusive-process compute mode before its daemon starts "
+    "(so no process can use them around MPS) and restore the mode found when the claim is gone; a GPU "
+    "whose mode cannot be set refuses the claim. Off: compute modes are never changed.",
+)
+@click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -156,6 +165,7 @@ def kubelet_plugin(
     dev_root: Path,
     mps_root: Path | None,
     mps_host_cgroup: bool,
+    mps_exclusive_compute_mode: bool,
     state_dir: Path | None,
     rolling_update_uid: str | None,
     claim_read_timeout: float,
@@ -187,6 +197,7 @@ def kubelet_plugin(
         kubeconfig=kubeconfig,
         mps_root=mps_root,
         mps_host_cgroup=mps_host_cgroup,
+        mps_exclusive_compute_mode=mps_exclusive_compute_mode,
         state_dir=state_dir or default_state_dir(driver_name),
         rolling_update_uid=rolling_update_uid,
         claim_read_timeout=claim_read_timeout,
@@ -203,6 +214,17 @@ def kubelet_plugin(
     except ckpt.CheckpointRefused as e:
         log.error("refusing to start", error=str(e))
         raise click.ClickException(str(e)) from None
+
+
+def compute_modes(simulate: str | None) -> ComputeModes:
+    """NVML for compute modes: the host's, or the simulated GPUs' own (FakeNvml keeps them)."""
+    if simulate is None:
+        import pynvml
+
+        return ComputeModes(pynvml)
+    from dra_driver.gpu.simulated import FakeNvml
+
+    return ComputeModes(FakeNvml(load_profile(simulate)))
 
 
 def default_state_dir(driver: str) -> Path:
@@ -223,6 +245,7 @@ class PluginOptions:
     state_dir: Path
     mps_root: Path | None = None
     mps_host_cgroup: bool = False
+    mps_exclusive_compute_mode: bool = False
     rolling_update_uid: str | None = None
     claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS
     list_attributes: Literal["auto", "on", "off"] = "auto"
@@ -262,6 +285,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         opts.mps_root or mps_default_root(opts.driver),
         opts.driver_root or Path("/"),
         host_cgroup=opts.mps_host_cgroup,
+        compute=compute_modes(opts.simulate) if opts.mps_exclusive_compute_mode else None,
     )
     preparer = NodePreparer(
         driver=opts.driver,

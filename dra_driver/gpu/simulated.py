@@ -84,6 +84,11 @@ class FakeNvml:
         self.events = events
         self.supported_events = supported_events
         self.recovery_action_field = recovery_action_field
+        # Compute mode as NVML keeps it: per GPU, Default at boot; a GPU index in
+        # compute_mode_errors refuses to change it with that NVML error (e.g. NO_PERMISSION)
+        self.compute_modes = {g.index: int(pynvml.NVML_COMPUTEMODE_DEFAULT) for g in profile.gpus}
+        self.compute_mode_errors: dict[int, int] = {}
+        self.contexts: dict[int, set[str]] = {g.index: set() for g in profile.gpus}
 
     def _link_table(self, gpu: GpuSpec) -> tuple[_LinkEnd, ...]:
         ends: list[_LinkEnd] = []
@@ -165,6 +170,47 @@ class FakeNvml:
         if not 0 <= index < len(self.profile.gpus):
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return GpuHandle(index)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Any:
+        self._enter("nvmlDeviceGetHandleByUUID", uuid)
+        for g in self.profile.gpus:
+            if g.uuid == uuid:
+                return GpuHandle(g.index)
+        raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+
+    # -- compute mode -----------------------------------------------------------------
+
+    def nvmlDeviceGetComputeMode(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetComputeMode", handle)
+        return self.compute_modes[self._gpu(handle).index]
+
+    def nvmlDeviceSetComputeMode(self, handle: Any, mode: int) -> None:
+        self._enter("nvmlDeviceSetComputeMode", handle, mode)
+        index = self._gpu(handle).index
+        if index in self.compute_mode_errors:
+            raise _fail(self.compute_mode_errors[index])
+        if mode not in (
+            pynvml.NVML_COMPUTEMODE_DEFAULT,
+            pynvml.NVML_COMPUTEMODE_PROHIBITED,
+            pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS,
+        ):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self.compute_modes[index] = mode
+
+    def open_context(self, index: int, process: str) -> None:
+        """What CUDA does when `process` creates a context on GPU `index`, as the driver
+        rules it by compute mode: Prohibited refuses every context, ExclusiveProcess every
+        context of a second process (CUDA: "all CUDA-capable devices are busy or unavailable")."""
+        mode = self.compute_modes[index]
+        holders = self.contexts[index] - {process}
+        if mode == pynvml.NVML_COMPUTEMODE_PROHIBITED or (
+            mode == pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS and holders
+        ):
+            raise _fail(pynvml.NVML_ERROR_IN_USE)
+        self.contexts[index].add(process)
+
+    def close_context(self, index: int, process: str) -> None:
+        self.contexts[index].discard(process)
 
     # -- identity ---------------------------------------------------------------------
 

@@ -60,6 +60,8 @@ import structlog
 from dra_driver.atomic import write_file_atomic
 from dra_driver.cdi.spec import ContainerEdits, Mount, validate_claim_uid
 from dra_driver.driver_root import BINARY_DIRS, library_dirs, resolve_in_root
+from dra_driver.gpu import compute_mode
+from dra_driver.gpu.compute_mode import ComputeModeError, ComputeModes
 from dra_driver.sharing.config import DEFAULT_SHM_SIZE, ConfigError, MpsConfig, format_mps_memory
 
 log = structlog.get_logger(__name__)
@@ -70,6 +72,7 @@ CONTAINER_SHM_DIR: Final = "/dev/shm"
 CLAIM_MARKER_ENV: Final = "GPU_DRA_MPS_CLAIM"
 SETTINGS_FILE: Final = "settings.json"
 PID_FILE: Final = "daemon.pid"
+COMPUTE_MODE_FILE: Final = "compute-mode.json"  # the modes found before exclusive-process was set
 MOUNT_OPTIONS: Final = ("rw", "nosuid", "nodev", "bind")
 # Modes, no wider than MPS needs. The claim's directory: others may pass through it by name
 # (the MPS server runs as the client's user and must reach pipe/ and log/), not list it.
@@ -103,6 +106,8 @@ class MpsSettings:
     devices: tuple[MpsDevice, ...]
     active_thread_percentage: int | None = None
     shm_size: int = DEFAULT_SHM_SIZE  # bytes of the claim's /dev/shm tmpfs
+    # whole GPUs the claim owns: exclusive-process mode while its daemon runs (if allowed)
+    exclusive_gpus: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +115,7 @@ class MpsSettings:
             "devices": [{"uuid": d.uuid, "pinnedMemoryLimit": d.pinned_memory_limit} for d in self.devices],
             "activeThreadPercentage": self.active_thread_percentage,
             "shmSize": self.shm_size,
+            "exclusiveGPUs": list(self.exclusive_gpus),
         }
 
     @classmethod
@@ -126,6 +132,7 @@ class MpsSettings:
             if obj.get("activeThreadPercentage") is None
             else int(obj["activeThreadPercentage"]),
             shm_size=int(obj.get("shmSize", DEFAULT_SHM_SIZE)),
+            exclusive_gpus=tuple(str(u) for u in obj.get("exclusiveGPUs", ())),
         )
 
 
@@ -253,6 +260,10 @@ class ClaimDirs:
     def pid_file(self) -> Path:
         return self.base / PID_FILE
 
+    @property
+    def compute_mode_file(self) -> Path:
+        return self.base / COMPUTE_MODE_FILE
+
 
 class MpsControl:
     """Starts, finds and stops the per-claim MPS control daemons of this node.
@@ -263,7 +274,11 @@ class MpsControl:
     host's /dev/shm and mounts none into the container (for tests that cannot mount; a real
     node needs True: each claim then gets a tmpfs of its own, of the claim's shm size).
     `host_cgroup=True` starts each daemon in the cgroups of PID 1 (see `mps_launch`), so
-    that it outlives the plugin's container; it needs the host's PID namespace."""
+    that it outlives the plugin's container; it needs the host's PID namespace.
+    `compute`: where the operator lets the driver change compute mode, the GPUs of a claim's
+    `exclusive_gpus` are set to exclusive-process before its daemon starts, the mode found
+    recorded first in the claim's directory, and put back by `stop` when no other claim's
+    record names the GPU; a GPU whose mode cannot be set refuses the claim."""
 
     def __init__(
         self,
@@ -273,6 +288,7 @@ class MpsControl:
         host_root: str | os.PathLike[str] | None = None,
         private_shm: bool = True,
         host_cgroup: bool = False,
+        compute: ComputeModes | None = None,
         control_binary: str | os.PathLike[str] | None = None,
         start_timeout: float = 15.0,
         stop_timeout: float = 15.0,
@@ -282,6 +298,7 @@ class MpsControl:
         self.driver_root = Path(driver_root)
         self.private_shm = private_shm
         self.host_cgroup = host_cgroup
+        self.compute = compute
         self._control_binary = Path(control_binary) if control_binary is not None else None
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
@@ -437,6 +454,7 @@ class MpsControl:
     def _launch(self, binary: Path, dirs: ClaimDirs, settings: MpsSettings) -> None:
         uid = settings.claim_uid
         self._make_dirs(dirs, settings)
+        self._set_exclusive(dirs, settings)
         write_file_atomic(dirs.settings, (json.dumps(settings.to_json(), indent=2) + "\n").encode())
         cmd = [str(binary), "-d"]
         launch = []
@@ -547,8 +565,83 @@ class MpsControl:
             raise MpsError(f"MPS processes {list(left)} of claim {claim_uid} survived SIGKILL")
         return bool(pids)
 
+    # -- compute mode -----------------------------------------------------------------
+
+    def _recorded_modes(self, except_uid: str | None = None) -> dict[str, dict[str, int]]:
+        """Claim UID -> {GPU UUID: the mode found before it was set exclusive}."""
+        out = {}
+        for uid in self.claim_uids() - {except_uid}:
+            try:
+                raw = json.loads(self.dirs(uid).compute_mode_file.read_text())
+                out[uid] = {str(k): int(v) for k, v in raw.items()}
+            except FileNotFoundError:
+                continue
+            except (ValueError, AttributeError, TypeError) as e:
+                log.error("unreadable compute-mode record", claim_uid=uid, error=str(e))
+        return out
+
+    def _set_exclusive(self, dirs: ClaimDirs, settings: MpsSettings) -> None:
+        if self.compute is None or not settings.exclusive_gpus:
+            return
+        uid = settings.claim_uid
+        others = self._recorded_modes(except_uid=uid)
+        try:
+            mine = {str(k): int(v) for k, v in json.loads(dirs.compute_mode_file.read_text()).items()}
+        except FileNotFoundError:
+            mine = {}
+        except ValueError:
+            mine = {}
+        try:
+            for gpu in settings.exclusive_gpus:
+                if gpu not in mine:
+                    # another claim already changed it: the mode to restore is the one it found
+                    found = next((r[gpu] for r in others.values() if gpu in r), None)
+                    mine[gpu] = self.compute.get(gpu) if found is None else found
+                    write_file_atomic(dirs.compute_mode_file, json.dumps(mine).encode())  # before the change
+                if self.compute.get(gpu) != compute_mode.EXCLUSIVE_PROCESS:
+                    self.compute.set(gpu, compute_mode.EXCLUSIVE_PROCESS)
+                    log.info(
+                        "GPU set to exclusive-process compute mode for the claim's MPS daemon",
+                        claim_uid=uid,
+                        gpu=gpu,
+                        was=compute_mode.name(mine[gpu]),
+                    )
+        except ComputeModeError as e:
+            raise MpsError(
+                f"{e}: this whole-GPU MPS claim needs its GPUs in exclusive-process compute mode (so no "
+                "process can use the GPU around MPS); let the driver change compute mode on this node, or "
+                "run the plugin with --no-mps-exclusive-compute-mode to accept that"
+            ) from e
+
+    def _restore_modes(self, dirs: ClaimDirs, claim_uid: str) -> None:
+        try:
+            mine = {str(k): int(v) for k, v in json.loads(dirs.compute_mode_file.read_text()).items()}
+        except FileNotFoundError:
+            return
+        except ValueError as e:
+            log.error("unreadable compute-mode record; modes left alone", claim_uid=claim_uid, error=str(e))
+            return
+        if self.compute is None:
+            log.warning(
+                "the claim changed compute modes, but this plugin may not change them: left as they are",
+                claim_uid=claim_uid,
+                modes={g: compute_mode.name(m) for g, m in mine.items()},
+            )
+            return
+        still = {g for r in self._recorded_modes(except_uid=claim_uid).values() for g in r}
+        for gpu, mode in mine.items():
+            if gpu in still:
+                continue  # another claim's daemon holds it; that claim restores it
+            try:
+                if self.compute.get(gpu) != mode:  # not changed (a refused claim): nothing to undo
+                    self.compute.set(gpu, mode)
+            except ComputeModeError as e:
+                raise MpsError(f"restoring the compute mode of the claim's GPU failed: {e}") from e
+            log.info("GPU compute mode restored", claim_uid=claim_uid, gpu=gpu, mode=compute_mode.name(mode))
+
     def _remove(self, claim_uid: str) -> None:
         dirs = self.dirs(claim_uid)
+        self._restore_modes(dirs, claim_uid)  # the record goes with the directory, last
         if _is_mount_point(dirs.shm):
             unmount(dirs.shm)
         shutil.rmtree(dirs.base, ignore_errors=True)

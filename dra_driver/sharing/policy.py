@@ -84,7 +84,11 @@ class Sharing:
             else:
                 base = config.sharing.mps or MpsConfig()
                 entries.append((d.uuid, replace(base, default_active_thread_percentage=percentage)))
-        return settings_for_claim(claim_uid, entries)
+        settings = settings_for_claim(claim_uid, entries)
+        if not shares and all(d.mig is None for d in mps):
+            # the claim owns these whole GPUs: no other claim's process belongs on them
+            settings = replace(settings, exclusive_gpus=tuple(d.uuid for d in mps))
+        return settings
 
     def edits(self, plan: SharingPlan | None, devices: Sequence[NodeDevice]) -> dict[str, ContainerEdits]:
         """Extra CDI container edits by device name."""

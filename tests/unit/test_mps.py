@@ -20,11 +20,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
-from dra_driver.gpu import discover
+from dra_driver.gpu import compute_mode, discover, load_profile
+from dra_driver.gpu.compute_mode import ComputeModeError, ComputeModes
+from dra_driver.gpu.simulated import FakeNvml
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
@@ -540,3 +543,137 @@ def test_an_interrupted_prepare_is_rolled_back_with_its_daemon(make_preparer: An
     asyncio.run(restarted.recover())
     assert UID not in restarted.read_checkpoint().claims
     assert not mps.is_running(UID)
+
+
+# --------------------------------------------------------------------------- compute mode
+
+
+@pytest.fixture
+def fake_nvml() -> FakeNvml:
+    return FakeNvml(load_profile("h200-single"))
+
+
+@pytest.fixture
+def exclusive_mps(short_root: Path, fake_bin: Path, fake_nvml: FakeNvml) -> Iterator[MpsControl]:
+    control = MpsControl(
+        short_root / "mps",
+        fake_bin.parent.parent,
+        private_shm=False,
+        compute=ComputeModes(fake_nvml),
+        start_timeout=5,
+        stop_timeout=2,
+    )
+    yield control
+    set_mode(fake_bin)
+    fake_nvml.compute_mode_errors.clear()
+    for uid in control.claim_uids():
+        control.stop(uid)
+
+
+def gpu0_uuid(fake_nvml: FakeNvml) -> str:
+    return fake_nvml.profile.gpus[0].uuid
+
+
+def test_fake_nvml_models_compute_mode_as_nvml_does(fake_nvml: FakeNvml) -> None:
+    modes = ComputeModes(fake_nvml)
+    uuid = gpu0_uuid(fake_nvml)
+    assert modes.get(uuid) == compute_mode.DEFAULT
+    fake_nvml.open_context(0, "a")
+    fake_nvml.open_context(0, "b")  # Default: any number of processes
+    fake_nvml.close_context(0, "b")
+    modes.set(uuid, compute_mode.EXCLUSIVE_PROCESS)
+    fake_nvml.open_context(0, "a")  # the holder may open more
+    with pytest.raises(pynvml.NVMLError):
+        fake_nvml.open_context(0, "b")  # a second process is refused
+    fake_nvml.close_context(0, "a")
+    fake_nvml.open_context(0, "b")
+    fake_nvml.compute_mode_errors[0] = pynvml.NVML_ERROR_NO_PERMISSION
+    with pytest.raises(ComputeModeError, match=rf"setting GPU {uuid} to compute mode Default failed"):
+        modes.set(uuid, compute_mode.DEFAULT)
+
+
+def whole_gpu_mps_preparer(make_preparer: Any, control: MpsControl) -> NodePreparer:
+    preparer: NodePreparer = make_preparer(mps_claim(MPS_PARAMS))
+    preparer.steps.sharing.mps = control
+    return preparer
+
+
+def test_a_whole_gpu_mps_claim_gets_exclusive_process_mode_and_gives_it_back(
+    make_preparer: Any, exclusive_mps: MpsControl, fake_nvml: FakeNvml
+) -> None:
+    fake_nvml.compute_modes[0] = compute_mode.PROHIBITED  # whatever was there is what comes back
+    preparer = whole_gpu_mps_preparer(make_preparer, exclusive_mps)
+    asyncio.run(preparer.recover())
+    assert prepare(preparer) is None
+    assert fake_nvml.compute_modes[0] == compute_mode.EXCLUSIVE_PROCESS
+    assert exclusive_mps.is_running(UID)
+    recorded = json.loads(exclusive_mps.dirs(UID).compute_mode_file.read_text())
+    assert recorded == {gpu0_uuid(fake_nvml): compute_mode.PROHIBITED}
+    fake_nvml.open_context(0, "mps-server")
+    with pytest.raises(pynvml.NVMLError):
+        fake_nvml.open_context(0, "a process around MPS")
+    fake_nvml.close_context(0, "mps-server")
+
+    assert asyncio.run(preparer.unprepare([REF]))[UID].error is None
+    assert fake_nvml.compute_modes[0] == compute_mode.PROHIBITED
+    assert not exclusive_mps.claim_uids()
+
+
+def test_a_crash_between_set_and_restore_is_repaired_by_recovery(
+    make_preparer: Any, exclusive_mps: MpsControl, fake_nvml: FakeNvml
+) -> None:
+    preparer = whole_gpu_mps_preparer(make_preparer, exclusive_mps)
+    asyncio.run(preparer.recover())
+    prepare(preparer)
+    assert fake_nvml.compute_modes[0] == compute_mode.EXCLUSIVE_PROCESS
+    # the plugin died after the mode was set, before the claim was completed
+    cp = preparer.read_checkpoint()
+    entry = cp.claims[UID]
+    ckpt.save(
+        preparer.steps.checkpoint_path,
+        with_started(without(cp, UID), entry.namespace, entry.name, entry.uid, entry.devices),
+    )
+    restarted = whole_gpu_mps_preparer(make_preparer, exclusive_mps)
+    asyncio.run(restarted.recover())
+    assert UID not in restarted.read_checkpoint().claims
+    assert fake_nvml.compute_modes[0] == compute_mode.DEFAULT, "the mode found before the claim"
+    assert not exclusive_mps.claim_uids()
+
+
+def test_a_restarted_daemon_keeps_the_mode_it_first_found(
+    exclusive_mps: MpsControl, fake_nvml: FakeNvml
+) -> None:
+    uuid = gpu0_uuid(fake_nvml)
+    exclusive_mps.start(MpsSettings(UID, (MpsDevice(uuid),), exclusive_gpus=(uuid,)))
+    for pid in exclusive_mps.daemon_pids(UID):
+        os.kill(pid, 9)
+    wait_for("the daemon to die", lambda: not exclusive_mps.daemon_pids(UID) or None, timeout=5)
+    exclusive_mps.start(MpsSettings(UID, (MpsDevice(uuid),), exclusive_gpus=(uuid,)))
+    assert json.loads(exclusive_mps.dirs(UID).compute_mode_file.read_text()) == {uuid: compute_mode.DEFAULT}
+    exclusive_mps.stop(UID)
+    assert fake_nvml.compute_modes[0] == compute_mode.DEFAULT
+
+
+def test_a_gpu_whose_mode_cannot_be_set_refuses_the_claim_and_changes_nothing(
+    make_preparer: Any, exclusive_mps: MpsControl, fake_nvml: FakeNvml
+) -> None:
+    fake_nvml.compute_mode_errors[0] = pynvml.NVML_ERROR_NO_PERMISSION
+    preparer = whole_gpu_mps_preparer(make_preparer, exclusive_mps)
+    asyncio.run(preparer.recover())
+    error = prepare(preparer)
+    assert error is not None
+    assert "to compute mode ExclusiveProcess failed" in error
+    assert "--no-mps-exclusive-compute-mode" in error
+    assert fake_nvml.compute_modes[0] == compute_mode.DEFAULT
+    assert not exclusive_mps.claim_uids() and not exclusive_mps.daemon_pids(UID)
+    assert UID not in preparer.read_checkpoint().claims
+
+
+def test_shares_and_mig_never_ask_for_exclusive_mode() -> None:
+    inventory = discover("h200-single")
+    devices = node_devices(inventory)
+    sharing = Sharing(DRIVER, POOL, MpsControl("/nonexistent", "/driver"))
+    plan = sharing.plan(UID, mps_claim(MPS_PARAMS), [devices["gpu-0"]])
+    assert plan is not None and plan.exclusive_gpus == (inventory.gpus[0].uuid,)
+    no_mps = mps_claim({"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig"})
+    assert sharing.plan(UID, no_mps, [devices["gpu-0"]]) is None
