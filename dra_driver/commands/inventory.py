@@ -15,9 +15,11 @@ import click
 from controller.attributes import nvlink_layer_attribute
 from controller.slices import published_topology
 from dra_driver import DEFAULT_DRIVER_NAME
+from dra_driver.devices import node_devices
 from dra_driver.gpu import GpuDiscoveryError, NvmlUnavailableError, discover, list_profiles
 from dra_driver.gpu.report import inventory_document, render_table
 from dra_driver.health import history
+from dra_driver.sharing.shares import ISOLATION_NOTE, shareable
 
 NO_DRIVER_HINT = (
     "No NVIDIA driver found: {reason}.\n"
@@ -64,6 +66,8 @@ def inventory(simulate: str | None, output: str, list_only: bool, health_file: P
         click.echo(json.dumps(document, indent=2))
     else:
         click.echo(render_table(inv, topology, nvlink_layer_attribute))
+        if any(shareable(d) for d in node_devices(inv).values()):
+            click.echo("\n" + ISOLATION_NOTE)
         if health is not None:
             click.echo("\n" + history.render(health))
 

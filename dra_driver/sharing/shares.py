@@ -42,6 +42,13 @@ SHARE_TYPE: Final = "gpu-share"  # the `type` attribute of a share view
 # that must not trust each other.
 ISOLATION_ATTRIBUTE: Final = "isolation"
 COOPERATIVE: Final = "cooperative"
+# What `dra-driver inventory` tells whoever chooses between shares and whole GPUs.
+ISOLATION_NOTE: Final = (
+    "Memory shares (--memory-shares) of these GPUs: a share's memory limit holds for processes that use\n"
+    "its MPS daemon; isolation is cooperative (attribute isolation=cooperative): a process that steps\n"
+    "around MPS gets the whole GPU (on an H200, 20 GiB on a 10Gi share). Tenants that must be isolated\n"
+    "need MIG instances or whole GPUs. docs/sharing.md"
+)
 SHARE_SUFFIX: Final = "-share"
 COUNTER_SET_SUFFIX: Final = "-memory"
 MEMORY: Final = "memory"  # the capacity and the counter

@@ -677,3 +677,17 @@ def test_shares_and_mig_never_ask_for_exclusive_mode() -> None:
     assert plan is not None and plan.exclusive_gpus == (inventory.gpus[0].uuid,)
     no_mps = mps_claim({"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig"})
     assert sharing.plan(UID, no_mps, [devices["gpu-0"]]) is None
+
+
+def test_inventory_says_a_share_isolates_cooperatively() -> None:
+    from click.testing import CliRunner
+
+    from dra_driver.commands.inventory import inventory
+
+    out = CliRunner().invoke(inventory, ["--simulate", "h200-single"]).output
+    assert "isolation is cooperative" in out and "steps\naround MPS gets the whole GPU" in out
+    assert "MIG instances or whole GPUs" in out
+    mig_only = CliRunner().invoke(inventory, ["--simulate", "a100-mig"]).output
+    assert ("isolation is cooperative" in mig_only) == any(
+        not g.mig_enabled for g in discover("a100-mig").gpus
+    ), "the note only where a GPU can be shared"
