@@ -42,7 +42,7 @@ from dra_driver.health import history
 from dra_driver.health.classify import HealthPolicy, Severity, TaintEffect
 from dra_driver.health.keeper import HealthKeeper
 from dra_driver.health.monitor import HealthMonitorError
-from dra_driver.health.node import SIMULATED_EVENTS_FILE, NodeHealth, nvml_for, start_node_health
+from dra_driver.health.node import NodeHealth, nvml_for, start_node_health
 from dra_driver.health.notify import ClaimEvents, ClaimUse
 from dra_driver.kube import ApiClient
 from dra_driver.plugin import checkpoint as ckpt
@@ -361,7 +361,7 @@ async def _start_health(
     if opts.health is None:
         log.info("device health is not monitored (--no-health-monitor)")
         return None
-    events_file = opts.simulate_health_events or data_dir / SIMULATED_EVENTS_FILE
+    events_file = opts.simulate_health_events  # only when named: a writer of it can taint every GPU
     try:
         return await start_node_health(
             inventory, devices, opts.driver, opts.health, nvml_for(opts.simulate, events_file), count=_count

@@ -138,7 +138,8 @@ def health_options(f: F) -> F:
                 type=click.Path(dir_okay=False, path_type=Path),
                 default=None,
                 help="With --simulate: the JSON-lines file the simulated NVML takes injected health events "
-                "from [default: simulated-nvml-events.jsonl in the plugin's data dir].",
+                "from; without it none is read. Created 0600 if missing; followed only while owned by the "
+                "plugin's user with mode 0600 and at most 1 MiB.",
             ),
         ]
     ):

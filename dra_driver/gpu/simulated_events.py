@@ -3,8 +3,7 @@
 A `FakeEventSource` holds the simulated condition of each GPU (lost or not, the recovery
 action NVML would report) and a queue of pending NVML events. Tests and people feed it
 in-process (`inject(record)`) or by appending JSON lines to a control file, which a running
-`dra-driver kubelet-plugin --simulate` follows (`--simulate-health-events`, by default
-`simulated-nvml-events.jsonl` in the plugin's data dir):
+`dra-driver kubelet-plugin --simulate` follows only when named by `--simulate-health-events`:
 
     {"gpu": 0, "xid": 79}                                   one XID event
     {"gpu": 0, "xid": 79, "recovery_action": 1}             ... with NVML's recovery action set first
@@ -16,14 +15,23 @@ in-process (`inject(record)`) or by appending JSON lines to a control file, whic
 
 Lines already in the file when the source starts only set the GPUs' condition (a restarted
 plugin sees the GPU as the hardware left it); their events are not replayed. A bad line is
-logged with what to fix and skipped. It lives beside the simulated GPU, below the health
+logged with what to fix and skipped.
+
+Whoever can write the control file can taint every simulated GPU, so the file is read only
+while it is a regular file (no symlink) owned by the plugin's own user (root in the pod)
+with no access for group or others (0600: the plugin creates it so when it is missing), of
+at most MAX_FILE_BYTES, with lines of at most MAX_LINE_BYTES; otherwise it is refused, and
+the log says why and what to run, once per reason. It lives beside the simulated GPU, below the health
 package: it must NOT import `dra_driver.health` nor hold health logic (no severities, no
 states); the monitor reads these events through the same NVML calls as real ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
 import threading
 import time
 from collections import deque
@@ -57,10 +65,25 @@ WANTED_BY_NAME: Final[Mapping[str, int]] = {
 ALL_EVENTS: Final = sum(WANTED_BY_NAME.values())
 WHOLE: Final = 0xFFFFFFFF
 POLL_EVERY: Final = 0.001  # seconds between two reads of the control file
+MAX_FILE_BYTES: Final = 1 << 20  # a control file holds a test's worth of lines, never more
+MAX_LINE_BYTES: Final = 4096
 _KEYS: Final = frozenset(
     {"gpu", "xid", "event", "data", "recovery_action", "repeat", "per_second", "gpu_instance",
      "compute_instance", "lost", "recover"}
 )
+
+
+def _problem(path: Path, st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        uid = os.geteuid()
+        return f"is owned by uid {st.st_uid}, not by the plugin's uid {uid}: chown {uid} {path}"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}; others could inject events: chmod 600 {path}"
+    if st.st_size > MAX_FILE_BYTES:
+        return f"holds {st.st_size} bytes, more than {MAX_FILE_BYTES}: truncate it or name a new file"
+    return None
 
 
 class BadInjection(ValueError):
@@ -108,8 +131,12 @@ class FakeEventSource:
         self._offset = 0
         self._partial = b""
         self._polled_at = 0.0
-        if control_file is not None and control_file.exists():
-            data = control_file.read_bytes()
+        self._refused = ""
+        if control_file is not None:
+            # created here so that it starts out as it must be: ours, 0600
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(control_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+            data = self._read(0)
             complete = data[: data.rfind(b"\n") + 1]
             for number, line in enumerate(complete.decode(errors="replace").splitlines(), 1):
                 self._line(line, f"{control_file}:{number}", replay=True)
@@ -123,6 +150,10 @@ class FakeEventSource:
 
     def _line(self, line: str, where: str, replay: bool) -> None:
         if not line.strip():
+            return
+        if len(line) > MAX_LINE_BYTES:
+            log.warning("simulated health event skipped", where=where, line=line[:200],
+                        problem=f"a line longer than {MAX_LINE_BYTES} bytes")
             return
         try:
             record = json.loads(line)
@@ -143,19 +174,40 @@ class FakeEventSource:
         if now - self._polled_at < min_interval:
             return
         self._polled_at = now
-        try:
-            with self.control_file.open("rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
+        data = self._read(self._offset)
         if not data:
             return
         self._offset += len(data)
         data = self._partial + data
         complete, _, self._partial = data.rpartition(b"\n")
+        if len(self._partial) > MAX_LINE_BYTES:
+            log.warning("simulated health event skipped", where=str(self.control_file),
+                        problem=f"a line longer than {MAX_LINE_BYTES} bytes")
+            self._partial = b""
         for line in complete.decode(errors="replace").splitlines():
             self._line(line, str(self.control_file), replay=False)
+
+    def _read(self, offset: int) -> bytes:
+        """What the control file holds from `offset`, checked on the open file itself (so that
+        a file swapped in between is checked too); b"" when it is missing or refused."""
+        assert self.control_file is not None
+        try:
+            fd = os.open(self.control_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return b""
+        except OSError as e:
+            problem: str | None = f"cannot be opened without following a link ({e.strerror})"
+        else:
+            with os.fdopen(fd, "rb") as f:
+                problem = _problem(self.control_file, os.fstat(f.fileno()))
+                if problem is None:
+                    self._refused = ""
+                    f.seek(offset)
+                    return f.read(MAX_FILE_BYTES)
+        if problem != self._refused:  # once per reason, not once per poll
+            log.error("simulated health control file refused", path=str(self.control_file), problem=problem)
+            self._refused = problem or ""
+        return b""
 
     def _apply(self, record: Mapping[str, Any], replay: bool) -> None:
         unknown = set(record) - _KEYS

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from dra_driver import DEFAULT_DRIVER_NAME
+from dra_driver.health.node import SIMULATED_EVENTS_FILE
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
 from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
 from tests.harness.kubelet import find_registration_socket
@@ -98,6 +99,9 @@ class DriverProcess:
             "--node-name",
             self.node,
             *(["--simulate", self.profile] if self.profile else []),  # "": real GPUs, NVML
+            # the control file the node tier's health tests append to (a later flag wins)
+            *(["--simulate-health-events", str(self.data_dir / SIMULATED_EVENTS_FILE)]
+              if self.profile else []),
             "--kubeconfig",
             str(self.kubeconfig),
             "--kubelet-dir",

@@ -261,6 +261,7 @@ def test_mig_scoped_events_concern_that_mig_device_only() -> None:
 def test_the_control_file_is_followed_and_bad_lines_say_what_to_fix(tmp_path: Path) -> None:
     control = tmp_path / "events.jsonl"
     control.write_text(json.dumps({"gpu": 2, "lost": True}) + "\n" + json.dumps({"gpu": 1, "xid": 79}) + "\n")
+    control.chmod(0o600)  # only a file no one else can write is followed
     source = FakeEventSource(4, control)
     assert source.is_lost(2) and not source.pending(), "lines present at start set state, replay no event"
     with control.open("a") as f:
