@@ -228,6 +228,35 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
         )
         assert "out of memory" in last_json(raised.stdout)["alloc_12gib"].lower()
 
+        # The plugin restarts (a new process: its own MpsControl and preparer on the same
+        # node dirs): recovery adopts both daemons (same PIDs, same dirs), and a new client
+        # of share B still gets B's limit.
+        before = {ref.name: mps.daemon_pids(ref.uid) for ref, *_ in PLAN}
+        mps = MpsControl(mps.root, driver_root)
+        preparer = NodePreparer(
+            driver=DRIVER,
+            pool=NODE,
+            devices=devices,
+            claims=ClaimsInMemory(*claims.values()),
+            driver_files=driver_files,
+            cdi_dir=tmp_path / "cdi",
+            state_dir=tmp_path / "state",
+            sharing=Sharing(DRIVER, NODE, mps),
+        )
+        asyncio.run(preparer.recover())
+        after = {ref.name: mps.daemon_pids(ref.uid) for ref, *_ in PLAN}
+        again = client(B, 15, 25)
+        record(
+            "shares-client-after-plugin-restart",
+            "[new MpsControl + NodePreparer, recover(); then a container of share-b, uid 65534] "
+            "python3 -c SHARE_CLIENT",
+            f"daemon processes before {before}, after {after}\n{again.describe()}",
+        )
+        assert after == before, "the restarted plugin adopts the daemons it did not start"
+        after_restart = last_json(again.stdout)
+        assert after_restart["alloc_15gib"] == "ok", after_restart
+        assert "out of memory" in after_restart["alloc_25gib"].lower(), after_restart
+
         asyncio.run(preparer.unprepare([A]))
         after_a = (mps.daemon_pids(A.uid), mps.daemon_pids(B.uid))
         record(
