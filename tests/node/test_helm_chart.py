@@ -159,3 +159,49 @@ def test_the_plain_manifests_are_the_chart_rendered(helm: Helm) -> None:
     assert sorted(have) == sorted(wanted), "run deploy/base/render.sh"
     for name, doc in wanted.items():
         assert have[name] == doc, f"deploy/base differs from the chart in {name}: run deploy/base/render.sh"
+
+
+def test_the_plugin_pod_mounts_and_exposes_only_what_it_uses(helm: Helm) -> None:
+    """Of the kubelet's directories only plugins/<driver> and plugins_registry; the driver
+    root read-only down to its submounts; a read-only root filesystem; the metrics port
+    bound to the pod's IP; no NetworkPolicy unless asked for."""
+    docs = _render(helm, "driverName=gpu.example.com")
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    hosts = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    kubelet = {p for p in hosts if p.startswith("/var/lib/kubelet")}
+    assert kubelet == {"/var/lib/kubelet/plugins/gpu.example.com", "/var/lib/kubelet/plugins_registry"}
+    (root,) = [m for m in container["volumeMounts"] if m["name"] == "driver-root"]
+    assert root["readOnly"] and root["recursiveReadOnly"] == "IfPossible" and "mountPropagation" not in root
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "--metrics-bind-address=$(POD_IP)" in container["args"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    assert not [d for d in docs if d["kind"] == "NetworkPolicy"]
+
+
+def test_the_network_policy_admits_only_the_named_sources(helm: Helm) -> None:
+    prometheus = (
+        '{"namespaceSelector":{"matchLabels":{"team":"mon"}},"podSelector":{"matchLabels":{"app":"prom"}}}'
+    )
+    args = ["template", "x", str(CHART), "--set", "metrics.networkPolicy.enabled=true"]
+    named = helm.run(
+        *args,
+        "--set-json",
+        f"metrics.networkPolicy.prometheus={prometheus}",
+        "--set",
+        "metrics.networkPolicy.fromCIDRs={10.1.0.0/16}",
+    ).stdout
+    (policy,) = [d for d in yaml.safe_load_all(named) if d and d["kind"] == "NetworkPolicy"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert rule["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"team": "mon"}},
+            "podSelector": {"matchLabels": {"app": "prom"}},
+        },
+        {"ipBlock": {"cidr": "10.1.0.0/16"}},
+    ]
+    nobody = helm.run(*args).stdout
+    (policy,) = [d for d in yaml.safe_load_all(nobody) if d and d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["ingress"] == [], "no source named must admit nothing, not everything"
