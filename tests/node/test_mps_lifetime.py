@@ -39,7 +39,7 @@ from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, bui
 from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.helm import Helm
 from tests.harness.node import Node, Nodes, NodeSpec, descendants, node_tokens
-from tests.harness.objects import create_namespace, sync_client, sync_request, wait_for
+from tests.harness.objects import sync_client, sync_request, wait_for
 from tests.harness.service_proxy import ServiceProxy
 from tests.node import pods
 
@@ -128,9 +128,11 @@ def _wait_one_ready_plugin(env: Cluster, not_uid: str | None = None, restarts: i
         (status,) = found[0]["status"]["containerStatuses"]
         return found[0] if status["restartCount"] >= restarts else None
 
-    return wait_for("one Ready plugin pod", one, timeout=180, interval=0.5,
-                    detail=lambda: str([(p["metadata"]["name"], p.get("status", {}).get("phase"))
-                                        for p in _plugins(env.api)]))
+    try:
+        return wait_for("one Ready plugin pod", one, timeout=180, interval=0.5)
+    except TimeoutError as e:
+        seen = [(p["metadata"]["name"], p.get("status", {}).get("phase")) for p in _plugins(env.api)]
+        raise AssertionError(f"{e}; plugin pods: {seen}") from None
 
 
 def _daemon_pids(node: Node, claim_uid: str) -> set[int]:
@@ -178,8 +180,11 @@ def _check_served(env: Cluster, w: Workload, pids: set[int], when: str, round_: 
     done = subprocess.run(pods_run, capture_output=True, text=True, timeout=20, check=False)
     assert done.returncode == 0, f"{when}: the client in {w.pod} failed: {done.stderr}"
     log = claim_dir / "log" / "control.log"
-    wait_for(f"{when}: {w.pod}'s daemon to log {line}", lambda: f"cmd {line}" in log.read_text(),
-             timeout=20, interval=0.1, detail=lambda: log.read_text()[-500:])
+    try:
+        wait_for(f"{when}: {w.pod}'s daemon to log {line}", lambda: f"cmd {line}" in log.read_text(),
+                 timeout=20, interval=0.1)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; its control.log ends: {log.read_text()[-500:]}") from None
 
 
 # -- the test --------------------------------------------------------------------------------
@@ -191,9 +196,10 @@ def test_mps_daemons_outlive_upgrade_kill_and_uninstall(env: Cluster) -> None:
         "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
         "--set", f"image.tag={env.image.tag}", "--set", "memoryShares.enabled=true",
         "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}"]',
+        "--set", f"mpsRoot={MPS_ROOT}", "--set", f"stateDir={RUN_DIR / 'state'}",
     )
     plugin = _wait_one_ready_plugin(env)
-    create_namespace(env.api, PODS_NS)
+    sync_request(env.api, "POST", "/api/v1/namespaces", {"metadata": {"name": PODS_NS}})  # a fresh plane
     share_claim = {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "share"},
         "spec": {"devices": {"requests": [{"name": "mem", "exactly": {
@@ -235,6 +241,7 @@ def test_mps_daemons_outlive_upgrade_kill_and_uninstall(env: Cluster) -> None:
         "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
         "--set", f"image.tag={env.image.tag}", "--set", "memoryShares.enabled=true",
         "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}"]',
+        "--set", f"mpsRoot={MPS_ROOT}", "--set", f"stateDir={RUN_DIR / 'state'}",
     )
     _wait_one_ready_plugin(env)
     for w in workloads:
