@@ -21,7 +21,10 @@ storm) timed on the client side of the socket, as in benchmarks.prepare:
 3. drain: until the plugin has counted every injected event (its `gpu_dra_health_events_total`
    counter, read from /metrics every 0.5 s): how late the last storm event was handled;
 4. capacity: `BURST` informational events injected at once (all due, no rate): the rate at
-   which the plugin counts them is the most it can handle, the margin over the storm.
+   which the plugin counts them is the most it can handle, the margin over the storm. Right
+   behind them one fatal XID on `BACKLOG_GPU`, which NVML's queue holds behind the whole
+   burst: its lag to the slice's taint, and how many burst events were still unread then
+   (the periodic check's reading of NVML's recovery action, not the event, taints it).
 Handled rate: events counted during the storm / the storm's seconds (the offered rate when
 the plugin keeps up). Plugin CPU: utime + stime from /proc per second of each phase.
 ResourceSlice writes: the API server's own count (`apiserver_request_total` for
@@ -55,7 +58,7 @@ CLAIMS = "/apis/resource.k8s.io/v1/namespaces/bench/resourceclaims"
 QUIET_SECONDS = 10.0
 ALONE_SECONDS = 5.0
 STORM_RATE = 10_000
-STORM_GPU, FATAL_GPU = 0, 3
+STORM_GPU, FATAL_GPU, BACKLOG_GPU = 0, 3, 2
 DRAIN_DEADLINE = 180.0
 BURST = 200_000
 _WRITE = re.compile(
@@ -143,12 +146,12 @@ def _inject(control: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _fatal_lag(api: Any, control: Path, port: int) -> tuple[float, float]:
-    """Append one fatal XID for FATAL_GPU; seconds until the plugin turned that GPU unhealthy
+def _fatal_lag(api: Any, control: Path, port: int, gpu: int = FATAL_GPU) -> tuple[float, float]:
+    """Append one fatal XID for `gpu`; seconds until the plugin turned that GPU unhealthy
     (its metrics), and until the slice shows it tainted."""
-    device = f"gpu-{FATAL_GPU}"
+    device = f"gpu-{gpu}"
     unhealthy = unhealthy_transitions(port)
-    _inject(control, {"gpu": FATAL_GPU, "xid": 79, "recovery_action": 1})
+    _inject(control, {"gpu": gpu, "xid": 79, "recovery_action": 1})
     start = time.monotonic()
     handled = 0.0
     while device not in node_taints(api):
@@ -224,6 +227,8 @@ def run(storm_seconds: float = 20.0) -> dict[str, Any]:
         counted0, cpu3 = events_counted(port), cpu_seconds(pid)
         _inject(control, {"gpu": STORM_GPU, "xid": 13, "repeat": BURST})
         burst_start = time.monotonic()
+        _, backlog_tainted = _fatal_lag(api, control, port, BACKLOG_GPU)
+        unread_at_taint = BURST - (events_counted(port) - counted0)
         while (counted := events_counted(port) - counted0) < BURST:
             assert time.monotonic() - burst_start < DRAIN_DEADLINE, f"{counted} of {BURST} counted"
             time.sleep(0.1)
@@ -243,6 +248,8 @@ def run(storm_seconds: float = 20.0) -> dict[str, Any]:
             "fatal_xid_to_slice_taint_s": round(fatal_tainted, 3),
             "capacity_events_per_second": round(BURST / burst_seconds),
             "plugin_cpu_us_per_event_at_capacity": round(burst_cpu / BURST * 1e6, 1),
+            "fatal_xid_behind_backlog_to_slice_taint_s": round(backlog_tainted, 3),
+            "burst_events_unread_at_that_taint": unread_at_taint,
             "plugin_cpu_cores_idle": round((cpu_idle1 - cpu_idle0) / ALONE_SECONDS, 3),
             "plugin_cpu_cores_storm_alone": round(cpu_alone / alone_seconds, 3),
             "plugin_cpu_cores_quiet": round((cpu1 - cpu0) / (t1 - t0), 3),
