@@ -485,7 +485,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
         result["pending_reason"] = pending
     if profiler:
         result["scheduler_pprof_top"] = profiler.top
-    _clean(api, ns)
+    _clean(cp, api, ns, count, shape)
     return result
 
 
@@ -499,10 +499,31 @@ def _why_pending(api: Any, ns: str) -> str:
     return ""
 
 
-def _clean(api: Any, ns: str) -> None:
-    """Delete the shape's pods at once (no kubelet will confirm a graceful stop) and wait until the
-    controller-manager has deleted their claims, so that the next shape finds every GPU free."""
-    sync_request(api, "DELETE", f"/api/v1/namespaces/{ns}/pods", body={"gracePeriodSeconds": 0})
+def _clean(cp: ControlPlane, api: Any, ns: str, count: int, shape: Shape) -> None:
+    """Delete the shape's pods at once (grace 0: no kubelet will confirm a graceful stop; one
+    request per pod, 64 in flight: the API server's delete-collection works one pod at a time)
+    and wait until the controller-manager has deleted their claims, so that the next shape
+    finds every GPU free."""
+
+    async def delete_all() -> None:
+        client = await kube.load_client(str(cp.kubeconfig))
+        gate = asyncio.Semaphore(IN_FLIGHT)
+
+        async def one(name: str) -> None:
+            async with gate:
+                try:
+                    await kube.request(client, "DELETE", f"/api/v1/namespaces/{ns}/pods/{name}",
+                                       body={"gracePeriodSeconds": 0}, timeout=300)
+                except kube.ApiException as e:
+                    if e.status != 404:
+                        raise
+
+        try:
+            await asyncio.gather(*(one(_pod(shape, i)["metadata"]["name"]) for i in range(count)))
+        finally:
+            await client.close()
+
+    asyncio.run(delete_all())
     wait_for(f"claims of {ns} deleted",
              lambda: not sync_request(api, "GET", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims",
                                       query={"limit": "1"})["items"],
@@ -577,6 +598,7 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
             log(f"{profile} {nodes} nodes {r['shape']}: {r['bound']}/{r['pods']} pods, "
                 f"{r['pods_per_s']} pods/s (created in {r['create_s']}s)")
             results.append(r)
+            log("so far: " + json.dumps(r, separators=(",", ":")))  # a long run interrupted keeps these
         refs = [r["pods_per_s"] for r in results if r["shape"].startswith("reference") and r["pods_per_s"]]
         ref = sum(refs) / len(refs) if refs else None
         for r in results:
