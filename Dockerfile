@@ -24,6 +24,15 @@ RUN python3 -m venv /opt/dra-driver \
  && /opt/dra-driver/bin/pip wheel --no-deps --wheel-dir /wheels . \
  && /opt/dra-driver/bin/pip install /wheels/*.whl \
  && rm -rf /opt/dra-driver/bin/pip* /opt/dra-driver/lib/python3*/site-packages/pip
+# The SBOM of what the image runs (CycloneDX JSON, by cyclonedx-bom from PyPI, pinned):
+# every Python package in the driver's environment with its version, licence and purl. It
+# covers the Python environment, not the base's Debian packages. The tool stays in this
+# stage; only its output goes into the image, at /opt/dra-driver/sbom.cdx.json.
+ARG CYCLONEDX_BOM=7.5.0
+RUN python3 -m venv /opt/sbom-tool \
+ && /opt/sbom-tool/bin/pip install --quiet "cyclonedx-bom==${CYCLONEDX_BOM}" \
+ && /opt/sbom-tool/bin/cyclonedx-py environment --pyproject pyproject.toml --of JSON --output-reproducible \
+      -o /opt/dra-driver/sbom.cdx.json /opt/dra-driver/bin/python
 
 FROM ${PYTHON_IMAGE}
 ARG VERSION=0.1.0

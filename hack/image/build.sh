@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the driver's container image from the repository's Dockerfile with buildah (the
 # Debian package; no Docker engine, no registry), into a cache outside the repository, and
-# writes it as an OCI archive that `ctr images import` takes. Prints the archive path last.
+# writes it as an OCI archive that `ctr images import` takes, with the image's SBOM
+# (CycloneDX, made in the build: see the Dockerfile) beside it. Prints the archive path last.
 #
 # The Dockerfile's base (docker.io/library/python:3.11-slim-bookworm) cannot be pulled here,
 # so a stand-in is made once under that name: Debian bookworm (mmdebstrap, minbase) with
@@ -118,6 +119,13 @@ if ! bah bud --layers --pull=never --network host "${build_args[@]}" -f "$repo/D
 fi
 bah push --quiet "$name" "oci-archive:$tmp/image.oci.tar:$name" >&2
 log "image $name: $(bah images --format '{{.Size}}' "$name") in storage, archive $(du -h "$tmp/image.oci.tar" | cut -f1)"
+# The image's SBOM beside the archive (sbom.cdx.json), read out of the image itself.
+sbom_ctr=$(bah from --quiet --pull=never "$name")
+sbom_mnt=$(bah mount "$sbom_ctr")
+cp "$sbom_mnt/opt/dra-driver/sbom.cdx.json" "$tmp/sbom.cdx.json"
+bah umount "$sbom_ctr" >/dev/null
+bah rm "$sbom_ctr" >/dev/null
+log "SBOM: $out/sbom.cdx.json ($(grep -o '"bom-ref"' "$tmp/sbom.cdx.json" | wc -l) references)"
 # Intermediate images of earlier builds: keep storage from growing with every source change.
 bah rmi --prune >/dev/null 2>&1 || true
 touch "$tmp/.complete"
