@@ -4,18 +4,23 @@ Method: a real control plane (etcd, kube-apiserver) and one `dra-driver kubelet-
 the simulated 16-GPU node of benchmarks/prepare.py (same claims: admin-written allocations,
 one GPU each; same driver root of stand-ins), with its metrics port on 127.0.0.1. The calls
 come from `kubelet-client` (grpc-go, one connection, as the kubelet calls): sequential
-Prepare then Unprepare of the 16 claims, repeated for the length of a phase. Phases
-alternate quiet, flood, quiet, flood (`--phases 4`), `--seconds` each (30 by default), so
-that drift on the machine hits both alike. During a flood phase a separate process sends
-`--rate` GET /livez per second (1,000 by default), open loop (a request leaves on schedule
-whether or not the ones before were answered; at most 512 outstanding) on up to 64
-keep-alive connections, and counts the answers by status. The figures: Prepare and
-Unprepare p50/p90 pooled per kind of phase, their flood/quiet ratios, and the flood's
-achieved rate and statuses. On a 2-core machine the flood's own client takes CPU from the
-plugin too: the ratio bounds what the probes cost the plugin from above.
+Prepare then Unprepare of the 16 claims, repeated for the length of a phase (`--seconds`,
+30 by default). Three kinds of phase alternate, `--cycles` times (quiet, flood, elsewhere,
+quiet, ...), so that drift on the machine hits all alike:
+* quiet: nothing else;
+* flood: a separate process sends `--rate` GET /livez per second (1,000 by default) to the
+  plugin, open loop (a request leaves on schedule whether or not earlier ones were
+  answered; at most 512 outstanding, the rest counted as skipped) on up to 64 keep-alive
+  connections, and counts the answers by status;
+* elsewhere: the same flood aimed at a minimal aiohttp server in another process: what the
+  flood costs the plugin through the shared CPU alone (on a 2-core machine the flood's
+  client is a busy process too), to set beside what answering it costs.
+The figures: Prepare and Unprepare p50/p90 pooled per kind, each kind's p50 over quiet's.
+With `--baseline-ref REF` a commit's plugin (a git worktree, as benchmarks/prepare.py does)
+runs quiet and flood phases after the current one, on the same control plane and claims.
 
-Run alone: `python -m benchmarks.probe_flood [--seconds S] [--rate R] [--phases N]`
-(figures as JSON on stdout, written to benchmarks/results/probe_flood.json).
+Run alone: `python -m benchmarks.probe_flood [--seconds S] [--rate R] [--cycles N]
+[--baseline-ref REF]` (figures as JSON on stdout, written to benchmarks/results/probe_flood.json).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import fresh_control_plane, kubelet_client, report
-from benchmarks.prepare import NODE, _claims, _driver_root, _profile, _run_root
+from benchmarks.prepare import NODE, _claims, _driver_root, _profile, _run_root, commit_side
 from tests.harness.driver import DriverProcess
 from tests.harness.kubelet import KubeletSide
 from tests.harness.objects import create_node, sync_client
@@ -77,6 +82,20 @@ async def main(url, rate, seconds):
 asyncio.run(main(sys.argv[1], float(sys.argv[2]), float(sys.argv[3])))
 """
 
+# The same flood aimed at another process on the machine: what the flood costs the plugin
+# through the shared CPU alone, to set beside what it costs when the plugin answers it.
+ELSEWHERE = r"""
+import sys
+from aiohttp import web
+
+async def livez(request):
+    return web.Response(text="ok")
+
+app = web.Application()
+app.router.add_get("/livez", livez)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None)
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -93,85 +112,151 @@ def _percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-def run(seconds: float, rate: float, phases: int) -> dict[str, Any]:
+def _flood(url: str, rate: float, seconds: float) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", FLOOD, url, str(rate), str(seconds)], stdout=subprocess.PIPE, text=True
+    )
+
+
+def _phase(
+    kubelet: KubeletSide,
+    binary: Path,
+    refs: list[tuple[str, str, str]],
+    seconds: float,
+    flood_url: str | None,
+    rate: float,
+) -> tuple[dict[str, list[float]], dict[str, Any] | None]:
+    """Prepare/Unprepare latencies for `seconds`, with a flood of `flood_url` meanwhile if given."""
+    flood = _flood(flood_url, rate, seconds) if flood_url else None
+    if flood is not None:
+        time.sleep(1)  # the flood at its rate before the first timed call
+    latencies: dict[str, list[float]] = {}
+    end = time.monotonic() + seconds - (1 if flood else 0)
+    while time.monotonic() < end:
+        got = kubelet_client.run(binary, Path(kubelet.info.endpoint), refs, 40, 1)
+        for phase in ("prepare_sequential", "unprepare_sequential"):
+            latencies.setdefault(phase, []).extend(got[phase])
+    answers = None
+    if flood is not None:
+        out, _ = flood.communicate(timeout=seconds + 30)
+        answers = json.loads(out)
+        answers["achieved_per_second"] = round(answers["sent"] / answers["seconds"], 1)
+    return latencies, answers
+
+
+def _side(
+    label: str,
+    env: dict[str, str],
+    kinds: list[str],
+    cp: Any,
+    work: Path,
+    claims: list[Any],
+    binary: Path,
+    seconds: float,
+    rate: float,
+    elsewhere: str,
+) -> tuple[dict[str, dict[str, list[float]]], list[dict[str, Any]]]:
+    port = _free_port()
+    run_root, _ = _run_root()
+    plugin = DriverProcess(
+        NODE,
+        str(_profile(work / "bench16.yaml")),
+        cp.kubeconfig,
+        work / f"plugin-{label}",
+        extra_args=(
+            "--driver-root",
+            str(work / "driver-root"),
+            "--metrics-port",
+            str(port),
+            "--metrics-bind-address",
+            "127.0.0.1",
+        ),
+        env=env,
+        log_level="info",
+        run_root=run_root,
+    )
+    pooled: dict[str, dict[str, list[float]]] = {}
+    floods: list[dict[str, Any]] = []
+    targets = {"quiet": None, "flood": f"http://127.0.0.1:{port}/livez", "elsewhere": elsewhere}
+    try:
+        plugin.start()
+        kubelet = KubeletSide(plugin.registration_socket())
+        refs = [(c.namespace, c.name, c.uid) for c in claims]
+        for kind in kinds:
+            latencies, answers = _phase(kubelet, binary, refs, seconds, targets[kind], rate)
+            for phase, values in latencies.items():
+                pooled.setdefault(kind, {}).setdefault(phase, []).extend(values)
+            if answers is not None:
+                floods.append({"side": label, "target": kind, **answers})
+            print(f"{label}: {kind} done", file=sys.stderr, flush=True)
+        kubelet.close()
+    finally:
+        plugin.stop()
+        shutil.rmtree(run_root, ignore_errors=True)
+    return pooled, floods
+
+
+def run(seconds: float, rate: float, cycles: int, baseline_ref: str | None) -> dict[str, Any]:
     binary = kubelet_client.build()
     with fresh_control_plane("dra-probe-flood-") as (cp, work):
         api = sync_client(str(cp.kubeconfig))
         create_node(api, NODE)
         claims = _claims(api)
-        port = _free_port()
-        run_root, _ = _run_root()
-        plugin = DriverProcess(
-            NODE,
-            str(_profile(work / "bench16.yaml")),
-            cp.kubeconfig,
-            work / "plugin",
-            extra_args=(
-                "--driver-root",
-                str(_driver_root(work / "driver-root")),
-                "--metrics-port",
-                str(port),
-                "--metrics-bind-address",
-                "127.0.0.1",
-            ),
-            log_level="info",
-            run_root=run_root,
-        )
-        pooled: dict[str, dict[str, list[float]]] = {"quiet": {}, "flood": {}}
-        floods: list[dict[str, Any]] = []
+        _driver_root(work / "driver-root")
+        other_port = _free_port()
+        other = subprocess.Popen([sys.executable, "-c", ELSEWHERE, str(other_port)])
+        elsewhere = f"http://127.0.0.1:{other_port}/livez"
+        result: dict[str, Any] = {
+            "method": {"seconds_per_phase": seconds, "rate_per_second": rate, "cycles": cycles},
+        }
         try:
-            plugin.start()
-            kubelet = KubeletSide(plugin.registration_socket())
-            refs = [(c.namespace, c.name, c.uid) for c in claims]
-            for index in range(phases):
-                kind = "flood" if index % 2 else "quiet"
-                flood = None
-                if kind == "flood":
-                    flood = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-c",
-                            FLOOD,
-                            f"http://127.0.0.1:{port}/livez",
-                            str(rate),
-                            str(seconds),
-                        ],
-                        stdout=subprocess.PIPE,
-                        text=True,
-                    )
-                    time.sleep(1)  # the flood at its rate before the first timed call
-                end = time.monotonic() + seconds - (1 if flood else 0)
-                while time.monotonic() < end:
-                    got = kubelet_client.run(binary, Path(kubelet.info.endpoint), refs, 40, 1)
-                    for phase in ("prepare_sequential", "unprepare_sequential"):
-                        pooled[kind].setdefault(phase, []).extend(got[phase])
-                if flood is not None:
-                    out, _ = flood.communicate(timeout=seconds + 30)
-                    floods.append(json.loads(out))
-                print(f"phase {index + 1}/{phases} ({kind}) done", file=sys.stderr, flush=True)
-            kubelet.close()
+            kinds = ["quiet", "flood", "elsewhere"] * cycles
+            current, floods = _side("current", {}, kinds, cp, work, claims, binary, seconds, rate, elsewhere)
+            result["current"] = _summary(current)
+            if baseline_ref:
+                side = commit_side(baseline_ref, "baseline")
+                base, more = _side(
+                    "baseline",
+                    side.env,
+                    ["quiet", "flood"] * cycles,
+                    cp,
+                    work,
+                    claims,
+                    binary,
+                    seconds,
+                    rate,
+                    elsewhere,
+                )
+                result["baseline"] = {"ref": side.describe, **_summary(base)}
+                floods += more
         finally:
-            plugin.stop()
-            shutil.rmtree(run_root, ignore_errors=True)
-    result: dict[str, Any] = {
-        "method": {"seconds_per_phase": seconds, "rate_per_second": rate, "phases": phases},
-        "quiet": {p: _percentiles(v) for p, v in pooled["quiet"].items()},
-        "flood": {p: _percentiles(v) for p, v in pooled["flood"].items()},
-        "flood_clients": [{**f, "achieved_per_second": round(f["sent"] / f["seconds"], 1)} for f in floods],
-    }
-    result["flood_to_quiet_p50"] = {
-        p: round(result["flood"][p]["p50_ms"] / result["quiet"][p]["p50_ms"], 3) for p in result["quiet"]
-    }
+            other.terminate()
+            other.wait(timeout=10)
+        result["floods"] = floods
     return result
+
+
+def _summary(pooled: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {
+        kind: {p: _percentiles(v) for p, v in phases.items()} for kind, phases in pooled.items()
+    }
+    for kind in ("flood", "elsewhere"):
+        if kind in summary:
+            summary[f"{kind}_to_quiet_p50"] = {
+                p: round(summary[kind][p]["p50_ms"] / summary["quiet"][p]["p50_ms"], 3)
+                for p in summary["quiet"]
+            }
+    return summary
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--rate", type=float, default=1000.0)
-    parser.add_argument("--phases", type=int, default=4)
+    parser.add_argument("--cycles", type=int, default=2)
+    parser.add_argument("--baseline-ref", default=None, help="also a commit's plugin, quiet and flood phases")
     args = parser.parse_args()
-    report("probe_flood", run(args.seconds, args.rate, args.phases))
+    report("probe_flood", run(args.seconds, args.rate, args.cycles, args.baseline_ref))
 
 
 if __name__ == "__main__":
