@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
@@ -56,6 +56,9 @@ _SUFFIX: Final = {
     **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
     **{s: Decimal(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
 }
+
+
+ParametersParser = Callable[[object, str, str], "GpuConfig"]  # (parameters, driver, where)
 
 
 class ConfigError(ValueError):
@@ -171,7 +174,11 @@ def _parse_mps(value: object, where: str) -> MpsConfig:
     limit_bytes = None
     if limit is not None:
         limit_bytes = parse_quantity(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
-        format_mps_memory(limit_bytes)  # at least 1Mi
+        if limit_bytes < 2**20:  # what format_mps_memory can write
+            raise ConfigError(
+                f"{where}.defaultPinnedDeviceMemoryLimit: an MPS memory limit must be at least 1Mi, "
+                f"not {limit_bytes} bytes"
+            )
     shm = obj.get("shmSize")
     shm_size = None if shm is None else parse_quantity(shm, f"{where}.shmSize")  # a quantity, above 0
     return MpsConfig(
@@ -212,10 +219,6 @@ def _parse_sharing(value: object, where: str) -> SharingConfig:
 def parse_gpu_config(parameters: object, driver: str = DEFAULT_GROUP, where: str = "parameters") -> GpuConfig:
     """Validate one `opaque.parameters` object of this driver."""
     obj = _mapping(parameters, where)
-    if obj.get("apiVersion") == NVIDIA_API_VERSION:
-        from dra_driver.sharing.nvidia_config import parse_nvidia_config  # it builds on this module
-
-        return parse_nvidia_config(obj, where)
     check_fields(obj, ("apiVersion", "kind", "sharing"), where)
     accepted = [*sorted({f"{driver}/{API_VERSION}", f"{DEFAULT_GROUP}/{API_VERSION}"}), NVIDIA_API_VERSION]
     if obj.get("apiVersion") not in accepted:
@@ -246,8 +249,11 @@ class ConfigEntry:
         return not self.requests or request in self.requests or request.split("/", 1)[0] in self.requests
 
 
-def claim_config_entries(claim: Mapping[str, Any], driver: str) -> tuple[ConfigEntry, ...]:
-    """This driver's entries of the claim's allocation, in the order the API lists them."""
+def claim_config_entries(
+    claim: Mapping[str, Any], driver: str, parse: ParametersParser = parse_gpu_config
+) -> tuple[ConfigEntry, ...]:
+    """This driver's entries of the claim's allocation, in the order the API lists them;
+    `parse` reads one entry's parameters (nvidia_config.parse_claim_config also reads NVIDIA's)."""
     allocation = (claim.get("status") or {}).get("allocation") or {}
     raw = (allocation.get("devices") or {}).get("config") or []
     if not isinstance(raw, list):
@@ -269,7 +275,7 @@ def claim_config_entries(claim: Mapping[str, Any], driver: str) -> tuple[ConfigE
             ConfigEntry(
                 requests=tuple(requests),
                 from_class=source == "FromClass",
-                config=parse_gpu_config(opaque.get("parameters"), driver, where),
+                config=parse(opaque.get("parameters"), driver, where),
             )
         )
     return tuple(entries)
@@ -297,12 +303,14 @@ def device_requests(claim: Mapping[str, Any], driver: str, pool: str) -> dict[st
     return {device: frozenset(requests) for device, requests in out.items()}
 
 
-def device_configs(claim: Mapping[str, Any], driver: str, pool: str) -> dict[str, GpuConfig]:
+def device_configs(
+    claim: Mapping[str, Any], driver: str, pool: str, parse: ParametersParser = parse_gpu_config
+) -> dict[str, GpuConfig]:
     """The configuration of every device this driver allocated in `pool`, by device name.
 
     A device allocated for two requests of one claim must get one configuration: if the
     two differ the claim is refused (a device has one sharing mode)."""
-    entries = claim_config_entries(claim, driver)
+    entries = claim_config_entries(claim, driver, parse)
     allocation = (claim.get("status") or {}).get("allocation") or {}
     results = (allocation.get("devices") or {}).get("results") or []
     out: dict[str, GpuConfig] = {}

@@ -14,7 +14,8 @@ A claim written for NVIDIA's GPU DRA driver carries its sharing settings as:
             defaultPinnedDeviceMemoryLimit: 10Gi
             defaultPerDevicePinnedMemoryLimit: {"0": 5Gi}   # device index or UUID
 
-`parse_nvidia_config` maps that onto `GpuConfig` (docs/migrating.md has the table). A field
+`parse_nvidia_config` maps that onto `GpuConfig` (`parse_claim_config` reads either form: the
+plugin hands it to config.py's `device_configs`) (docs/migrating.md has the table). A field
 this driver cannot honour is refused with the reason, never ignored. The reasons are
 module constants because the chart's admission policy
 (deploy/helm/gpu-dra-driver/templates/claim-config-policy.yaml) refuses the same configs
@@ -34,6 +35,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
 from dra_driver.sharing.config import (
+    DEFAULT_GROUP,
     NVIDIA_API_VERSION,
     ConfigError,
     GpuConfig,
@@ -41,6 +43,7 @@ from dra_driver.sharing.config import (
     SharingConfig,
     SharingStrategy,
     check_fields,
+    parse_gpu_config,
     quantity_value,
 )
 
@@ -200,6 +203,15 @@ def parse_nvidia_config(obj: Mapping[str, Any], where: str) -> GpuConfig:
     return GpuConfig(
         sharing=_parse_sharing(obj["sharing"], str(kind), f"{where}.sharing"), nvidia_kind=str(kind)
     )
+
+
+def parse_claim_config(
+    parameters: object, driver: str = DEFAULT_GROUP, where: str = "parameters"
+) -> GpuConfig:
+    """One `opaque.parameters` object of this driver in either API: NVIDIA's or ours."""
+    if isinstance(parameters, Mapping) and parameters.get("apiVersion") == API_VERSION:
+        return parse_nvidia_config(parameters, where)
+    return parse_gpu_config(parameters, driver, where)
 
 
 def per_device(configs: Mapping[str, GpuConfig], devices: Sequence[NodeDevice]) -> dict[str, GpuConfig]:

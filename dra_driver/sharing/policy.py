@@ -31,7 +31,7 @@ from dra_driver.sharing.config import (
     device_requests,
 )
 from dra_driver.sharing.mps import MpsControl, MpsError, MpsSettings, settings_for_claim
-from dra_driver.sharing.nvidia_config import per_device
+from dra_driver.sharing.nvidia_config import parse_claim_config, per_device
 from dra_driver.sharing.shares import Share, allocated_shares, derived_thread_percentage
 
 SharingPlan = MpsSettings  # what a claim's sharing needs on the node; None: nothing to share
@@ -55,7 +55,7 @@ class Sharing:
     ) -> SharingPlan | None:
         """What `claim` asks for on `devices` (each once); None if it shares nothing.
         Raises ConfigError, whose message says what to fix in the claim or class."""
-        configs = per_device(device_configs(claim, self.driver, self.pool), devices)
+        configs = per_device(device_configs(claim, self.driver, self.pool, parse_claim_config), devices)
         shares = allocated_shares(claim, self.driver, self.pool, devices)
         mps = [d for d in devices if d.name in shares or configs[d.name].uses_mps]
         if not mps:
@@ -79,7 +79,8 @@ class Sharing:
             config = configs[d.name]
             if d.name in shares:
                 share = shares[d.name]
-                named = any(e.applies_to(share.request) for e in claim_config_entries(claim, self.driver))
+                configured = claim_config_entries(claim, self.driver, parse_claim_config)
+                named = any(e.applies_to(share.request) for e in configured)
                 entries.append((d.uuid, _share_mps(share, config, named, percentage)))
             else:
                 base = config.sharing.mps or MpsConfig()

@@ -18,7 +18,6 @@ from dra_driver.sharing.config import (
     MpsConfig,
     SharingConfig,
     SharingStrategy,
-    parse_gpu_config,
 )
 from dra_driver.sharing.mps import MpsControl, client_env
 from dra_driver.sharing.policy import Sharing
@@ -55,7 +54,7 @@ def a100_mig() -> dict[str, NodeDevice]:
 
 
 def test_nvidia_quickstart_mps_config_maps_to_ours() -> None:
-    parsed = parse_gpu_config(
+    parsed = nv.parse_claim_config(
         nvidia(sharing=mps(defaultActiveThreadPercentage=50, defaultPinnedDeviceMemoryLimit="10Gi"))
     )
     assert parsed == GpuConfig(
@@ -73,20 +72,20 @@ def test_nvidia_quickstart_mps_config_maps_to_ours() -> None:
     ],
 )
 def test_time_slicing_at_the_default_interval_is_what_a_gpu_does(sharing: dict[str, Any]) -> None:
-    parsed = parse_gpu_config(nvidia(sharing=sharing))
+    parsed = nv.parse_claim_config(nvidia(sharing=sharing))
     assert parsed.sharing == SharingConfig(SharingStrategy.TIME_SLICING) and not parsed.uses_mps
 
 
 def test_no_sharing_mps_without_settings_and_mig_kinds_map() -> None:
-    assert parse_gpu_config(nvidia()) == GpuConfig(nvidia_kind="GpuConfig")
-    assert parse_gpu_config(nvidia(sharing={"strategy": "MPS"})).sharing.mps == MpsConfig()
-    mig = parse_gpu_config(nvidia("MigDeviceConfig", mps(defaultActiveThreadPercentage=20)))
+    assert nv.parse_claim_config(nvidia()) == GpuConfig(nvidia_kind="GpuConfig")
+    assert nv.parse_claim_config(nvidia(sharing={"strategy": "MPS"})).sharing.mps == MpsConfig()
+    mig = nv.parse_claim_config(nvidia("MigDeviceConfig", mps(defaultActiveThreadPercentage=20)))
     assert mig.nvidia_kind == "MigDeviceConfig" and mig.sharing.mps == MpsConfig(20)
-    assert not parse_gpu_config(nvidia("MigDeviceConfig", {"strategy": "TimeSlicing"})).uses_mps
+    assert not nv.parse_claim_config(nvidia("MigDeviceConfig", {"strategy": "TimeSlicing"})).uses_mps
 
 
 def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
-    parsed = parse_gpu_config(nvidia(sharing=mps(multiUser=False, defaultPinnedDeviceMemoryLimit=GI)))
+    parsed = nv.parse_claim_config(nvidia(sharing=mps(multiUser=False, defaultPinnedDeviceMemoryLimit=GI)))
     assert parsed.sharing.mps == MpsConfig(None, GI)
 
 
@@ -161,20 +160,20 @@ def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
 )
 def test_what_cannot_be_honoured_is_refused_with_the_reason(parameters: Any, where: str, reason: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        parse_gpu_config(parameters, DRIVER, "opaque.parameters")
+        nv.parse_claim_config(parameters, DRIVER, "opaque.parameters")
     assert str(refused.value) == f"opaque.parameters.{where}: {reason}"
 
 
 def test_unknown_fields_are_refused_as_nvidia_decodes_strictly() -> None:
     with pytest.raises(ConfigError, match=r"sharing.mpsConfig: unknown field 'pinned'; allowed: default"):
-        parse_gpu_config(nvidia(sharing=mps(pinned="1Gi")))
+        nv.parse_claim_config(nvidia(sharing=mps(pinned="1Gi")))
     with pytest.raises(ConfigError, match=r"^parameters: unknown field 'spec'"):
-        parse_gpu_config({**nvidia(), "spec": {}})
+        nv.parse_claim_config({**nvidia(), "spec": {}})
 
 
 def test_an_unknown_api_version_names_nvidias_as_accepted() -> None:
     with pytest.raises(ConfigError, match=r"use gpu.dra-driver.dev/v1alpha1 or resource.nvidia.com/v1beta1"):
-        parse_gpu_config({"apiVersion": "resource.nvidia.com/v1", "kind": "GpuConfig"})
+        nv.parse_claim_config({"apiVersion": "resource.nvidia.com/v1", "kind": "GpuConfig"})
 
 
 def test_every_refusal_is_worded_the_same_in_the_admission_policy() -> None:
@@ -232,7 +231,7 @@ def test_a_per_device_key_naming_no_device_of_the_config_is_refused(h200: dict[s
     gpus = [h200["gpu-0"], h200["gpu-1"]]
     config = nvidia(sharing=mps(defaultPerDevicePinnedMemoryLimit={"2": "5Gi"}))
     with pytest.raises(ConfigError, match=r"key '2' names none of the 2 device\(s\) .*index from 0 to 1"):
-        nv.per_device({g.name: parse_gpu_config(config) for g in gpus}, gpus)
+        nv.per_device({g.name: nv.parse_claim_config(config) for g in gpus}, gpus)
 
 
 def test_a_gpu_config_on_a_mig_device_is_refused_as_nvidia_refuses_it(
@@ -242,8 +241,8 @@ def test_a_gpu_config_on_a_mig_device_is_refused_as_nvidia_refuses_it(
     with pytest.raises(
         ConfigError, match=r"cannot apply GpuConfig to device gpu-6-mig-1g5gb-2.*MigDeviceConfig"
     ):
-        nv.per_device({mig.name: parse_gpu_config(nvidia(sharing=mps()))}, [mig])
-    ok = nv.per_device({mig.name: parse_gpu_config(nvidia("MigDeviceConfig", mps()))}, [mig])
+        nv.per_device({mig.name: nv.parse_claim_config(nvidia(sharing=mps()))}, [mig])
+    ok = nv.per_device({mig.name: nv.parse_claim_config(nvidia("MigDeviceConfig", mps()))}, [mig])
     assert ok[mig.name].uses_mps
 
 

@@ -1,0 +1,472 @@
+"""Claim configs against the real API server and scheduler: NVIDIA's form
+(resource.nvidia.com/v1beta1) and ours accepted at admission and prepared as asked; what the
+plugin would refuse refused when written, by the chart's claim-config policy, with the
+plugin's own message; a claim written before the policy took effect never stuck by it.
+
+One `dra-driver kubelet-plugin` on a simulated a100-mig box (whole A100s gpu-0..3, MIG
+devices on the others) with a stand-in `nvidia-cuda-mps-control` (tests/harness/fake_mps.py)
+under its driver root. The policy is the chart's template as `helm template` renders it.
+Claims are used by pods pinned to the node; the kubelet's side of Prepare is
+tests/harness/kubelet.py and each CDI id is resolved by `cdicheck` (the CDI library
+containerd uses), so the settings checked are what a container would get.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from dra_driver.jsontypes import JSON
+from dra_driver.sharing.config import ConfigError
+from dra_driver.sharing.nvidia_config import parse_claim_config
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.driver_image import CHART, build_helm
+from tests.harness.fake_mps import install_fake_mps_control
+from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.objects import (
+    allocation_results,
+    api_error,
+    create_device_class,
+    create_node,
+    get_claim,
+    get_pod,
+    load_yaml_documents,
+    scheduler_reason,
+    sync_request,
+    wait_for,
+)
+
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
+SLICES = f"{RESOURCE_API}/resourceslices"
+EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "nvidia"
+SUFFIX = uuid.uuid4().hex[:6]
+NODE = f"cfg-{SUFFIX}"
+GPU_CLASS = f"cfg-gpu-{SUFFIX}"
+MIG_CLASS = f"cfg-mig-{SUFFIX}"
+NV = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
+OURS = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig"}
+DENIED = "denied request: "
+
+
+@dataclass
+class Bench:
+    api: client.ApiClient
+    control_plane: ControlPlane
+    plugin: DriverProcess
+    kubelet: KubeletSide
+    policy: list[JSON]
+
+
+def _fake_driver_root(root: Path) -> Path:
+    """ELF files under the real library names (the scanner keeps only those) and the
+    stand-in MPS control tool."""
+    lib = root / "lib64"
+    lib.mkdir(parents=True)
+    elf = Path("/bin/true").resolve()
+    for name in ("libcuda.so", "libnvidia-ml.so"):
+        real = lib / f"{name}.580.159.04"
+        shutil.copy(elf, real)
+        (lib / f"{name}.1").symlink_to(real.name)
+    install_fake_mps_control(root)
+    return root
+
+
+def _rendered_policy(tmp: Path) -> list[JSON]:
+    helm = build_helm()
+    env = {
+        **os.environ,
+        **{k: str(tmp / k.lower()) for k in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")},
+    }
+    out = subprocess.run(
+        [str(helm), "template", "r", str(CHART), "--show-only", "templates/claim-config-policy.yaml"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert [d["kind"] for d in docs] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    return docs
+
+
+def _admission_path(doc: JSON, name: bool = False) -> str:
+    plural = {
+        "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
+        "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
+    }[doc["kind"]]
+    return f"{ADMISSION_API}/{plural}" + (f"/{doc['metadata']['name']}" if name else "")
+
+
+def _claim(name: str, devices: JSON) -> JSON:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name},
+        "spec": {"devices": devices},
+    }
+
+
+def _one_request(parameters: Any, cls: str = GPU_CLASS, count: int = 1) -> JSON:
+    return {
+        "requests": [{"name": "gpu", "exactly": {"deviceClassName": cls, "count": count}}],
+        "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": parameters}}],
+    }
+
+
+def _denial(api: client.ApiClient, namespace: str, body: JSON, dry_run: bool = False) -> str | None:
+    """The policy's message for creating `body`, None if it is admitted."""
+    plural = "resourceclaimtemplates" if body["kind"] == "ResourceClaimTemplate" else "resourceclaims"
+    try:
+        sync_request(
+            api,
+            "POST",
+            f"{RESOURCE_API}/namespaces/{namespace}/{plural}",
+            body,
+            query={"dryRun": "All"} if dry_run else None,
+        )
+    except ApiException as e:
+        message = api_error(e)
+        assert DENIED in message, message
+        return message.split(DENIED, 1)[1]
+    return None
+
+
+def _policy_in_effect(api: client.ApiClient, namespace: str) -> None:
+    probe = _claim("probe", _one_request({**NV, "kind": "VfioDeviceConfig"}))
+    wait_for("the claim-config policy to take effect", lambda: _denial(api, namespace, probe, dry_run=True))
+
+
+@pytest.fixture(scope="module")
+def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]:
+    base = Path(tempfile.mkdtemp(prefix="cfg-", dir="/tmp"))  # short: UNIX socket paths
+    base.chmod(0o755)  # MPS servers run as the client's user and must reach the pipe dirs
+    policy = _rendered_policy(base / "helm")
+    for doc in policy:
+        sync_request(api, "POST", _admission_path(doc), doc)
+    for name, kind in ((GPU_CLASS, "gpu"), (MIG_CLASS, "mig")):
+        create_device_class(
+            api, name, f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "{kind}"'
+        )
+    create_node(api, NODE)
+    plugin = DriverProcess(
+        NODE,
+        "a100-mig",
+        control_plane.kubeconfig,
+        base / "n",
+        extra_args=("--driver-root", str(_fake_driver_root(base / "driver"))),
+    )
+    side = None
+    try:
+        plugin.start()
+        wait_for(
+            "the node's slices",
+            lambda: sync_request(api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})[
+                "items"
+            ],
+            timeout=60,
+        )
+        side = KubeletSide(plugin.registration_socket())
+        yield Bench(api, control_plane, plugin, side, policy)
+    finally:
+        if side is not None:
+            side.close()
+        plugin.stop()
+        sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})
+        sync_request(api, "DELETE", f"/api/v1/nodes/{NODE}")
+        for name in (GPU_CLASS, MIG_CLASS):
+            sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{name}")
+        for doc in reversed(policy):
+            try:
+                sync_request(api, "DELETE", _admission_path(doc, name=True))
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+        if not os.environ.get("KEEP_TMP"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
+class Case:
+    """Claims and pods of one test in its namespace, pinned to the node; `clear()` frees them."""
+
+    def __init__(self, bench: Bench, namespace: str) -> None:
+        self.bench, self.api, self.ns = bench, bench.api, namespace
+        self.counter = itertools.count()
+        self.prepared: list[ClaimName] = []
+
+    def pod(self, name: str, claim: JSON, requests: list[str]) -> None:
+        """A pod with one container per request, pinned to the node."""
+        sync_request(
+            self.api,
+            "POST",
+            f"/api/v1/namespaces/{self.ns}/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": NODE},
+                    "automountServiceAccountToken": False,
+                    "resourceClaims": [{"name": "gpus", **claim}],
+                    "containers": [
+                        {
+                            "name": f"c{i}",
+                            "image": "busybox:1.37",
+                            "command": ["sleep", "3600"],
+                            "resources": {"claims": [{"name": "gpus", "request": r}]},
+                        }
+                        for i, r in enumerate(requests)
+                    ],
+                },
+            },
+        )
+
+    def create(self, devices: JSON) -> str:
+        name = f"c{next(self.counter)}"
+        sync_request(
+            self.api, "POST", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims", _claim(name, devices)
+        )
+        self.pod(name, {"resourceClaimName": name}, [r["name"] for r in devices["requests"]])
+        return name
+
+    def claim_of(self, pod: str) -> JSON:
+        """The pod's one claim once the pod is bound."""
+
+        def probe() -> JSON | None:
+            status = get_pod(self.api, self.ns, pod).get("status", {})
+            if not get_pod(self.api, self.ns, pod)["spec"].get("nodeName"):
+                return None
+            names = status.get("resourceClaimStatuses") or []
+            return {"name": names[0]["resourceClaimName"]} if names else {"name": pod}
+
+        try:
+            found = wait_for(f"pod {pod} bound", probe, timeout=30)
+        except TimeoutError as e:
+            raise AssertionError(f"{e}; scheduler says: {scheduler_reason(self.api, self.ns, pod)}") from e
+        return get_claim(self.api, self.ns, found["name"])
+
+    def prepare(self, claim: JSON) -> Any:
+        ref = ClaimName(self.ns, claim["metadata"]["name"], claim["metadata"]["uid"])
+        response = self.bench.kubelet.prepare(ref)
+        self.prepared.append(ref)
+        return response.claims[ref.uid]
+
+    def env_by_request(self, claim: JSON) -> dict[str, dict[str, str]]:
+        """Each request's container environment, from the CDI ids the plugin answered."""
+        answer = self.prepare(claim)
+        assert not answer.error, answer.error
+        out: dict[str, dict[str, str]] = {}
+        for device in answer.devices:
+            proc = subprocess.run(
+                [
+                    str(self.bench.control_plane.bin_dir / "cdicheck"),
+                    "-dir",
+                    str(self.bench.plugin.cdi_dir),
+                    *device.cdi_device_ids,
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            env = dict(e.split("=", 1) for e in json.loads(proc.stdout)["process"]["env"])
+            for request in device.request_names:
+                out[request] = env
+        return out
+
+    def clear(self) -> None:
+        for ref in reversed(self.prepared):
+            self.bench.kubelet.unprepare(ref)
+        self.prepared.clear()
+        now = {"gracePeriodSeconds": "0"}
+        sync_request(self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods", query=now)
+        sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
+
+        def released() -> bool:
+            claims = sync_request(self.api, "GET", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
+            return not claims["items"]
+
+        wait_for("the case's claims to be gone", released, timeout=60)
+
+
+@pytest.fixture
+def case(bench: Bench, namespace: str) -> Iterator[Case]:
+    c = Case(bench, namespace)
+    try:
+        yield c
+    finally:
+        c.clear()
+
+
+def _mps(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith("CUDA_MPS_")}
+
+
+def _plugin_message(parameters: Any) -> str:
+    try:
+        parse_claim_config(parameters, DRIVER, "opaque.parameters")
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError(f"the plugin accepts {parameters}")
+
+
+# --------------------------------------------------------------------------- accepted and prepared
+
+
+def test_nvidia_quickstart_mps_example_runs_with_its_limits(case: Case) -> None:
+    template, pod = load_yaml_documents(EXAMPLES / "13-nvidia-mps.yaml")
+    devices = template["spec"]["spec"]["devices"]
+    devices["requests"][0]["exactly"]["deviceClassName"] = GPU_CLASS
+    sync_request(case.api, "POST", f"{RESOURCE_API}/namespaces/{case.ns}/resourceclaimtemplates", template)
+    case.pod("mps", {"resourceClaimTemplateName": template["metadata"]["name"]}, ["mps-gpu", "mps-gpu"])
+    env = case.env_by_request(case.claim_of("mps"))
+    assert _mps(env["mps-gpu"]) == {
+        "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10G",
+    }
+    assert pod["spec"]["containers"][0]["resources"]["claims"][0]["request"] == "mps-gpu"
+
+
+def test_nvidia_quickstart_time_sliced_and_mps_gpus_in_one_claim(case: Case) -> None:
+    template, _ = load_yaml_documents(EXAMPLES / "14-nvidia-time-slicing-and-mps.yaml")
+    for request in template["spec"]["spec"]["devices"]["requests"]:
+        request["exactly"]["deviceClassName"] = GPU_CLASS
+    sync_request(case.api, "POST", f"{RESOURCE_API}/namespaces/{case.ns}/resourceclaimtemplates", template)
+    case.pod("ts-mps", {"resourceClaimTemplateName": template["metadata"]["name"]}, ["ts-gpu", "mps-gpu"])
+    env = case.env_by_request(case.claim_of("ts-mps"))
+    assert _mps(env["ts-gpu"]) == {}  # the time-sliced GPU: nothing hides it behind the daemon
+    assert _mps(env["mps-gpu"])["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert _mps(env["mps-gpu"])["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G"
+
+
+def test_nvidia_per_device_limits_by_index_override_the_default(case: Case) -> None:
+    parameters = {
+        **NV,
+        "sharing": {
+            "strategy": "MPS",
+            "mpsConfig": {
+                "defaultPinnedDeviceMemoryLimit": "10Gi",
+                "defaultPerDevicePinnedMemoryLimit": {"1": "4Gi"},
+            },
+        },
+    }
+    assert _denial(case.api, case.ns, _claim("dry", _one_request(parameters, count=2)), dry_run=True) is None
+    name = case.create(_one_request(parameters, count=2))
+    env = case.env_by_request(case.claim_of(name))
+    assert _mps(env["gpu"])["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G,1=4G"
+
+
+def test_nvidia_mig_device_config_with_mps(case: Case) -> None:
+    parameters = {
+        **NV,
+        "kind": "MigDeviceConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 25}},
+    }
+    name = case.create(_one_request(parameters, cls=MIG_CLASS))
+    env = case.env_by_request(case.claim_of(name))
+    assert _mps(env["gpu"])["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+
+
+def test_our_own_config_is_prepared_as_before(case: Case) -> None:
+    parameters = {**OURS, "sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "2Gi"}}}
+    name = case.create(_one_request(parameters))
+    env = case.env_by_request(case.claim_of(name))
+    assert _mps(env["gpu"])["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2G"
+
+
+# --------------------------------------------------------------------------- refused when written
+
+
+REFUSED = [
+    {**NV, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}},
+    {**NV, "kind": "VfioDeviceConfig"},
+    {**NV, "sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": True}}},
+    {**NV, "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 0}}},
+    {
+        **NV,
+        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"first": "1Gi"}}},
+    },
+    {**NV, "sharing": {"strategy": "TimeSlicing", "mpsConfig": {}}},
+    {**NV, "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS", "timeSlicingConfig": {}}},
+    {**NV, "sharing": {"strategy": "MPS", "mpsConfig": {"pinned": "1Gi"}}},
+    {**OURS, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}},
+    {**OURS, "sharing": {"strategy": "MPX"}},
+    {**OURS, "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 150}}},
+    {**OURS, "sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "512Ki"}}},
+    {**OURS, "kind": "GPUConfig"},
+    {**OURS, "apiVersion": f"{DRIVER}/v1"},
+]
+
+
+@pytest.mark.parametrize("parameters", REFUSED, ids=lambda p: json.dumps(p, separators=(",", ":"))[40:110])
+def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
+    bench: Bench, namespace: str, parameters: JSON
+) -> None:
+    expected = _plugin_message(parameters)
+    claim = _claim("refused", _one_request(parameters))
+    message = _denial(bench.api, namespace, claim)
+    assert message is not None and expected.endswith(message) and message.startswith("opaque.parameters"), (
+        f"policy: {message}\nplugin: {expected}"
+    )
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "refused"},
+        "spec": {"spec": claim["spec"]},
+    }
+    assert _denial(bench.api, namespace, template) == message
+    claims = sync_request(bench.api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims")["items"]
+    assert claims == []  # nothing was written, so nothing can be allocated
+
+
+def test_another_drivers_config_is_not_ours_to_check(bench: Bench, namespace: str) -> None:
+    devices = _one_request({**NV, "kind": "VfioDeviceConfig"})
+    devices["config"][0]["opaque"]["driver"] = "gpu.nvidia.com"
+    assert _denial(bench.api, namespace, _claim("theirs", devices), dry_run=True) is None
+
+
+# --------------------------------------------------------------------------- written before the policy
+
+
+def test_a_claim_written_before_the_policy_is_allocated_and_refused_by_the_plugin_alone(
+    case: Case, bench: Bench
+) -> None:
+    """The scheduler's finalizer and status updates of a claim the policy would refuse, and
+    the finalizer's removal when it is deleted, are not the user's edits: they go through,
+    and the plugin refuses the claim on the node with the message the policy gives for the
+    same config."""
+    parameters = {**NV, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}}
+    for doc in reversed(bench.policy):
+        sync_request(case.api, "DELETE", _admission_path(doc, name=True))
+    wait_for(
+        "the claim-config policy to be gone",
+        lambda: _denial(case.api, case.ns, _claim("probe", _one_request(parameters)), dry_run=True) is None,
+    )
+    try:
+        name = case.create(_one_request(parameters))
+    finally:
+        for doc in bench.policy:
+            sync_request(case.api, "POST", _admission_path(doc), doc)
+    _policy_in_effect(case.api, case.ns)
+    claim = case.claim_of(name)  # bound: the finalizer and the allocation were written
+    assert claim["metadata"].get("finalizers") and allocation_results(claim)
+    answer = case.prepare(claim)
+    policy_message = _denial(case.api, case.ns, _claim("again", _one_request(parameters)), dry_run=True)
+    assert policy_message is not None and answer.error.endswith(policy_message), answer.error
+    # Deleting it removes the finalizer (an update that changes no spec): it must go through.
+    case.clear()
