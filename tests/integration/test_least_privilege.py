@@ -20,6 +20,7 @@ import ast
 import asyncio
 import importlib
 import importlib.util
+import json
 import re
 import sys
 import uuid
@@ -547,6 +548,7 @@ def test_the_driver_may_not_create(
 ) -> None:
     refusal = _refusal(api, as_driver, body(as_driver))
     assert refusal is not None, f"{what} was allowed"
+    print(f"{what}: {json.loads(refusal)['message']}")  # for reading: the closing note quotes them
     assert message.format(a=as_driver.node_a, b=as_driver.node_b) in refusal, refusal
     assert "ValidatingAdmissionPolicy" in refusal, refusal
 
