@@ -242,8 +242,7 @@ def granted(role: dict[str, Any]) -> set[Grant]:
 # -- the chart on the real API server -----------------------------------------------------------
 
 
-def render(*sets: str, helm: Helm | None = None) -> list[dict[str, Any]]:
-    helm = helm or Helm(build_helm(), None, Path("/tmp") / f"helm-home-{uuid.uuid4().hex[:6]}")
+def render(helm: Helm, *sets: str) -> list[dict[str, Any]]:
     args = [a for s in sets for a in ("--set", s)]
     out = helm.run(
         "template", RELEASE, str(CHART), "-n", NAMESPACE, "--set", "namespace.create=true", *args
@@ -270,8 +269,8 @@ def _client(control_plane: ControlPlane, token: str) -> client.ApiClient:
 
 
 @pytest.fixture(scope="module")
-def chart() -> list[dict[str, Any]]:
-    return render()
+def chart(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return render(Helm(build_helm(), None, tmp_path_factory.mktemp("helm-home")))
 
 
 @pytest.fixture(scope="module")
