@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from dra_driver.gpu.mig_profiles import GiProfile
+
 
 class LinkEndpointKind(StrEnum):
     """What is at the far end of one NVLink link."""
@@ -126,6 +128,8 @@ class GpuInfo:
     fabric_clique: FabricClique | None = None
     multiprocessors: int | None = None
     peer_paths: tuple[PeerPath, ...] = ()  # one per other GPU of the node
+    # GPU-instance profiles and their possible placements, read only in MIG mode (dynamic MIG)
+    mig_profiles: tuple[GiProfile, ...] = ()
 
     @property
     def active_nvlinks(self) -> int:

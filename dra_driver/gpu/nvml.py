@@ -31,6 +31,8 @@ import pynvml
 import structlog
 
 from dra_driver.gpu.errors import GpuDiscoveryError, NvmlUnavailableError
+from dra_driver.gpu.mig_profiles import MEMORY_SLICES as MIG_MEMORY_SLICES
+from dra_driver.gpu.mig_profiles import GiProfile
 from dra_driver.gpu.model import (
     FabricClique,
     GpuInfo,
@@ -77,6 +79,10 @@ class NvmlApi(Protocol):
     def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int: ...
     def nvmlDeviceGetGpuInstanceById(self, handle: Any, gpu_instance_id: int) -> Any: ...
     def nvmlGpuInstanceGetInfo(self, gpu_instance: Any) -> Any: ...
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: Any, profile: int, version: int = 2) -> Any: ...
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, handle: Any, profile_id: int, placements: Any, count_ref: Any
+    ) -> int: ...
     def nvmlDeviceGetNvLinkState(self, handle: Any, link: int) -> int: ...
     def nvmlDeviceGetNvLinkRemotePciInfo(self, handle: Any, link: int) -> Any: ...
     def nvmlDeviceGetNvLinkRemoteDeviceType(self, handle: Any, link: int) -> int: ...
@@ -360,6 +366,7 @@ def _read_gpu(
         numa_node=numa,
         mig_enabled=mig_enabled,
         mig_devices=_read_mig_devices(nvml, dev, memory) if mig_enabled else (),
+        mig_profiles=_read_gi_profiles(nvml, dev) if mig_enabled else (),
         nvlinks=_read_nvlinks(nvml, dev),
         fabric_clique=_read_fabric_clique(nvml, dev),
         multiprocessors=int(attributes.multiprocessorCount) if attributes is not None else None,
@@ -452,6 +459,40 @@ def _read_mig_devices(nvml: NvmlApi, dev: _Device, parent_memory: int) -> tuple[
             )
         )
     return tuple(sorted(migs, key=lambda m: (m.placement_start, m.gpu_instance_id, m.compute_instance_id)))
+
+
+def _read_gi_profiles(nvml: NvmlApi, dev: _Device) -> tuple[GiProfile, ...]:
+    """Every GPU-instance profile the GPU offers and where each may start (MIG mode only:
+    NVML answers NotSupported otherwise, and for profiles the product does not have)."""
+    i, h = dev.index, dev.handle
+    found: dict[int, GiProfile] = {}
+    for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+        info = _optional(i, nvml.nvmlDeviceGetGpuInstanceProfileInfo, h, enum, quiet=True)
+        if info is None or int(info.id) in found:
+            continue
+        buffer = (pynvml.c_nvmlGpuInstancePlacement_t * MIG_MEMORY_SLICES)()
+        count = ctypes.c_uint(MIG_MEMORY_SLICES)
+        asked = (h, info.id, buffer, ctypes.byref(count))
+        if _optional(i, nvml.nvmlDeviceGetGpuInstancePossiblePlacements, *asked) is None:
+            continue
+        slots = buffer[: count.value]
+        name = _text(info.name).removeprefix("MIG ")
+        found[int(info.id)] = GiProfile(
+            name=name,
+            id=int(info.id),
+            nvml_profile=enum,
+            compute_slices=int(info.sliceCount),
+            memory_slices=int(slots[0].size) if slots else 0,
+            memory_mib=int(info.memorySizeMB),
+            multiprocessors=int(info.multiprocessorCount),
+            copy_engines=int(info.copyEngineCount),
+            decoders=int(info.decoderCount),
+            encoders=int(info.encoderCount),
+            jpeg_engines=int(info.jpegCount),
+            ofa_engines=int(info.ofaCount),
+            placements=tuple(int(s.start) for s in slots),
+        )
+    return tuple(sorted(found.values(), key=lambda p: (p.compute_slices, p.memory_slices, p.name)))
 
 
 def _read_peer_paths(nvml: NvmlApi, devices: list[_Device]) -> dict[int, tuple[PeerPath, ...]]:

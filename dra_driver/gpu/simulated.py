@@ -20,13 +20,22 @@ from __future__ import annotations
 import ctypes
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pynvml
 
+from dra_driver.gpu.mig_profiles import GiProfile
 from dra_driver.gpu.nvml import normalize_pci_bus_id
-from dra_driver.gpu.profiles import GpuSpec, MigInstanceSpec, Profile
+from dra_driver.gpu.profiles import GpuSpec, MigProfileSpec, Profile
 from dra_driver.gpu.simulated_events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
+from dra_driver.gpu.simulated_mig import (
+    ComputeInstanceInfo,
+    ComputeInstanceRef,
+    FakeMig,
+    GpuInstanceRef,
+    LiveInstance,
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class FakeNvml:
         events: FakeEventSource | None = None,
         supported_events: int = ALL_EVENTS,
         recovery_action_field: bool = True,
+        mig_state_file: Path | None = None,
     ) -> None:
         self.profile = profile
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
@@ -89,6 +99,10 @@ class FakeNvml:
         self.compute_modes = {g.index: int(pynvml.NVML_COMPUTEMODE_DEFAULT) for g in profile.gpus}
         self.compute_mode_errors: dict[int, int] = {}
         self.contexts: dict[int, set[str]] = {g.index: set() for g in profile.gpus}
+        # MIG instances as NVML keeps them (dra_driver.gpu.simulated_mig); in `mig_state_file`
+        # they outlive this object as they outlive the plugin on a GPU
+        self.mig = FakeMig(profile.gpus, mig_state_file)
+        self._static_profiles = {m.profile.id: m.profile for g in profile.gpus for m in g.mig_devices}
 
     def _link_table(self, gpu: GpuSpec) -> tuple[_LinkEnd, ...]:
         ends: list[_LinkEnd] = []
@@ -120,11 +134,17 @@ class FakeNvml:
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self.profile.gpus[handle.index]
 
-    def _mig(self, handle: Any) -> tuple[GpuSpec, MigInstanceSpec]:
+    def _mig(self, handle: Any) -> tuple[LiveInstance, GiProfile | MigProfileSpec]:
         if not isinstance(handle, MigHandle):
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        gpu = self.profile.gpus[handle.gpu]
-        return gpu, gpu.mig_devices[handle.slot]
+        live = self.mig.mig_devices(handle.gpu)
+        if handle.slot >= len(live):
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return live[handle.slot], self._gi_profile(handle.gpu, live[handle.slot].profile_id)
+
+    def _gi_profile(self, gpu: int, profile_id: int) -> GiProfile | MigProfileSpec:
+        static = self._static_profiles.get(profile_id)
+        return static if static is not None else self.mig.profile_by_id(gpu, profile_id)
 
     def _link(self, handle: Any, link: int) -> _LinkEnd | None:
         gpu = self._gpu(handle)
@@ -217,7 +237,7 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
         self._enter("nvmlDeviceGetUUID", handle)
         if isinstance(handle, MigHandle):
-            return self._mig(handle)[1].uuid
+            return str(self._mig(handle)[0].uuid)
         return self._gpu(handle).uuid
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
@@ -260,16 +280,16 @@ class FakeNvml:
         self._enter("nvmlDeviceGetAttributes", handle)
         attrs = pynvml.c_nvmlDeviceAttributes()
         if isinstance(handle, MigHandle):
-            _, mig = self._mig(handle)
-            p = mig.profile
+            _, p = self._mig(handle)
+            slices = p.compute_slices if isinstance(p, GiProfile) else p.slices
             attrs.multiprocessorCount = p.multiprocessors
             attrs.sharedCopyEngineCount = p.copy_engines
             attrs.sharedDecoderCount = p.decoders
             attrs.sharedEncoderCount = p.encoders
             attrs.sharedJpegCount = p.jpeg_engines
             attrs.sharedOfaCount = p.ofa_engines
-            attrs.gpuInstanceSliceCount = p.slices
-            attrs.computeInstanceSliceCount = p.slices
+            attrs.gpuInstanceSliceCount = slices
+            attrs.computeInstanceSliceCount = slices
             attrs.memorySizeMB = p.memory_mib
             return attrs
         self._gpu(handle)
@@ -294,22 +314,22 @@ class FakeNvml:
         gpu = self._gpu(handle)
         if not gpu.mig_enabled or not 0 <= index < gpu.mig_max_devices:
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        if index >= len(gpu.mig_devices):
+        if index >= len(self.mig.mig_devices(gpu.index)):
             raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
         return MigHandle(gpu.index, index)
 
     def nvmlDeviceGetGpuInstanceId(self, handle: Any) -> int:
         self._enter("nvmlDeviceGetGpuInstanceId", handle)
-        return self._mig(handle)[1].gpu_instance_id
+        return self._mig(handle)[0].gpu_instance_id
 
     def nvmlDeviceGetComputeInstanceId(self, handle: Any) -> int:
         self._enter("nvmlDeviceGetComputeInstanceId", handle)
-        return self._mig(handle)[1].compute_instance_id
+        return int(self._mig(handle)[0].compute_instance_id or 0)
 
     def nvmlDeviceGetGpuInstanceById(self, handle: Any, gpu_instance_id: int) -> Any:
         self._enter("nvmlDeviceGetGpuInstanceById", handle, gpu_instance_id)
         gpu = self._gpu(handle)
-        if not any(m.gpu_instance_id == gpu_instance_id for m in gpu.mig_devices):
+        if not any(m.gpu_instance_id == gpu_instance_id for m in self.mig.live(gpu.index)):
             raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
         return GpuInstanceHandle(gpu.index, gpu_instance_id)
 
@@ -317,14 +337,121 @@ class FakeNvml:
         self._enter("nvmlGpuInstanceGetInfo", gpu_instance)
         if not isinstance(gpu_instance, GpuInstanceHandle):
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        gpu = self.profile.gpus[gpu_instance.gpu]
-        mig = next(m for m in gpu.mig_devices if m.gpu_instance_id == gpu_instance.gpu_instance_id)
+        mig = next(
+            (m for m in self.mig.live(gpu_instance.gpu) if m.gpu_instance_id == gpu_instance.gpu_instance_id),
+            None,
+        )
+        if mig is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
         info = pynvml.c_nvmlGpuInstanceInfo_t()
         info.id = mig.gpu_instance_id
-        info.profileId = mig.profile.id
+        info.profileId = mig.profile_id
         info.placement.start = mig.placement
-        info.placement.size = mig.profile.placement_size
+        info.placement.size = mig.size
         return info
+
+    # -- dynamic MIG (dra_driver.gpu.simulated_mig holds the state) -----------------------
+
+    def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: Any, profile: int, version: int = 2) -> Any:
+        self._enter("nvmlDeviceGetGpuInstanceProfileInfo", handle, profile)
+        p = self.mig.profile_info(self._gpu(handle).index, profile)
+        info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
+        info.version = pynvml.nvmlGpuInstanceProfileInfo_v2
+        info.id, info.sliceCount, info.instanceCount = p.id, p.compute_slices, len(p.placements)
+        info.multiprocessorCount, info.copyEngineCount = p.multiprocessors, p.copy_engines
+        info.decoderCount, info.encoderCount = p.decoders, p.encoders
+        info.jpegCount, info.ofaCount, info.memorySizeMB = p.jpeg_engines, p.ofa_engines, p.memory_mib
+        info.name = f"MIG {p.name}".encode()
+        return info
+
+    def nvmlDeviceGetGpuInstancePossiblePlacements(
+        self, handle: Any, profile_id: int, placements: Any, count_ref: Any
+    ) -> int:
+        self._enter("nvmlDeviceGetGpuInstancePossiblePlacements", handle, profile_id)
+        starts = self.mig.possible_placements(self._gpu(handle).index, profile_id)
+        size = self.mig.profile_by_id(self._gpu(handle).index, profile_id).memory_slices
+        count = count_ref._obj  # the c_uint behind ctypes.byref(), as the C library writes it
+        if placements is None:
+            count.value = len(starts)
+            return int(pynvml.NVML_SUCCESS)
+        if count.value < len(starts):
+            count.value = len(starts)
+            raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+        for slot, start in enumerate(starts):
+            placements[slot].start, placements[slot].size = start, size
+        count.value = len(starts)
+        return int(pynvml.NVML_SUCCESS)
+
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, handle: Any, profile_id: int, placement: Any) -> Any:
+        self._enter("nvmlDeviceCreateGpuInstanceWithPlacement", handle, profile_id, placement.start)
+        gpu = self._gpu(handle).index
+        ref = self.mig.create_gpu_instance(gpu, profile_id, placement.start, placement.size)
+        return GpuInstanceHandle(ref.gpu, ref.gpu_instance_id)
+
+    def nvmlGpuInstanceCreateComputeInstance(self, gpu_instance: Any, profile_id: int) -> Any:
+        self._enter("nvmlGpuInstanceCreateComputeInstance", gpu_instance, profile_id)
+        gi = self._gi(gpu_instance)
+        if profile_id != self._full_ci_profile(gi):
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)  # this model offers full-size CIs only
+        return self.mig.create_compute_instance(gi)
+
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, gpu_instance: Any, profile: int, eng_profile: int, version: int = 2
+    ) -> Any:
+        self._enter("nvmlGpuInstanceGetComputeInstanceProfileInfo", gpu_instance, profile, eng_profile)
+        gi = self._gi(gpu_instance)
+        wanted = self._full_ci_profile(gi)
+        if profile != wanted or eng_profile != pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        p = self._gi_profile(gi.gpu, self.mig._find(gi.gpu, gi.gpu_instance_id).profile_id)
+        info = pynvml.c_nvmlComputeInstanceProfileInfo_v2_t()
+        info.id = wanted
+        info.sliceCount = p.compute_slices if isinstance(p, GiProfile) else p.slices
+        info.instanceCount = 1
+        info.multiprocessorCount = p.multiprocessors
+        return info
+
+    def nvmlComputeInstanceGetInfo(self, compute_instance: Any) -> Any:
+        self._enter("nvmlComputeInstanceGetInfo", compute_instance)
+        if not isinstance(compute_instance, ComputeInstanceRef):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        live = self.mig.mig_devices(compute_instance.gpu)
+        slot = next(
+            (n for n, m in enumerate(live) if m.gpu_instance_id == compute_instance.gpu_instance_id), None
+        )
+        if slot is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        gi = GpuInstanceRef(compute_instance.gpu, compute_instance.gpu_instance_id)
+        device = MigHandle(compute_instance.gpu, slot)
+        ci_id = compute_instance.compute_instance_id
+        return ComputeInstanceInfo(device, gi, ci_id, self._full_ci_profile(gi))
+
+    def nvmlGpuInstanceGetComputeInstanceById(self, gpu_instance: Any, ci_id: int) -> Any:
+        self._enter("nvmlGpuInstanceGetComputeInstanceById", gpu_instance, ci_id)
+        gi = self._gi(gpu_instance)
+        if self.mig._find(gi.gpu, gi.gpu_instance_id).compute_instance_id != ci_id:
+            raise _fail(pynvml.NVML_ERROR_NOT_FOUND)
+        return ComputeInstanceRef(gi.gpu, gi.gpu_instance_id, ci_id)
+
+    def nvmlComputeInstanceDestroy(self, compute_instance: Any) -> None:
+        self._enter("nvmlComputeInstanceDestroy", compute_instance)
+        if not isinstance(compute_instance, ComputeInstanceRef):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        self.mig.destroy_compute_instance(compute_instance)
+
+    def nvmlGpuInstanceDestroy(self, gpu_instance: Any) -> None:
+        self._enter("nvmlGpuInstanceDestroy", gpu_instance)
+        self.mig.destroy_gpu_instance(self._gi(gpu_instance))
+
+    def _gi(self, handle: Any) -> GpuInstanceRef:
+        if not isinstance(handle, GpuInstanceHandle | GpuInstanceRef):
+            raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return GpuInstanceRef(handle.gpu, handle.gpu_instance_id)
+
+    def _full_ci_profile(self, gi: GpuInstanceRef) -> int:
+        p = self._gi_profile(gi.gpu, self.mig._find(gi.gpu, gi.gpu_instance_id).profile_id)
+        slices = p.compute_slices if isinstance(p, GiProfile) else p.slices
+        return int(_CI_PROFILES[slices])
 
     # -- NVLink, P2P, PCIe topology -----------------------------------------------------
 
@@ -454,6 +581,16 @@ class FakeNvml:
             else:
                 value.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return values
+
+
+# A compute instance as large as its GPU instance, by compute slices.
+_CI_PROFILES = {
+    1: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+    2: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
+    3: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+    4: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
+    7: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
+}
 
 
 @dataclass
