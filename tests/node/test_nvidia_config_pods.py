@@ -20,7 +20,7 @@ import pytest
 from dra_driver.jsontypes import JSON
 from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.node import Node
-from tests.harness.objects import load_yaml_documents
+from tests.harness.objects import load_yaml_documents, sync_request, wait_for
 from tests.node import pods
 from tests.node.conftest import NodeCluster
 
@@ -29,7 +29,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "nvidia
 
 
 @pytest.fixture
-def mps_node(cluster: NodeCluster) -> Iterator[Node]:
+def mps_node(cluster: NodeCluster, namespace: str) -> Iterator[Node]:
     node = cluster.nodes[NODE]
     assert node.driver is not None
     root = Path(tempfile.mkdtemp(prefix="nvcfg-", dir="/tmp"))
@@ -48,6 +48,13 @@ def mps_node(cluster: NodeCluster) -> Iterator[Node]:
         node.restart_driver()
         yield node
     finally:
+        # The pods go while this plugin still serves them: its Unprepare stops the claims'
+        # daemons and removes their directories (a plugin on another MPS root would not).
+        sync_request(cluster.api, "DELETE", f"/api/v1/namespaces/{namespace}/pods")
+        wait_for(
+            "the claims to be released", lambda: pods.claims_released(cluster.api, namespace), timeout=90
+        )
+        wait_for("the MPS daemons to be stopped", lambda: not any((root / "mps").glob("*/")), timeout=60)
         node.driver.extra_args = node.spec.driver_args
         node.restart_driver()
         shutil.rmtree(root, ignore_errors=True)
