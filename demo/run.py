@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -545,9 +546,21 @@ def demo_on(cp: ControlPlane, nodes: Nodes, base: Path, progress: Progress, keep
     )
     progress("report:")
     print(render(report), flush=True)
+    print_kubectl_gpu(cp, DEMO_NODES[-1].name, progress)
     if keep:
         _wait_for_interrupt(cp, nodes, base)
     return counts(report).ok
+
+
+def print_kubectl_gpu(cp: ControlPlane, node: str, progress: Progress) -> None:
+    """`kubectl gpu <node>`: the real kubectl finding the driver's kubectl-gpu plugin on PATH."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "PATH": path}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    progress(f"kubectl gpu {node}:")
+    shown = subprocess.run([str(cp.bin_dir / "kubectl"), "gpu", node], capture_output=True, text=True,
+                           env=env, timeout=60, check=False)
+    print(shown.stdout if shown.returncode == 0 else f"kubectl gpu failed: {shown.stderr.strip()}", flush=True)
 
 
 def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
