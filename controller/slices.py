@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from controller import partitions
 from controller.attributes import NVLINK_LAYERS, DeviceAttributes, NvlinkFacts, device_attributes
 from controller.capacity import MAX_COUNTER_SETS_PER_SLICE, with_memory_shares
 from dra_driver.devices import NodeDevice, node_devices
@@ -44,6 +45,8 @@ class SliceFeatures:
     list_attributes: bool = False  # DRAListTypeAttributes: ints/strings/... attribute values
     # --memory-shares: each whole GPU also as a share view (controller.capacity)
     memory_shares: bool = False
+    # --dynamic-mig: MIG-mode GPUs as partitionable devices (controller.partitions)
+    dynamic_mig: bool = False
 
 
 def _device_order(device: NodeDevice) -> tuple[int, int]:
@@ -101,7 +104,9 @@ def desired_slices(
         raise ValueError(f"node name {node_name!r} cannot name a pool: not a DNS subdomain")
 
     facts = nvlink_facts(inventory)
-    devices = sorted(node_devices(inventory).values(), key=_device_order)
+    carved = {g.index for g in inventory.gpus if features.dynamic_mig and partitions.dynamic(g)}
+    kept = (d for d in node_devices(inventory).values() if d.gpu.index not in carved)
+    devices = sorted(kept, key=_device_order)
     described = [
         device_attributes(d, inventory, facts.get(d.gpu.index), list_attributes=features.list_attributes)
         for d in devices
@@ -122,6 +127,16 @@ def desired_slices(
         restricted = True
     per_slice = MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
     chunks = [entries[i : i + per_slice] for i in range(0, len(entries), per_slice)] or [[]]
+    # One slice per MIG-mode GPU: its devices all consume its counter set
+    for gpu in (g for g in inventory.gpus if g.index in carved):
+        mig_entries = partitions.gpu_devices(gpu, inventory, facts.get(gpu.index), features.list_attributes)
+        for e in mig_entries:
+            if not is_dns_label(e["name"], MAX_DEVICE_NAME_LENGTH):
+                raise ValueError(f"device name {e['name']!r} is not a DNS label")
+            if taints and taints.get(e["name"]):
+                e["taints"] = [taint_json(t) for t in taints[e["name"]]]
+        chunks = [c for c in chunks if c] + [mig_entries]
+        counter_sets.append(partitions.counter_set(gpu))
     # Since 1.35 a slice holds devices or shared counters, never both: counters go last.
     counters = [
         {**_spec(driver, node_name, []), "sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}

@@ -1,0 +1,160 @@
+"""Dynamic MIG in a node's ResourceSlices: partitionable devices with shared counters (KEP-4815).
+
+For every GPU in MIG mode whose profiles discovery read (`GpuInfo.mig_profiles`):
+- one counter set, `gpu-<index>-counter-set`, holding `memory-slice-<i>` = 1 for each of
+  the 8 memory slices, `compute-slices` = 7 and the capacities of the full instance
+  (multiprocessors, copy engines, decoders, encoders, JPEG and OFA engines, memory);
+- one device per possible placement of every GPU-instance profile,
+  `gpu-<index>-mig-<profile>-<profileId>-<start>` (NVIDIA's dynamic MIG names with our
+  prefix), consuming its memory slices and its capacities;
+- the whole GPU, `gpu-<index>`, consuming everything, so a whole-GPU claim and a MIG claim
+  never share the GPU;
+- the instances that existed at start (static MIG), under their static names, consuming
+  their own slices, so no placement that overlaps them can be allocated.
+All of one GPU's devices go in one slice (at most 64 with counters: an H200 has 26 + its
+static instances); the counter sets go in counter-only slices, as the API wants since 1.35.
+Pure: no I/O; `controller.slices` puts the pieces in slices.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from controller.attributes import UUID, NvlinkFacts, binary_quantity, device_attributes
+from dra_driver.devices import NodeDevice, gpu_device_name, mig_device_name
+from dra_driver.gpu.mig_profiles import COMPUTE_SLICES, MEMORY_SLICES, GiProfile
+from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
+from dra_driver.jsontypes import JSON
+
+MIB: Final = 1024 * 1024
+MAX_COUNTERS_PER_SET: Final = 32
+MAX_COUNTER_CONSUMPTIONS_PER_DEVICE: Final = 2
+MAX_DEVICES_WITH_COUNTERS: Final = 64
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One place a GPU instance of `profile` may be created on GPU `gpu`."""
+
+    gpu: GpuInfo
+    profile: GiProfile
+    start: int
+
+    @property
+    def name(self) -> str:
+        return placement_device_name(self.gpu.index, self.profile, self.start)
+
+    @property
+    def slices(self) -> range:
+        return range(self.start, self.start + self.profile.memory_slices)
+
+
+def placement_device_name(gpu_index: int, profile: GiProfile, start: int) -> str:
+    label = re.sub(r"[^a-z0-9]+", "-", profile.name.lower()).strip("-")
+    return f"gpu-{gpu_index}-mig-{label}-{profile.id}-{start}"
+
+
+def counter_set_name(gpu_index: int) -> str:
+    return f"gpu-{gpu_index}-counter-set"
+
+
+def dynamic(gpu: GpuInfo) -> bool:
+    """Whether the GPU is carved by claims: MIG mode on and its profiles known."""
+    return gpu.mig_enabled and bool(gpu.mig_profiles)
+
+
+def placements(gpu: GpuInfo) -> tuple[Placement, ...]:
+    return tuple(Placement(gpu, p, s) for p in gpu.mig_profiles for s in p.placements)
+
+
+def find_placement(inventory: Inventory, device_name: str) -> Placement | None:
+    """The placement a device name stands for, None if it names none (the plugin's lookup)."""
+    for gpu in inventory.gpus:
+        if dynamic(gpu):
+            for p in placements(gpu):
+                if p.name == device_name:
+                    return p
+    return None
+
+
+def _full(gpu: GpuInfo) -> GiProfile:
+    return max(gpu.mig_profiles, key=lambda p: (p.compute_slices, p.memory_slices))
+
+
+def _counters(slices: range, compute: int, sms: int, ce: int, dec: int, enc: int, jpeg: int, ofa: int,
+              memory_mib: int) -> JSON:
+    counters: JSON = {f"memory-slice-{i}": {"value": "1"} for i in slices}
+    for name, value in (("compute-slices", compute), ("multiprocessors", sms), ("copy-engines", ce),
+                        ("decoders", dec), ("encoders", enc), ("jpeg-engines", jpeg), ("ofa-engines", ofa)):
+        if value:
+            counters[name] = {"value": str(value)}
+    counters["memory"] = {"value": binary_quantity(memory_mib * MIB)}
+    return counters
+
+
+def counter_set(gpu: GpuInfo) -> JSON:
+    f = _full(gpu)
+    counters = _counters(range(MEMORY_SLICES), COMPUTE_SLICES, f.multiprocessors, f.copy_engines, f.decoders,
+                         f.encoders, f.jpeg_engines, f.ofa_engines, f.memory_mib)
+    return {"name": counter_set_name(gpu.index), "counters": counters}
+
+
+def _consumes(gpu: GpuInfo, counters: JSON) -> list[JSON]:
+    return [{"counterSet": counter_set_name(gpu.index), "counters": counters}]
+
+
+def _profile_counters(p: GiProfile, slices: range) -> JSON:
+    return _counters(slices, p.compute_slices, p.multiprocessors, p.copy_engines, p.decoders, p.encoders,
+                     p.jpeg_engines, p.ofa_engines, p.memory_mib)
+
+
+def _as_mig(p: Placement) -> MigDevice:
+    g = p.profile
+    return MigDevice(
+        parent_index=p.gpu.index, profile=g.name, gpu_instance_id=0, compute_instance_id=0,
+        placement_start=p.start, placement_size=g.memory_slices, uuid="", memory_bytes=g.memory_mib * MIB,
+        multiprocessors=g.multiprocessors, copy_engines=g.copy_engines, decoders=g.decoders,
+        encoders=g.encoders, jpeg_engines=g.jpeg_engines, ofa_engines=g.ofa_engines,
+        gpu_instance_profile_id=g.id,
+    )
+
+
+def _static_counters(gpu: GpuInfo, mig: MigDevice) -> JSON:
+    profile = next((p for p in gpu.mig_profiles if p.id == mig.gpu_instance_profile_id), None)
+    slices = range(mig.placement_start, mig.placement_start + mig.placement_size)
+    if profile is not None:
+        return _profile_counters(profile, slices)
+    return _counters(slices, 0, mig.multiprocessors, mig.copy_engines, mig.decoders, mig.encoders,
+                     mig.jpeg_engines, mig.ofa_engines, mig.memory_bytes // MIB)
+
+
+def gpu_devices(
+    gpu: GpuInfo, inventory: Inventory, nvlink: NvlinkFacts | None, list_attributes: bool
+) -> list[JSON]:
+    """Every device of one MIG-mode GPU, each consuming its counters: the whole GPU first,
+    then the static instances, then every placement of every profile (small to large)."""
+    whole = device_attributes(NodeDevice(gpu_device_name(gpu), gpu), inventory, nvlink,
+                              list_attributes=list_attributes)
+    out = [_entry(gpu_device_name(gpu), whole.attributes, whole.capacity, counter_set(gpu)["counters"], gpu)]
+    for mig in gpu.mig_devices:
+        d = device_attributes(NodeDevice(mig_device_name(mig), gpu, mig), inventory, None,
+                              list_attributes=list_attributes)
+        out.append(_entry(mig_device_name(mig), d.attributes, d.capacity, _static_counters(gpu, mig), gpu))
+    for p in placements(gpu):
+        placed = NodeDevice(p.name, gpu, _as_mig(p))
+        d = device_attributes(placed, inventory, None, list_attributes=list_attributes)
+        attributes = {k: v for k, v in d.attributes.items() if k != UUID}  # the UUID exists once created
+        out.append(_entry(p.name, attributes, d.capacity, _profile_counters(p.profile, p.slices), gpu))
+    return out
+
+
+def _entry(name: str, attributes: JSON, capacity: JSON, counters: JSON, gpu: GpuInfo) -> JSON:
+    entry: JSON = {"name": name}
+    if attributes:
+        entry["attributes"] = attributes
+    if capacity:
+        entry["capacity"] = capacity
+    entry["consumesCounters"] = _consumes(gpu, counters)
+    return entry
