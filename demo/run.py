@@ -560,7 +560,8 @@ def print_kubectl_gpu(cp: ControlPlane, node: str, progress: Progress) -> None:
     progress(f"kubectl gpu {node}:")
     shown = subprocess.run([str(cp.bin_dir / "kubectl"), "gpu", node], capture_output=True, text=True,
                            env=env, timeout=60, check=False)
-    print(shown.stdout if shown.returncode == 0 else f"kubectl gpu failed: {shown.stderr.strip()}", flush=True)
+    failed = f"kubectl gpu failed: {shown.stderr.strip()}"
+    print(shown.stdout if shown.returncode == 0 else failed, flush=True)
 
 
 def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
