@@ -62,6 +62,7 @@ def test_status_devices_written_described_flipped_and_released(
             assert (field_manager(DEFAULT_DRIVER_NAME, node), "status") in managers
 
             described = control_plane.kubectl("describe", "resourceclaim", "-n", namespace, "train").stdout
+            print(f"\n{described}")
             assert gpu4.uuid in described and gpu4.pci_bus_id in described, described
 
             status.health({"gpu-4": DeviceView(False, "XID 79: GPU has fallen off the bus")})
