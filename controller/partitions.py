@@ -9,8 +9,10 @@ For every GPU in MIG mode whose profiles discovery read (`GpuInfo.mig_profiles`)
   prefix), consuming its memory slices and its capacities;
 - the whole GPU, `gpu-<index>`, consuming everything, so a whole-GPU claim and a MIG claim
   never share the GPU;
-- the instances that existed at start (static MIG), under their static names, consuming
-  their own slices, so no placement that overlaps them can be allocated.
+- the instances that existed at start (static MIG), under their static names, as today.
+Counters are taken only by allocated devices, so a static instance cannot hold its slices
+through them: its slices and capacities are left out of the counter set instead, the
+placements that overlap it are not published, nor the whole GPU (it is not whole).
 All of one GPU's devices go in one slice (at most 64 with counters: an H200 has 26 + its
 static instances); the counter sets go in counter-only slices, as the API wants since 1.35.
 Pure: no I/O; `controller.slices` puts the pieces in slices.
@@ -65,8 +67,16 @@ def dynamic(gpu: GpuInfo) -> bool:
     return gpu.mig_enabled and bool(gpu.mig_profiles)
 
 
+def static_slices(gpu: GpuInfo) -> frozenset[int]:
+    held = (range(m.placement_start, m.placement_start + m.placement_size) for m in gpu.mig_devices)
+    return frozenset(s for r in held for s in r)
+
+
 def placements(gpu: GpuInfo) -> tuple[Placement, ...]:
-    return tuple(Placement(gpu, p, s) for p in gpu.mig_profiles for s in p.placements)
+    """Every placement of every profile that no static instance overlaps."""
+    held = static_slices(gpu)
+    every = (Placement(gpu, p, s) for p in gpu.mig_profiles for s in p.placements)
+    return tuple(p for p in every if not held.intersection(p.slices))
 
 
 def find_placement(inventory: Inventory, device_name: str) -> Placement | None:
@@ -95,10 +105,27 @@ def _counters(slices: range, compute: int, sms: int, ce: int, dec: int, enc: int
 
 
 def counter_set(gpu: GpuInfo) -> JSON:
-    f = _full(gpu)
-    counters = _counters(range(MEMORY_SLICES), COMPUTE_SLICES, f.multiprocessors, f.copy_engines, f.decoders,
-                         f.encoders, f.jpeg_engines, f.ofa_engines, f.memory_mib)
-    return {"name": counter_set_name(gpu.index), "counters": counters}
+    """The GPU's counters less what its static instances hold."""
+    f, s = _full(gpu), gpu.mig_devices
+    free = [i for i in range(MEMORY_SLICES) if i not in static_slices(gpu)]
+    counters = _counters(
+        range(0),
+        COMPUTE_SLICES - sum(_static_compute(gpu, m) for m in s),
+        f.multiprocessors - sum(m.multiprocessors for m in s),
+        f.copy_engines - sum(m.copy_engines for m in s),
+        f.decoders - sum(m.decoders for m in s),
+        f.encoders - sum(m.encoders for m in s),
+        f.jpeg_engines - sum(m.jpeg_engines for m in s),
+        f.ofa_engines - sum(m.ofa_engines for m in s),
+        max(0, f.memory_mib - sum(m.memory_bytes // MIB for m in s)),
+    )
+    return {"name": counter_set_name(gpu.index),
+            "counters": {**{f"memory-slice-{i}": {"value": "1"} for i in free}, **counters}}
+
+
+def _static_compute(gpu: GpuInfo, mig: MigDevice) -> int:
+    profile = next((p for p in gpu.mig_profiles if p.id == mig.gpu_instance_profile_id), None)
+    return profile.compute_slices if profile is not None else 0
 
 
 def _consumes(gpu: GpuInfo, counters: JSON) -> list[JSON]:
@@ -121,27 +148,21 @@ def _as_mig(p: Placement) -> MigDevice:
     )
 
 
-def _static_counters(gpu: GpuInfo, mig: MigDevice) -> JSON:
-    profile = next((p for p in gpu.mig_profiles if p.id == mig.gpu_instance_profile_id), None)
-    slices = range(mig.placement_start, mig.placement_start + mig.placement_size)
-    if profile is not None:
-        return _profile_counters(profile, slices)
-    return _counters(slices, 0, mig.multiprocessors, mig.copy_engines, mig.decoders, mig.encoders,
-                     mig.jpeg_engines, mig.ofa_engines, mig.memory_bytes // MIB)
-
-
 def gpu_devices(
     gpu: GpuInfo, inventory: Inventory, nvlink: NvlinkFacts | None, list_attributes: bool
 ) -> list[JSON]:
     """Every device of one MIG-mode GPU, each consuming its counters: the whole GPU first,
     then the static instances, then every placement of every profile (small to large)."""
-    whole = device_attributes(NodeDevice(gpu_device_name(gpu), gpu), inventory, nvlink,
-                              list_attributes=list_attributes)
-    out = [_entry(gpu_device_name(gpu), whole.attributes, whole.capacity, counter_set(gpu)["counters"], gpu)]
+    out: list[JSON] = []
+    if not gpu.mig_devices:
+        whole = device_attributes(NodeDevice(gpu_device_name(gpu), gpu), inventory, nvlink,
+                                  list_attributes=list_attributes)
+        everything = counter_set(gpu)["counters"]
+        out.append(_entry(gpu_device_name(gpu), whole.attributes, whole.capacity, everything, gpu))
     for mig in gpu.mig_devices:
         d = device_attributes(NodeDevice(mig_device_name(mig), gpu, mig), inventory, None,
                               list_attributes=list_attributes)
-        out.append(_entry(mig_device_name(mig), d.attributes, d.capacity, _static_counters(gpu, mig), gpu))
+        out.append(_entry(mig_device_name(mig), d.attributes, d.capacity, None, gpu))
     for p in placements(gpu):
         placed = NodeDevice(p.name, gpu, _as_mig(p))
         d = device_attributes(placed, inventory, None, list_attributes=list_attributes)
@@ -150,11 +171,12 @@ def gpu_devices(
     return out
 
 
-def _entry(name: str, attributes: JSON, capacity: JSON, counters: JSON, gpu: GpuInfo) -> JSON:
+def _entry(name: str, attributes: JSON, capacity: JSON, counters: JSON | None, gpu: GpuInfo) -> JSON:
     entry: JSON = {"name": name}
     if attributes:
         entry["attributes"] = attributes
     if capacity:
         entry["capacity"] = capacity
-    entry["consumesCounters"] = _consumes(gpu, counters)
+    if counters is not None:
+        entry["consumesCounters"] = _consumes(gpu, counters)
     return entry

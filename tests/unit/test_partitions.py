@@ -79,12 +79,20 @@ def test_no_placement_consumes_more_than_its_gpu_has(inventory: Inventory) -> No
                 assert parse_quantity(value["value"]) <= parse_quantity(have[counter]["value"]), name
 
 
-def test_the_whole_gpu_takes_all_and_a_static_instance_its_slices(inventory: Inventory) -> None:
-    devices = _devices(desired_slices(inventory, "node-a", DRIVER, ON))
-    sets = _sets(desired_slices(inventory, "node-a", DRIVER, ON))
-    assert devices["gpu-1"]["consumesCounters"][0]["counters"] == sets["gpu-1-counter-set"]
-    static = devices["gpu-1-mig-3g71gb-4"]["consumesCounters"][0]["counters"]
-    assert {k for k in static if k.startswith("memory-slice-")} == {f"memory-slice-{i}" for i in (4, 5, 6, 7)}
+def test_the_whole_gpu_takes_all_and_a_static_instance_keeps_its_slices(inventory: Inventory) -> None:
+    slices = desired_slices(inventory, "node-a", DRIVER, ON)
+    devices, sets = _devices(slices), _sets(slices)
+    assert devices["gpu-0"]["consumesCounters"][0]["counters"] == sets["gpu-0-counter-set"]
+    # GPU 1 holds a static 3g.71gb at slices 4-7: counters only bind allocated devices, so
+    # its slices are not in the set, nothing that overlaps it is published, nor the whole GPU.
+    assert "consumesCounters" not in devices["gpu-1-mig-3g71gb-4"] and "gpu-1" not in devices
+    held = sets["gpu-1-counter-set"]
+    assert {k for k in held if k.startswith("memory-slice-")} == {f"memory-slice-{i}" for i in (0, 1, 2, 3)}
+    assert held["compute-slices"] == {"value": "4"} and held["multiprocessors"] == {"value": "72"}
+    gpu1 = {d for d in devices if d.startswith("gpu-1-mig-") and d != "gpu-1-mig-3g71gb-4"}
+    assert "gpu-1-mig-3g-71gb-9-0" in gpu1 and "gpu-1-mig-4g-71gb-5-0" in gpu1
+    assert not {d for d in gpu1 if d.endswith(("-4", "-5", "-6"))}
+    assert "gpu-1-mig-7g-141gb-0-0" not in gpu1
 
 
 def test_placements_that_overlap_share_a_memory_slice_counter(inventory: Inventory) -> None:
