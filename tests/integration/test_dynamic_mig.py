@@ -196,3 +196,20 @@ def test_two_slices_of_one_gpu_and_static_mig_keeps_its_slices(case: Case) -> No
     pair = case.create(mig("2g.35gb", 0, count=2))
     devices = case.bound(pair)
     assert len(set(devices)) == 2 and all(d.startswith("gpu-0-mig-2g-35gb-14-") for d in devices)
+
+
+EXAMPLES = {
+    "01-slice-3g-71gb.yaml": "-mig-3g-71gb-9-",
+    "02-smallest-slice-35gb.yaml": "-mig-1g-35gb-15-",
+    "03-two-slices-one-gpu.yaml": "-mig-1g-18gb-19-",
+    "04-mig-memory-share.yaml": "-mig-1g-18gb-",
+}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_the_shipped_mig_examples_are_allocated(case: Case, example: str) -> None:
+    (doc,) = load_yaml_documents(DEPLOY / "examples" / "mig" / example)
+    devices = case.bound(case.create(doc["spec"]["devices"]))
+    assert devices and all(EXAMPLES[example] in d for d in devices), devices
+    if example.startswith("03-"):
+        assert len(set(devices)) == 2 and len({d.split("-mig-")[0] for d in devices}) == 1
