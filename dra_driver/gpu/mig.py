@@ -1,0 +1,166 @@
+"""MIG instances through NVML for dynamic MIG: create one at a placement, find, destroy.
+
+A dynamic MIG claim names a placement (`controller.partitions`): GPU-instance profile id
+and start slice on a parent GPU. `MigInstances.create` makes the GPU instance at exactly
+that placement, then its one full-size compute instance, and returns the MIG device's
+UUID and ids; `destroy` removes the compute instance, then the GPU instance; `at` finds
+what lives at a placement (for adopting after a crash). A placement that is taken (by
+hand, by another tool, by a static instance) is refused by NVML with
+INSUFFICIENT_RESOURCES; that is said as such, with nothing created. If the compute
+instance cannot be made, the GPU instance just made is destroyed again before the error
+goes up. Each call is one `nvmlInit`/`nvmlShutdown` pair, so it can run in the prepare
+path. `api` is the pynvml module on a GPU node, a FakeNvml (which models MIG as NVML
+does) in simulations and tests. It must not decide which placement, nor record anything:
+the caller writes its checkpoint before calling `create` (two-phase).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import pynvml
+
+from dra_driver.gpu.mig_profiles import GiProfile
+
+# A compute instance as large as its GPU instance, by compute slices.
+FULL_CI_PROFILE: Final = {
+    1: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+    2: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
+    3: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+    4: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
+    7: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
+}
+
+
+class MigError(Exception):
+    """NVML refused a MIG step; the message says which step, on what, and why."""
+
+
+class PlacementTaken(MigError):
+    """Something else already holds some of the placement's memory slices."""
+
+
+@dataclass(frozen=True)
+class Created:
+    """A MIG device made for a claim: enough to find it again and to destroy it."""
+
+    parent_uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    uuid: str
+    profile_id: int
+    start: int
+
+
+class MigApi(Protocol):
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Any: ...
+    def nvmlDeviceCreateGpuInstanceWithPlacement(self, handle: Any, profile_id: int, at: Any) -> Any: ...
+    def nvmlGpuInstanceGetComputeInstanceProfileInfo(
+        self, gpu_instance: Any, profile: int, eng_profile: int, version: int = 2
+    ) -> Any: ...
+    def nvmlGpuInstanceCreateComputeInstance(self, gpu_instance: Any, profile_id: int) -> Any: ...
+    def nvmlComputeInstanceGetInfo(self, compute_instance: Any) -> Any: ...
+    def nvmlDeviceGetUUID(self, handle: Any) -> str: ...
+    def nvmlDeviceGetGpuInstanceById(self, handle: Any, gpu_instance_id: int) -> Any: ...
+    def nvmlGpuInstanceGetInfo(self, gpu_instance: Any) -> Any: ...
+    def nvmlGpuInstanceGetComputeInstanceById(self, gpu_instance: Any, ci_id: int) -> Any: ...
+    def nvmlComputeInstanceDestroy(self, compute_instance: Any) -> None: ...
+    def nvmlGpuInstanceDestroy(self, gpu_instance: Any) -> None: ...
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class MigInstances:
+    """Dynamic MIG instances of this node's GPUs (`api`: pynvml or a FakeNvml)."""
+
+    def __init__(self, api: MigApi) -> None:
+        self.api = api
+
+    def create(self, parent_uuid: str, profile: GiProfile, start: int) -> Created:
+        profile_id = profile.id
+        where = f"GPU {parent_uuid}, {profile.name} at memory slice {start}"
+        placement = pynvml.c_nvmlGpuInstancePlacement_t()
+        placement.start, placement.size = start, profile.memory_slices
+        self.api.nvmlInit()
+        try:
+            gpu = self._handle(parent_uuid)
+            try:
+                gi = self.api.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, profile_id, placement)
+            except pynvml.NVMLError as e:
+                if e.value == pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES:
+                    raise PlacementTaken(
+                        f"{where}: the placement is taken (an instance made by hand or by another tool "
+                        f"holds some of its memory slices; `nvidia-smi mig -lgi` shows it): {e}"
+                    ) from e
+                if e.value == pynvml.NVML_ERROR_NOT_SUPPORTED:
+                    raise MigError(f"{where}: the GPU is not in MIG mode (the operator sets it): {e}") from e
+                raise MigError(f"{where}: creating the GPU instance failed: {e}") from e
+            try:
+                gi_id = int(self.api.nvmlGpuInstanceGetInfo(gi).id)
+                shared = pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                full = FULL_CI_PROFILE[profile.compute_slices]
+                ci_profile = self.api.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, full, shared)
+                ci = self.api.nvmlGpuInstanceCreateComputeInstance(gi, int(ci_profile.id))
+                info = self.api.nvmlComputeInstanceGetInfo(ci)
+                mig_uuid = _text(self.api.nvmlDeviceGetUUID(info.device))
+            except (pynvml.NVMLError, KeyError) as e:
+                # if this fails too, recovery finds it: not recorded as done, so it is destroyed
+                with contextlib.suppress(pynvml.NVMLError):
+                    self.api.nvmlGpuInstanceDestroy(gi)
+                raise MigError(f"{where}: creating the compute instance failed: {e}") from e
+            return Created(parent_uuid, gi_id, int(info.id), mig_uuid, profile_id, start)
+        finally:
+            self.api.nvmlShutdown()
+
+    def at(self, parent_uuid: str, gpu_instance_id: int) -> tuple[int, int] | None:
+        """(profile id, start) of the GPU instance with that id, None if there is none."""
+        self.api.nvmlInit()
+        try:
+            try:
+                gi = self.api.nvmlDeviceGetGpuInstanceById(self._handle(parent_uuid), gpu_instance_id)
+            except pynvml.NVMLError as e:
+                if e.value == pynvml.NVML_ERROR_NOT_FOUND:
+                    return None
+                raise MigError(f"GPU {parent_uuid}: reading GPU instance {gpu_instance_id}: {e}") from e
+            info = self.api.nvmlGpuInstanceGetInfo(gi)
+            return int(info.profileId), int(info.placement.start)
+        finally:
+            self.api.nvmlShutdown()
+
+    def destroy(self, parent_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
+        """Compute instance, then GPU instance; what is already gone is fine (idempotent).
+        NVML's IN_USE ("In use by another client") goes up: the kubelet retries Unprepare."""
+        where = f"GPU {parent_uuid}, GPU instance {gpu_instance_id}"
+        self.api.nvmlInit()
+        try:
+            try:
+                gi = self.api.nvmlDeviceGetGpuInstanceById(self._handle(parent_uuid), gpu_instance_id)
+            except pynvml.NVMLError as e:
+                if e.value == pynvml.NVML_ERROR_NOT_FOUND:
+                    return
+                raise MigError(f"{where}: {e}") from e
+            try:
+                ci = self.api.nvmlGpuInstanceGetComputeInstanceById(gi, compute_instance_id)
+                self.api.nvmlComputeInstanceDestroy(ci)
+            except pynvml.NVMLError as e:
+                if e.value != pynvml.NVML_ERROR_NOT_FOUND:
+                    raise MigError(f"{where}: destroying compute instance {compute_instance_id}: {e}") from e
+            try:
+                self.api.nvmlGpuInstanceDestroy(gi)
+            except pynvml.NVMLError as e:
+                if e.value != pynvml.NVML_ERROR_NOT_FOUND:
+                    raise MigError(f"{where}: destroying the GPU instance failed: {e}") from e
+        finally:
+            self.api.nvmlShutdown()
+
+    def _handle(self, parent_uuid: str) -> Any:
+        try:
+            return self.api.nvmlDeviceGetHandleByUUID(parent_uuid)
+        except pynvml.NVMLError as e:
+            raise MigError(f"GPU {parent_uuid} not found by NVML: {e}") from e
