@@ -20,73 +20,24 @@ Pure: no I/O; `controller.slices` puts the pieces in slices.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Final
 
 from controller.attributes import UUID, NvlinkFacts, binary_quantity, device_attributes
 from dra_driver.devices import NodeDevice, gpu_device_name, mig_device_name
 from dra_driver.gpu.mig_profiles import COMPUTE_SLICES, MEMORY_SLICES, GiProfile
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
+from dra_driver.gpu.placements import MIB, Placement, dynamic, placements, static_slices
+
+__all__ = ["counter_set", "counter_set_name", "dynamic", "gpu_devices", "placements"]
 from dra_driver.jsontypes import JSON
 
-MIB: Final = 1024 * 1024
 MAX_COUNTERS_PER_SET: Final = 32
 MAX_COUNTER_CONSUMPTIONS_PER_DEVICE: Final = 2
 MAX_DEVICES_WITH_COUNTERS: Final = 64
 
 
-@dataclass(frozen=True)
-class Placement:
-    """One place a GPU instance of `profile` may be created on GPU `gpu`."""
-
-    gpu: GpuInfo
-    profile: GiProfile
-    start: int
-
-    @property
-    def name(self) -> str:
-        return placement_device_name(self.gpu.index, self.profile, self.start)
-
-    @property
-    def slices(self) -> range:
-        return range(self.start, self.start + self.profile.memory_slices)
-
-
-def placement_device_name(gpu_index: int, profile: GiProfile, start: int) -> str:
-    label = re.sub(r"[^a-z0-9]+", "-", profile.name.lower()).strip("-")
-    return f"gpu-{gpu_index}-mig-{label}-{profile.id}-{start}"
-
-
 def counter_set_name(gpu_index: int) -> str:
     return f"gpu-{gpu_index}-counter-set"
-
-
-def dynamic(gpu: GpuInfo) -> bool:
-    """Whether the GPU is carved by claims: MIG mode on and its profiles known."""
-    return gpu.mig_enabled and bool(gpu.mig_profiles)
-
-
-def static_slices(gpu: GpuInfo) -> frozenset[int]:
-    held = (range(m.placement_start, m.placement_start + m.placement_size) for m in gpu.mig_devices)
-    return frozenset(s for r in held for s in r)
-
-
-def placements(gpu: GpuInfo) -> tuple[Placement, ...]:
-    """Every placement of every profile that no static instance overlaps."""
-    held = static_slices(gpu)
-    every = (Placement(gpu, p, s) for p in gpu.mig_profiles for s in p.placements)
-    return tuple(p for p in every if not held.intersection(p.slices))
-
-
-def find_placement(inventory: Inventory, device_name: str) -> Placement | None:
-    """The placement a device name stands for, None if it names none (the plugin's lookup)."""
-    for gpu in inventory.gpus:
-        if dynamic(gpu):
-            for p in placements(gpu):
-                if p.name == device_name:
-                    return p
-    return None
 
 
 def _full(gpu: GpuInfo) -> GiProfile:

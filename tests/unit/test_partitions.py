@@ -12,6 +12,7 @@ from controller.slices import MAX_DEVICES_PER_SLICE_RESTRICTED, SliceFeatures, d
 from dra_driver.gpu import discover
 from dra_driver.gpu.mig_profiles import H200_141GB
 from dra_driver.gpu.model import Inventory
+from dra_driver.gpu.placements import find_placement
 from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label
 
@@ -119,5 +120,5 @@ def test_without_dynamic_mig_nothing_changes(inventory: Inventory) -> None:
     slices = desired_slices(inventory, "node-a", DRIVER, SliceFeatures())
     assert not any("consumesCounters" in d for d in _devices(slices).values())
     assert "gpu-0" not in _devices(slices)  # a MIG-mode GPU is published by its instances only
-    assert partitions.find_placement(inventory, "gpu-0-mig-2g-35gb-14-2") is not None
-    assert partitions.find_placement(inventory, "gpu-2-mig-2g-35gb-14-2") is None
+    assert find_placement(inventory, "gpu-0-mig-2g-35gb-14-2") is not None
+    assert find_placement(inventory, "gpu-2-mig-2g-35gb-14-2") is None
