@@ -130,11 +130,14 @@ def desired_slices(
     # One slice per MIG-mode GPU: its devices all consume its counter set
     for gpu in (g for g in inventory.gpus if g.index in carved):
         mig_entries = partitions.gpu_devices(gpu, inventory, facts.get(gpu.index), features.list_attributes)
+        # a condition of the whole GPU (named by gpu-<i>) holds for every slice carved from it
+        whole_gpu = list((taints or {}).get(f"gpu-{gpu.index}", ()))
         for e in mig_entries:
             if not is_dns_label(e["name"], MAX_DEVICE_NAME_LENGTH):
                 raise ValueError(f"device name {e['name']!r} is not a DNS label")
-            if taints and taints.get(e["name"]):
-                e["taints"] = [taint_json(t) for t in taints[e["name"]]]
+            own = list((taints or {}).get(e["name"], ())) if e["name"] != f"gpu-{gpu.index}" else []
+            if own or whole_gpu:
+                e["taints"] = [taint_json(t) for t in dict.fromkeys([*whole_gpu, *own])]
         chunks = [c for c in chunks if c] + [mig_entries]
         counter_sets.append(partitions.counter_set(gpu))
     # Since 1.35 a slice holds devices or shared counters, never both: counters go last.

@@ -13,6 +13,7 @@ from dra_driver.gpu import discover
 from dra_driver.gpu.mig_profiles import H200_141GB
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.placements import find_placement
+from dra_driver.health.effects import DeviceTaint
 from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label
 
@@ -122,3 +123,16 @@ def test_without_dynamic_mig_nothing_changes(inventory: Inventory) -> None:
     assert "gpu-0" not in _devices(slices)  # a MIG-mode GPU is published by its instances only
     assert find_placement(inventory, "gpu-0-mig-2g-35gb-14-2") is not None
     assert find_placement(inventory, "gpu-2-mig-2g-35gb-14-2") is None
+
+
+def test_a_whole_gpu_taint_reaches_every_placement_and_an_instance_taint_only_its_device(
+    inventory: Inventory,
+) -> None:
+    xid = DeviceTaint("gpu.dra-driver.dev/xid", "79", "NoSchedule", 1_800_000_000)
+    own = DeviceTaint("gpu.dra-driver.dev/xid", "31", "NoSchedule", 1_800_000_000)
+    taints = {"gpu-0": [xid], "gpu-1-mig-3g71gb-4": [own]}
+    devices = _devices(desired_slices(inventory, "node-a", DRIVER, ON, taints))
+    gpu0 = [d for n, d in devices.items() if n == "gpu-0" or n.startswith("gpu-0-")]
+    assert len(gpu0) == 26 and all([t["value"] for t in d["taints"]] == ["79"] for d in gpu0)
+    assert [t["value"] for t in devices["gpu-1-mig-3g71gb-4"]["taints"]] == ["31"]
+    assert not any("taints" in d for n, d in devices.items() if n.startswith("gpu-1-mig-1g"))
