@@ -327,8 +327,13 @@ async def slice_controller(
     inventories: Mapping[str, Inventory],
     list_attributes: ListAttributesMode = "auto",
     memory_shares: bool = False,
+    dynamic_mig: bool = False,
 ) -> SliceController:
-    features = replace(await resolve_features(api, driver, list_attributes), memory_shares=memory_shares)
+    features = replace(
+        await resolve_features(api, driver, list_attributes),
+        memory_shares=memory_shares,
+        dynamic_mig=dynamic_mig,
+    )
     single = next(iter(inventories)) if len(inventories) == 1 else None
     return SliceController(
         api=api, driver=driver, pools=pools_for(inventories, driver, features), node_selector=single,

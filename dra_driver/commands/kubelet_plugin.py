@@ -30,6 +30,7 @@ from dra_driver import kube, metrics
 from dra_driver.commands.options import (
     cluster_options,
     driver_files_options,
+    dynamic_mig_option,
     health_options,
     memory_shares_option,
 )
@@ -151,6 +152,7 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
     "--metrics-bind-address", default="0.0.0.0", show_default=True, help="Where the metrics port listens."
 )
 @memory_shares_option
+@dynamic_mig_option
 @health_options
 def kubelet_plugin(
     driver_name: str,
@@ -173,6 +175,7 @@ def kubelet_plugin(
     metrics_port: int,
     metrics_bind_address: str,
     memory_shares: bool,
+    dynamic_mig: bool,
     health_monitor: bool,
     health_taint_effect: TaintEffect,
     health_quiet_period: float,
@@ -204,6 +207,7 @@ def kubelet_plugin(
         list_attributes=list_attributes,
         publish_slices=publish_slices,
         memory_shares=memory_shares,
+        dynamic_mig=dynamic_mig,
         metrics_port=metrics_port,
         metrics_bind_address=metrics_bind_address,
         health=health,
@@ -251,6 +255,7 @@ class PluginOptions:
     list_attributes: Literal["auto", "on", "off"] = "auto"
     publish_slices: bool = True
     memory_shares: bool = False
+    dynamic_mig: bool = False  # MIG-mode GPUs carved by claims (docs/mig.md)
     metrics_port: int = 0  # 0: no metrics or probe port
     metrics_bind_address: str = "0.0.0.0"
     health: HealthPolicy | None = field(default_factory=HealthPolicy)  # None: --no-health-monitor
@@ -431,7 +436,8 @@ async def _publish(
         await asyncio.sleep(LEASE_POLL_SECONDS)
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
     ctl = await slice_controller(
-        api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares
+        api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares,
+        dynamic_mig=opts.dynamic_mig,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:

@@ -92,6 +92,20 @@ def memory_shares_option(f: F) -> F:
     )(f)
 
 
+def dynamic_mig_option(f: F) -> F:
+    """`--dynamic-mig`: carve MIG-mode GPUs on demand (docs/mig.md)."""
+    return click.option(
+        "--dynamic-mig/--no-dynamic-mig",
+        envvar="DYNAMIC_MIG",
+        default=False,
+        show_default=True,
+        help="Publish every GPU in MIG mode as partitionable devices (one per possible placement of every "
+        "GPU-instance profile, with shared counters) and create each MIG instance when its claim is "
+        "prepared, destroy it when unprepared. MIG mode itself is never changed. Needs "
+        "DRAPartitionableDevices (beta, on in 1.36+).",
+    )(f)
+
+
 def _xid_severities(ctx: click.Context, param: click.Parameter, value: str) -> dict[int, Severity]:
     try:
         return parse_xid_severities(value)

@@ -54,6 +54,7 @@ def test_default_render(helm: Helm) -> None:
     (container,) = ds["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "gpu-dra-driver:0.1.0"
     assert "--no-memory-shares" in container["args"] and "--health-monitor" in container["args"]
+    assert "--no-dynamic-mig" in container["args"]
     assert "--health-taint-effect=NoSchedule" in container["args"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
 
@@ -62,16 +63,21 @@ def test_feature_switches_reach_the_plugin(helm: Helm) -> None:
     docs = _render(
         helm,
         "memoryShares.enabled=true",
+        "dynamicMig.enabled=true",
         "health.enabled=false",
         "extendedResource.enabled=true",
         "simulate=hgx-h200",
         "driverName=gpu.example.com",
     )
     names = {f"{d['kind']}/{d['metadata']['name']}" for d in docs}
-    assert {"DeviceClass/gpu-share.gpu.example.com", "DeviceClass/extended.gpu.example.com"} <= names
+    assert {
+        "DeviceClass/gpu-share.gpu.example.com",
+        "DeviceClass/extended.gpu.example.com",
+        "DeviceClass/mig-dynamic.gpu.example.com",
+    } <= names
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
     args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
-    wanted = {"--memory-shares", "--no-health-monitor", "--simulate=hgx-h200"}
+    wanted = {"--memory-shares", "--dynamic-mig", "--no-health-monitor", "--simulate=hgx-h200"}
     wanted.add("--driver-name=gpu.example.com")
     assert wanted <= set(args)
     assert not any(a.startswith("--driver-root") for a in args), "a simulated node mounts no driver root"
