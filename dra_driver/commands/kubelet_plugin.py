@@ -20,7 +20,7 @@ import contextlib
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final, Literal, cast
 
 import click
 import structlog
@@ -38,6 +38,7 @@ from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover, load_profile
 from dra_driver.gpu.compute_mode import ComputeModes
+from dra_driver.gpu.mig import MigApi, MigInstances
 from dra_driver.gpu.model import Inventory
 from dra_driver.health import history
 from dra_driver.health.classify import HealthPolicy, Severity, TaintEffect
@@ -52,6 +53,8 @@ from dra_driver.plugin.claim_status import ClaimStatus, ReportingPreparer, nvlin
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_using, keep_fresh, mirror
 from dra_driver.plugin.lock import Lease
+from dra_driver.plugin.mig_steps import dynamic_devices, without_own
+from dra_driver.plugin.prepared import MigRecord
 from dra_driver.plugin.registration import RegistrationService, add_registration
 from dra_driver.plugin.server import SocketServer
 from dra_driver.plugin.service import add_dra_services
@@ -235,6 +238,38 @@ def default_state_dir(driver: str) -> Path:
     return Path("/run") / driver / "state"
 
 
+SIMULATED_MIG_STATE: Final = "simulated-mig.json"
+
+
+def simulated_mig_state(opts: PluginOptions) -> Path | None:
+    """Where simulated GPUs keep their MIG instances with --dynamic-mig, so that they outlive
+    the plugin as on a GPU (and, like on a GPU, end with the boot: the state dir is a tmpfs)."""
+    return opts.state_dir / SIMULATED_MIG_STATE if opts.simulate is not None and opts.dynamic_mig else None
+
+
+def mig_api(opts: PluginOptions) -> MigApi:
+    """NVML for creating MIG instances: the host's, or the simulated GPUs' (FakeNvml)."""
+    if opts.simulate is None:
+        import pynvml
+
+        return cast(MigApi, pynvml)
+    from dra_driver.gpu.simulated import FakeNvml
+
+    return FakeNvml(load_profile(opts.simulate), mig_state_file=simulated_mig_state(opts))
+
+
+def own_mig_instances(opts: PluginOptions) -> list[MigRecord]:
+    """The MIG instances the checkpoint says this plugin made for claims (intents included).
+    An unreadable checkpoint says none: recovery moves it aside, and its instances then look
+    like static ones (logged; docs/mig.md)."""
+    try:
+        cp = ckpt.load(ckpt.checkpoint_path(opts.state_dir), ckpt.read_boot_id(), opts.driver).checkpoint
+    except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused, OSError, ValueError) as e:
+        log.error("cannot read which MIG instances are this plugin's; treating all as static", error=str(e))
+        return []
+    return [r for entry in cp.claims.values() for r in entry.mig]
+
+
 @dataclass(frozen=True)
 class PluginOptions:
     node_name: str
@@ -263,11 +298,16 @@ class PluginOptions:
 
 
 async def run_plugin(opts: PluginOptions) -> None:
-    inventory = await asyncio.to_thread(discover, opts.simulate)
+    inventory = await asyncio.to_thread(discover, opts.simulate, simulated_mig_state(opts))
+    # The instances this plugin made for claims are no static MIG: published as placements
+    own = await asyncio.to_thread(own_mig_instances, opts)
+    inventory = without_own(inventory, own)
     # Share views resolve whether or not they are published now: claims allocated while
     # --memory-shares was on must still prepare and recover after it is turned off.
     devices = node_devices(inventory)
     devices.update(share_views(devices))
+    placements, carved = dynamic_devices(inventory) if opts.dynamic_mig else ({}, {})
+    devices.update(carved)
     driver_files = await asyncio.to_thread(
         functools.partial(
             scan_driver_files,
@@ -301,6 +341,8 @@ async def run_plugin(opts: PluginOptions) -> None:
         cdi_dir=opts.cdi_dir,
         state_dir=opts.state_dir,
         sharing=Sharing(opts.driver, opts.node_name, mps),
+        mig=MigInstances(mig_api(opts)) if opts.dynamic_mig else None,
+        placements=placements,
     )
     claim_status = ClaimStatus(api, opts.driver, opts.node_name, devices, nvlink_peers(inventory, devices))
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)

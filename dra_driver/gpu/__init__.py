@@ -15,6 +15,7 @@ Both paths run the same code: `nvml.discover(pynvml)` on a host,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pynvml
@@ -38,14 +39,16 @@ __all__ = [
 ]
 
 
-def discover(simulate: str | None = None) -> Inventory:
-    """The node's inventory: from NVML, or from the simulated profile named or pointed to by `simulate`."""
+def discover(simulate: str | None = None, mig_state_file: Path | None = None) -> Inventory:
+    """The node's inventory: from NVML, or from the simulated profile named or pointed to by
+    `simulate` (with the MIG instances kept in `mig_state_file`, if given: see FakeMig)."""
     if simulate is None:
         return nvml.discover(pynvml, nvml.HostSysfs(), source="nvml")
     from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
 
     profile = load_profile(simulate)
-    return nvml.discover(FakeNvml(profile), FakeSysfs(profile), source=f"simulated:{profile.name}")
+    fake = FakeNvml(profile, mig_state_file=mig_state_file)
+    return nvml.discover(fake, FakeSysfs(profile), source=f"simulated:{profile.name}")
 
 
 # The simulation (profiles, YAML, FakeNvml) is imported only when asked for: a GPU node's

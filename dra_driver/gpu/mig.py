@@ -4,7 +4,10 @@ A dynamic MIG claim names a placement (`controller.partitions`): GPU-instance pr
 and start slice on a parent GPU. `MigInstances.create` makes the GPU instance at exactly
 that placement, then its one full-size compute instance, and returns the MIG device's
 UUID and ids; `destroy` removes the compute instance, then the GPU instance; `at` finds
-what lives at a placement (for adopting after a crash). A placement that is taken (by
+what a GPU instance id holds (for adopting after a crash), `occupants` which GPU instances
+hold any of a placement's slices (a taken placement is refused before anything is
+recorded), and `destroy_at` removes the instance at exactly a placement (an intent whose
+create may have happened before a crash). A placement that is taken (by
 hand, by another tool, by a static instance) is refused by NVML with
 INSUFFICIENT_RESOURCES; that is said as such, with nothing created. If the compute
 instance cannot be made, the GPU instance just made is destroyed again before the error
@@ -32,6 +35,22 @@ FULL_CI_PROFILE: Final = {
     4: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
     7: pynvml.NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
 }
+
+
+# GPU instance ids NVML hands out are small (one per instance, at most 7 per GPU live at
+# once); scanning this range finds every one without nvmlDeviceGetGpuInstances' buffers.
+GPU_INSTANCE_IDS: Final = range(64)
+COMPUTE_INSTANCE_IDS: Final = range(8)
+
+
+@dataclass(frozen=True)
+class GpuInstanceAt:
+    """A live GPU instance on a parent GPU, as NVML describes it."""
+
+    gpu_instance_id: int
+    profile_id: int
+    start: int
+    size: int
 
 
 class MigError(Exception):
@@ -158,6 +177,62 @@ class MigInstances:
                     raise MigError(f"{where}: destroying the GPU instance failed: {e}") from e
         finally:
             self.api.nvmlShutdown()
+
+    def occupants(self, parent_uuid: str, start: int, size: int) -> tuple[GpuInstanceAt, ...]:
+        """The GPU instances that hold any of memory slices start..start+size-1."""
+        wanted = range(start, start + size)
+        self.api.nvmlInit()
+        try:
+            return tuple(
+                gi for gi in self._instances(self._handle(parent_uuid))
+                if set(wanted) & set(range(gi.start, gi.start + gi.size))
+            )
+        finally:
+            self.api.nvmlShutdown()
+
+    def destroy_at(self, parent_uuid: str, profile_id: int, start: int) -> GpuInstanceAt | None:
+        """Destroy the instance of `profile_id` at exactly `start` (its compute instances
+        first), if there is one; returns what was destroyed. For an intent whose create may
+        or may not have happened: only an instance of that profile at that start is touched."""
+        self.api.nvmlInit()
+        try:
+            gpu = self._handle(parent_uuid)
+            found = next(
+                (gi for gi in self._instances(gpu) if (gi.profile_id, gi.start) == (profile_id, start)), None
+            )
+            if found is None:
+                return None
+            where = f"GPU {parent_uuid}, GPU instance {found.gpu_instance_id}"
+            try:
+                gi = self.api.nvmlDeviceGetGpuInstanceById(gpu, found.gpu_instance_id)
+                for ci_id in COMPUTE_INSTANCE_IDS:
+                    try:
+                        ci = self.api.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+                    except pynvml.NVMLError as e:
+                        if e.value == pynvml.NVML_ERROR_NOT_FOUND:
+                            continue
+                        raise
+                    self.api.nvmlComputeInstanceDestroy(ci)
+                self.api.nvmlGpuInstanceDestroy(gi)
+            except pynvml.NVMLError as e:
+                raise MigError(f"{where}: destroying it failed: {e}") from e
+            return found
+        finally:
+            self.api.nvmlShutdown()
+
+    def _instances(self, gpu: Any) -> list[GpuInstanceAt]:
+        found = []
+        for gi_id in GPU_INSTANCE_IDS:
+            try:
+                info = self.api.nvmlGpuInstanceGetInfo(self.api.nvmlDeviceGetGpuInstanceById(gpu, gi_id))
+            except pynvml.NVMLError as e:
+                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                    continue
+                raise MigError(f"reading GPU instance {gi_id}: {e}") from e
+            found.append(
+                GpuInstanceAt(gi_id, int(info.profileId), int(info.placement.start), int(info.placement.size))
+            )
+        return found
 
     def _handle(self, parent_uuid: str) -> Any:
         try:

@@ -4,6 +4,9 @@ Unprepare gets only a claim's UID, namespace and name, and the claim may already
 gone from the API server, so the plugin must remember what it prepared. Prepare writes a
 claim as `started` before it touches the node (CDI spec, sharing daemons) and as
 `completed` after, so a crash in between leaves a record of what may need cleaning up.
+A claim's dynamic MIG instances are recorded the same way (`MigRecord`, under `mig`): the
+intent (parent GPU, profile, start slice) in `started`, the instance's ids and MIG UUID in
+`completed`; entries without any leave the field out, so older files read unchanged.
 
 The file is `<state dir>/checkpoint.json` (default /run/<driver>/state: a tmpfs, because
 everything it describes ends with the boot), replaced atomically (temp file, rename), with a
@@ -49,7 +52,7 @@ import structlog
 
 from dra_driver import __version__
 from dra_driver.atomic import write_file_atomic
-from dra_driver.plugin.prepared import PreparedDevice
+from dra_driver.plugin.prepared import MigRecord, PreparedDevice
 
 log = structlog.get_logger(__name__)
 
@@ -118,6 +121,8 @@ class ClaimEntry:
     phase: ClaimPhase
     devices: tuple[PreparedDevice, ...]
     updated_at: datetime  # when this entry was last written, UTC
+    # dynamic MIG instances made for it: intents while `started`, with their ids once made
+    mig: tuple[MigRecord, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,9 +163,10 @@ def started_entry(
     devices: Sequence[PreparedDevice],
     *,
     now: datetime | None = None,
+    mig: Sequence[MigRecord] = (),
 ) -> ClaimEntry:
-    """The entry of claim `uid` while it is being prepared with `devices`.
-    `now` is the entry's timestamp (default: the current time)."""
+    """The entry of claim `uid` while it is being prepared with `devices` (and `mig`: the
+    MIG instances it is about to create). `now` is the entry's timestamp (default: now)."""
     return ClaimEntry(
         uid=uid,
         namespace=namespace,
@@ -168,18 +174,24 @@ def started_entry(
         phase=ClaimPhase.STARTED,
         devices=tuple(devices),
         updated_at=_now(now),
+        mig=tuple(mig),
     )
 
 
 def completed_entry(
-    entry: ClaimEntry, *, now: datetime | None = None, devices: Sequence[PreparedDevice] | None = None
+    entry: ClaimEntry,
+    *,
+    now: datetime | None = None,
+    devices: Sequence[PreparedDevice] | None = None,
+    mig: Sequence[MigRecord] | None = None,
 ) -> ClaimEntry:
-    """`entry` prepared; `devices` replaces the recorded ones if given."""
+    """`entry` prepared; `devices` and `mig` (the instances as made) replace the recorded ones if given."""
     return replace(
         entry,
         phase=ClaimPhase.COMPLETED,
         devices=tuple(devices) if devices is not None else entry.devices,
         updated_at=_now(now),
+        mig=tuple(mig) if mig is not None else entry.mig,
     )
 
 
@@ -206,8 +218,24 @@ def _device_to_dict(d: PreparedDevice) -> dict[str, Any]:
     return out
 
 
+def _mig_to_dict(m: MigRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "device": m.device,
+        "parentUUID": m.parent_uuid,
+        "profileId": m.profile_id,
+        "start": m.start,
+    }
+    if m.gpu_instance_id is not None:
+        out["gpuInstanceId"] = m.gpu_instance_id
+    if m.compute_instance_id is not None:
+        out["computeInstanceId"] = m.compute_instance_id
+    if m.uuid is not None:
+        out["uuid"] = m.uuid
+    return out
+
+
 def _entry_to_dict(c: ClaimEntry) -> dict[str, Any]:
-    return {
+    out = {
         "uid": c.uid,
         "namespace": c.namespace,
         "name": c.name,
@@ -215,6 +243,9 @@ def _entry_to_dict(c: ClaimEntry) -> dict[str, Any]:
         "devices": [_device_to_dict(d) for d in c.devices],
         "updatedAt": _timestamp(c.updated_at),
     }
+    if c.mig:  # absent for claims without dynamic MIG: their entries read as before
+        out["mig"] = [_mig_to_dict(m) for m in c.mig]
+    return out
 
 
 def _payload(cp: Checkpoint) -> dict[str, Any]:
@@ -311,6 +342,20 @@ def _decode_payload(payload: Any) -> Checkpoint:
             raise _Shape(f"{where}.updatedAt: {stamp!r} is not a timestamp") from None
         if updated.tzinfo is None:
             raise _Shape(f"{where}.updatedAt: {stamp!r} has no time zone")
+        mig: list[MigRecord] = []
+        for j, m in enumerate(_optional(c, "mig", list, where) or ()):
+            mw = f"{where}.mig[{j}]"
+            mig.append(
+                MigRecord(
+                    device=_field(m, "device", str, mw),
+                    parent_uuid=_field(m, "parentUUID", str, mw),
+                    profile_id=_field(m, "profileId", int, mw),
+                    start=_field(m, "start", int, mw),
+                    gpu_instance_id=_optional(m, "gpuInstanceId", int, mw),
+                    compute_instance_id=_optional(m, "computeInstanceId", int, mw),
+                    uuid=_optional(m, "uuid", str, mw),
+                )
+            )
         claims[uid] = ClaimEntry(
             uid=uid,
             namespace=_field(c, "namespace", str, where),
@@ -318,6 +363,7 @@ def _decode_payload(payload: Any) -> Checkpoint:
             phase=claim_phase,
             devices=tuple(devices),
             updated_at=updated,
+            mig=tuple(mig),
         )
     return Checkpoint(boot_id=boot_id, claims=claims, driver=driver)
 

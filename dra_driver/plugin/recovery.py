@@ -1,9 +1,15 @@
-"""Start-up recovery: make the checkpoint, the CDI specs and the sharing state agree again.
+"""Start-up recovery: make the checkpoint, the CDI specs, the sharing state and the dynamic
+MIG instances agree again.
 
 A crash anywhere leaves a state that this repairs, under the same lock as the transaction:
 a `started` entry is a dead transaction's (a live one holds the lock), so it is rolled
-back; an entry whose spec vanished gets it rewritten; a spec without an entry is removed;
-sharing of claims that are not prepared is torn down and that of prepared ones runs again.
+back, which destroys the MIG instances it recorded (an intent without ids: the instance
+of its profile at its placement, if the create happened before the crash); an entry whose
+spec vanished gets it rewritten; a spec without an entry is removed; sharing of claims
+that are not prepared is torn down and that of prepared ones runs again; the MIG
+instances of prepared claims are adopted (checked through NVML, their spec rebuilt from
+the recorded ids and UUID). An instance NVML will not destroy keeps its entry, so the
+next start or the kubelet's Unprepare tries again.
 
 A checkpoint that cannot be read, or that is missing while this boot's specs or sharing
 daemons are on disk (a wiped or moved state dir), never costs a running pod its devices:
@@ -26,7 +32,9 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from dra_driver.cdi.files import claim_spec_path, claim_uids_in, remove_claim_spec
+from dra_driver.gpu.mig import MigError
 from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin import mig_steps
 from dra_driver.plugin.claim_steps import JSON, ClaimSteps
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.lock import exclusive
@@ -80,9 +88,17 @@ def _recover_locked(steps: ClaimSteps, adopt: bool, listed: list[JSON] | None) -
             ref = ClaimRef(entry.namespace, entry.name, entry.uid)
             if entry.phase != ckpt.ClaimPhase.COMPLETED or not _has_spec(steps, entry):
                 interrupted = entry.phase != ckpt.ClaimPhase.COMPLETED
-                steps.roll_back(ref, "interrupted prepare found at start" if interrupted else "devices gone")
+                why = "interrupted prepare found at start" if interrupted else "devices gone"
+                try:
+                    steps.roll_back(ref, why, entry.mig)
+                except MigError as e:  # the entry keeps the instances; the next start tries again
+                    log.error("could not destroy a claim's MIG instances; keeping its entry", error=str(e),
+                              **ref.log_fields())
+                    continue
                 del claims[entry.uid]
                 changed = True
+            elif entry.mig:
+                _adopt_mig(steps, entry)
         for uid in claim_uids_in(steps.cdi_dir, steps.driver) - set(claims) - keep:
             log.warning("removing the CDI spec of a claim that is not prepared here", claim_uid=uid)
             remove_claim_spec(steps.cdi_dir, steps.driver, uid)
@@ -120,7 +136,9 @@ def _adopt(
             )
             keep.add(ref.uid)
             continue
-        started = ckpt.started_entry(ref.namespace, ref.name, ref.uid, plan.devices)
+        # its MIG instances' ids are lost with the checkpoint: as intents, Unprepare finds them
+        intents = [mig_steps.intent(p) for p in plan.mig]
+        started = ckpt.started_entry(ref.namespace, ref.name, ref.uid, plan.devices, mig=intents)
         claims[ref.uid] = ckpt.completed_entry(started)
         if plan.sharing is not None and steps.sharing.saved_plan(ref.uid) is None:
             keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
@@ -161,9 +179,36 @@ def _has_spec(steps: ClaimSteps, entry: ckpt.ClaimEntry) -> bool:
         )
         return False
     hardware = list({d.device: steps.devices[d.device] for d in entry.devices}.values())
+    try:
+        hardware = steps.hardware(hardware, entry.mig)
+    except ValueError as e:  # a MIG slice whose instance's ids were never recorded
+        log.error("cannot rebuild the CDI spec of a prepared claim; dropping it", error=str(e),
+                  **ref.log_fields())
+        return False
     steps.write_spec(entry.uid, hardware, steps.sharing.saved_plan(entry.uid))
     log.warning("rewrote a missing CDI spec", **ref.log_fields())
     return True
+
+
+def _adopt_mig(steps: ClaimSteps, entry: ckpt.ClaimEntry) -> None:
+    """Check that a prepared claim's MIG instances are still there (a restart adopts them:
+    nothing is created again). One that is gone is logged: its pod has lost the device."""
+    ref = ClaimRef(entry.namespace, entry.name, entry.uid)
+    for r in entry.mig:
+        if steps.mig is None or r.gpu_instance_id is None:
+            continue
+        try:
+            found = steps.mig.at(r.parent_uuid, r.gpu_instance_id)
+        except MigError as e:
+            log.error("could not check a prepared claim's MIG instance", device=r.device, error=str(e),
+                      **ref.log_fields())
+            continue
+        if found == (r.profile_id, r.start):
+            log.info("adopted the MIG instance of a prepared claim", device=r.device, mig_uuid=r.uuid,
+                     gpu_instance_id=r.gpu_instance_id, **ref.log_fields())
+        else:
+            log.error("a prepared claim's MIG instance is gone (destroyed by hand?); its pod lost the device",
+                      device=r.device, gpu_instance_id=r.gpu_instance_id, found=found, **ref.log_fields())
 
 
 def _recover_sharing(steps: ClaimSteps, claims: dict[str, ckpt.ClaimEntry], keep: frozenset[str]) -> None:

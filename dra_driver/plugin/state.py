@@ -8,9 +8,11 @@ A Prepare, top-down (each line a frame, from the handler to the CDI spec and the
       ClaimSteps.plan (claim_steps.py)           what each claim needs here (pure)
     NodePreparer._locked                        asyncio.to_thread; an unreadable checkpoint: recovery
     NodePreparer._prepare_locked                lock, read the checkpoint, prepared already?,
-                                                conflicts, `started` (only if sharing daemons start)
+                                                conflicts, MIG placements free?, `started` (only
+                                                if sharing daemons start or MIG instances are made)
+    ClaimSteps.create_mig -> gpu.mig            dynamic MIG: GPU and compute instance (NVML)
     ClaimSteps.set_up -> ClaimSteps.write_spec  sharing, then cdi.files.write_spec
-    ClaimSteps.save -> checkpoint.save          `completed`
+    ClaimSteps.save -> checkpoint.save          `completed`, with the MIG instances' ids
 
 The checkpoint on disk is the only source of truth. Every Prepare and Unprepare is ONE
 synchronous section in a worker thread that holds an exclusive file lock
@@ -21,10 +23,15 @@ other's work. The API server is read outside the lock, so a slow one never holds
 claims' bookkeeping.
 
 Prepare runs in two phases only where a crash could leave something behind that the next
-section cannot find by itself: sharing daemons. A claim with sharing is written as
-`started` before its daemon starts and `completed` after its CDI spec; a claim without
-sharing is written once, as `completed` after its spec (recovery removes a spec without an
-entry, and the kubelet's retry writes it again). The claims of one kubelet call share one
+section cannot find by itself: sharing daemons and dynamic MIG instances. A claim with
+sharing is written as `started` before its daemon starts and `completed` after its CDI
+spec; a claim with dynamic MIG slices is written as `started` with each instance's intent
+(parent GPU, profile, start slice) before it is created, and `completed` with the made
+instances' ids and MIG UUIDs after its spec, so a crash in between leaves an intent that
+recovery destroys at its placement. A placement some other instance holds fails the claim
+before anything is written. A claim with neither is written once, as `completed` after
+its spec (recovery removes a spec without an entry, and the kubelet's retry writes it
+again). The claims of one kubelet call share one
 section, in chunks of `CHUNK` (which bounds what a huge call holds at once). Recovery at
 start lives in recovery.py; a checkpoint found unreadable mid-life is repaired by it too.
 
@@ -34,8 +41,8 @@ It must not speak gRPC (service.py) or read the API server itself (claim_source.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
@@ -43,11 +50,14 @@ import structlog
 
 from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DriverFiles
+from dra_driver.gpu.mig import MigError, MigInstances
+from dra_driver.gpu.placements import Placement
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claim_steps import JSON, ClaimPlan, ClaimSteps, fault
+from dra_driver.plugin import mig_steps
+from dra_driver.plugin.claim_steps import JSON, ClaimPlan, ClaimSteps, MigLeftBehind, fault
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected, check_ref
 from dra_driver.plugin.lock import exclusive
-from dra_driver.plugin.prepared import PreparedDevice
+from dra_driver.plugin.prepared import MigRecord, PreparedDevice
 from dra_driver.plugin.recovery import recover
 from dra_driver.sharing.policy import Sharing, SharingError
 
@@ -89,10 +99,13 @@ class NodePreparer:
         state_dir: Path,
         sharing: Sharing,
         boot_id: str | None = None,
+        mig: MigInstances | None = None,
+        placements: Mapping[str, Placement] | None = None,
     ) -> None:
         self.claims = claims
         self.steps = ClaimSteps(
-            driver, pool, devices, driver_files, cdi_dir, state_dir, sharing, boot_id or ckpt.read_boot_id()
+            driver, pool, devices, driver_files, cdi_dir, state_dir, sharing, boot_id or ckpt.read_boot_id(),
+            mig, dict(placements or {}),
         )
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
@@ -180,28 +193,53 @@ class NodePreparer:
                     results[uid] = ClaimResult(entry.devices)
                     continue
                 if entry is not None:
-                    steps.roll_back(plan.ref, "redoing an interrupted prepare")
+                    try:
+                        steps.roll_back(plan.ref, "redoing an interrupted prepare", entry.mig)
+                    except MigError as e:  # its instance stays recorded; the next call tries again
+                        results[uid] = ClaimResult(error=f"claim {plan.ref}: undoing its interrupted prepare "
+                                                         f"failed: {e}")
+                        continue
                     del claims[uid]
                 conflict = _conflict(claims, plan) or _share_conflict(claims, plan, steps.devices)
+                conflict = conflict or steps.free(plan)
                 if conflict:
                     results[uid] = ClaimResult(error=conflict)
                     continue
                 todo.append(plan)
                 planned.add(uid)
-                claims[uid] = ckpt.started_entry(plan.ref.namespace, plan.ref.name, uid, plan.devices)
-            if any(plan.sharing is not None for plan in todo):
-                steps.save(claims)  # `started`, before a daemon that only this entry records
+                intents = [mig_steps.intent(p) for p in plan.mig]
+                ref = plan.ref
+                claims[uid] = ckpt.started_entry(ref.namespace, ref.name, uid, plan.devices, mig=intents)
+            if any(plan.sharing is not None or plan.mig for plan in todo):
+                steps.save(claims)  # `started`, before a daemon or MIG instance that only this entry records
             fault("prepare-after-started")
             for plan in todo:
                 uid = plan.ref.uid
-                error = steps.set_up(plan)
-                if error is None:
-                    claims[uid] = ckpt.completed_entry(claims[uid])
-                    results[uid] = ClaimResult(plan.devices)
+                made: tuple[MigRecord, ...] = ()
+                try:
+                    made = steps.create_mig(plan)
+                except MigLeftBehind as e:  # stays `started` with what is left: recovery destroys it
+                    claims[uid] = replace(claims[uid], mig=e.left)
+                    results[uid] = ClaimResult(error=f"claim {plan.ref}: {e}")
+                    continue
+                except MigError as e:
+                    error: str | None = f"claim {plan.ref}: {e}"
                 else:
-                    steps.roll_back(plan.ref, "set-up failed")
-                    del claims[uid]
-                    results[uid] = ClaimResult(error=error)
+                    if made:
+                        fault("prepare-after-mig-create")
+                    error = steps.set_up(plan, made)
+                if error is None:
+                    claims[uid] = ckpt.completed_entry(claims[uid], mig=made)
+                    results[uid] = ClaimResult(plan.devices)
+                    continue
+                try:
+                    steps.roll_back(plan.ref, "set-up failed", made)
+                except MigError as e:  # stays `started` with the instances made: recovery destroys them
+                    claims[uid] = replace(claims[uid], mig=made)
+                    results[uid] = ClaimResult(error=f"{error}; destroying its MIG instances failed: {e}")
+                    continue
+                del claims[uid]
+                results[uid] = ClaimResult(error=error)
             fault("prepare-after-cdi")
             if todo:
                 steps.save(claims)
@@ -215,10 +253,15 @@ class NodePreparer:
             claims = dict(steps.load().claims)
             changed = False
             for ref in refs:
+                held = claims.get(ref.uid)
                 try:
-                    steps.roll_back(ref, "unprepare")
+                    steps.roll_back(ref, "unprepare", held.mig if held is not None else ())
                 except SharingError as e:  # the entry stays, so the kubelet's retry tries again
                     results[ref.uid] = ClaimResult(error=f"claim {ref}: stopping its GPU sharing failed: {e}")
+                    continue
+                except MigError as e:  # a process still in the instance (IN_USE): the retry tries again
+                    error = f"claim {ref}: destroying its MIG instances failed: {e}"
+                    results[ref.uid] = ClaimResult(error=error)
                     continue
                 changed |= claims.pop(ref.uid, None) is not None
                 results[ref.uid] = ClaimResult()
