@@ -1,15 +1,18 @@
 """`python -m demo.run [--keep]` (`make demo`): the driver end to end, with pods that really run.
 
 Starts a real control plane (etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler; built by hack/cluster) and three real nodes on this machine, each a
+kube-scheduler; built by hack/cluster) and four real nodes on this machine, each a
 kubelet + containerd + runc in its own mount and PID namespace (built by hack/node;
 tests.harness.node), with one `dra-driver kubelet-plugin --simulate <profile>` per node
 as users run it: 8x V100 hybrid cube-mesh, 4x A100 PCIe in bridged pairs, 8x H200 on
-NVSwitch. It applies the DeviceClasses of deploy/deviceclasses and every example of
-deploy/examples unchanged, lets the scheduler allocate and the kubelets prepare the
-claims through the plugin and start the containers, then prints per pod what the
-scheduler allocated and what each container itself sees: its own `ls -l /dev/nvidia*`,
-read back from its log as `kubectl logs` would, checked against the allocated minors.
+NVSwitch; and a fourth, `h200-mig`, whose H200s are in MIG mode and whose plugin runs with
+`--dynamic-mig`. It applies the DeviceClasses of deploy/deviceclasses and every example of
+deploy/examples unchanged, plus deploy/examples/mig/01-slice-3g-71gb.yaml with a pod (the
+3g.71gb instance is made when that pod's claim is prepared), lets the scheduler allocate
+and the kubelets prepare the claims through the plugin and start the containers, then
+prints per pod what the scheduler allocated and what each container itself sees: its own
+`ls -l /dev/nvidia*`, read back from its log as `kubectl logs` would, checked against the
+allocated minors.
 One extra pod asks for a GPU no node has and stays Pending with the scheduler's reason.
 
 The demo only observes: it never calls the plugin itself (the kubelet-side test client,
@@ -60,14 +63,16 @@ from tests.harness.driver import DriverProcess
 from tests.harness.examples import (
     DEMO_NODES,
     DeviceMap,
+    SimulatedNode,
     apply_order,
+    deploy_dir,
     device_class_files,
     example_files,
     node_specs,
     too_big_pod,
     wait_for_slices,
 )
-from tests.harness.node import Nodes, build_node_binaries, node_cluster
+from tests.harness.node import Nodes, NodeSpec, build_node_binaries, node_cluster
 from tests.harness.objects import (
     Applied,
     allocation_results,
@@ -79,6 +84,7 @@ from tests.harness.objects import (
     event_text,
     get_claim,
     get_pod,
+    load_yaml_documents,
     pod_claim_names,
     pod_events,
     scheduler_reason,
@@ -90,11 +96,63 @@ from tests.harness.objects import (
 logger = structlog.get_logger(__name__)
 
 DESCRIPTION = (
-    "The GPU DRA driver end to end on a real control plane and three real nodes "
+    "The GPU DRA driver end to end on a real control plane and four real nodes "
     "(kubelet + containerd + runc), each simulating a different GPU box."
 )
 
 DEMO_NAMESPACE = "gpu-demo"
+
+# Dynamic MIG (docs/mig.md) on a box of its own, started by the demo only: the test tiers
+# keep their three boxes, and tests/node/test_dynamic_mig.py starts its own MIG node.
+MIG_NODE = SimulatedNode(
+    "h200-mig",
+    "hgx-h200-mig",
+    "H200s in MIG mode, carved on demand (--dynamic-mig); GPU 1 holds a static 3g.71gb",
+)
+MIG_SPEC = NodeSpec(MIG_NODE.name, MIG_NODE.profile, ("--dynamic-mig",))
+MIG_EXAMPLE = deploy_dir() / "examples" / "mig" / "01-slice-3g-71gb.yaml"
+# The examples keep to the three boxes they were written for; only the MIG pod tolerates this.
+MIG_TAINT: JSON = {"key": "gpu-demo/dynamic-mig", "value": "only", "effect": "NoSchedule"}
+
+
+def taint_mig_node(api: client.ApiClient) -> None:
+    path = f"/api/v1/nodes/{MIG_NODE.name}"
+    for _ in range(20):  # the kubelet updates the node too: retry on a conflict
+        node = sync_request(api, "GET", path)
+        node["spec"]["taints"] = [*node["spec"].get("taints", []), MIG_TAINT]
+        try:
+            sync_request(api, "PUT", path, node)
+            return
+        except ApiException as e:
+            if e.status != 409:
+                raise
+    raise RuntimeError(f"could not taint node {MIG_NODE.name}: the update kept conflicting")
+
+
+def dynamic_mig_pod() -> list[JSON]:
+    """The shipped 3g.71gb claim and a pod that lists its device and caps nodes and its MIG UUID."""
+    (claim,) = load_yaml_documents(MIG_EXAMPLE)
+    pod: JSON = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "mig-slice"},
+        "spec": {
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "tolerations": [{"key": MIG_TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}],
+            "resourceClaims": [{"name": "mig", "resourceClaimName": claim["metadata"]["name"]}],
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "busybox:1.37",
+                    "command": ["sh", "-c", "ls -l /dev/nvidia* /dev/nvidia-caps/*; "
+                                "env | grep GPU_DRA_DEVICE_; sleep 3600"],
+                    "resources": {"claims": [{"name": "mig"}]},
+                }
+            ],
+        },
+    }
+    return [claim, pod]
 
 
 def first_comment_paragraph(path: Path) -> str:
@@ -136,8 +194,12 @@ def _int_or_none(value: Any) -> int | None:
     return int(value) if value is not None else None
 
 
-def device_view(result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = ()) -> DeviceView:
+def device_view(
+    result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = (), minor: int | None = None
+) -> DeviceView:
+    """`minor`: where the slice has none (a MIG slice), the one the plugin reported for it."""
     device = device or {}
+    published = _int_or_none(_attribute(device, "minor"))
     layers = sorted(
         (int(k.removeprefix("nvlinkClique")), f"{k}={_attribute(device, k)}")
         for k in device.get("attributes", {})
@@ -150,7 +212,7 @@ def device_view(result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = 
         product=str(_attribute(device, "productName") or "?"),
         memory=str(device.get("capacity", {}).get("memory", {}).get("value", "?")),
         index=_int_or_none(_attribute(device, "index")),
-        minor=_int_or_none(_attribute(device, "minor")),
+        minor=published if published is not None else minor,
         nvlink_cliques=tuple(text for _, text in layers),
         nvlink_domain=str(_attribute(device, "nvlinkDomain") or ""),
         nvlink_peers=_peers(device),
@@ -291,11 +353,19 @@ def pod_view(
     if not node:
         return PodView(key[0], key[1], None, phase, pending_reason=scheduler_reason(api, *key))
 
+    claims = [(g.claims[uid], origin) for uid, origin in g.pod_claims[key]]
+    # A MIG slice's parent minor is no attribute of its device: the claim's status says it
+    reported = {
+        (d.get("pool"), d.get("device")): _int_or_none((d.get("data") or {}).get("minor"))
+        for claim, _ in claims
+        for d in claim.get("status", {}).get("devices", []) or []
+    }
+
     def view(r: JSON) -> DeviceView:
         where = (r["pool"], r["device"])
-        return device_view(r, devices.get(where), in_use.get(where, ()) if r.get("adminAccess") else ())
+        in_use_by = in_use.get(where, ()) if r.get("adminAccess") else ()
+        return device_view(r, devices.get(where), in_use_by, reported.get(where))
 
-    claims = [(g.claims[uid], origin) for uid, origin in g.pod_claims[key]]
     claim_views = tuple(
         ClaimView(
             name=claim["metadata"]["name"],
@@ -351,7 +421,7 @@ def node_views(api: client.ApiClient, nodes: Nodes, devices: DeviceMap) -> tuple
     for name, node in nodes.nodes.items():
         mine = [dev for (pool, _), dev in devices.items() if pool == name]
         product = str(_attribute(mine[0], "productName")) if mine else "?"
-        description = next((n.description for n in DEMO_NODES if n.name == name), "")
+        description = next((n.description for n in (*DEMO_NODES, MIG_NODE) if n.name == name), "")
         info = sync_request(api, "GET", f"/api/v1/nodes/{name}").get("status", {}).get("nodeInfo", {})
         runtime = (
             f"node IP {node.ip}, kubelet {info.get('kubeletVersion', '?')}, "
@@ -420,6 +490,12 @@ def apply_examples(api: client.ApiClient, progress: Progress) -> list[tuple[str,
             f"{path.name}: {_summarise_pods(api, pods)}"
             + (f"; {len(result.problems)} objects rejected" if result.problems else "")
         )
+    mig = create_documents(api, dynamic_mig_pod(), DEMO_NAMESPACE, f"mig/{MIG_EXAMPLE.name} + a pod")
+    wait_settled(api, mig.pods(DEMO_NAMESPACE), timeout=5.0 if mig.problems else 30.0)
+    applied.append(
+        ("a 3g.71gb MIG slice, made on h200-mig when the pod's claim is prepared (dynamic MIG)", mig)
+    )
+    progress(f"mig/{MIG_EXAMPLE.name} + a pod: {_summarise_pods(api, mig.pods(DEMO_NAMESPACE))}")
     too_big = create_documents(api, too_big_pod(), DEMO_NAMESPACE, "extra (not an example file)")
     wait_settled(api, too_big.pods(DEMO_NAMESPACE))
     applied.append(("a GPU with 200Gi: no node has one, so the pod stays pending, on purpose", too_big))
@@ -490,7 +566,7 @@ def run_demo(keep: bool) -> int:
         node_bin = build_node_binaries()
         progress(f"node binaries (kubelet, containerd) ready in {node_bin}")
         with node_cluster(
-            node_specs(),
+            (*node_specs(), MIG_SPEC),
             base / "cluster",
             nodes_dir=base / "nodes",
             cluster_bin_dir=cluster_bin,
@@ -525,6 +601,7 @@ def demo_on(cp: ControlPlane, nodes: Nodes, base: Path, progress: Progress, keep
     )
 
     create_namespace(api, DEMO_NAMESPACE)
+    taint_mig_node(api)
     applied = apply_examples(api, progress)
     pods = [p for _, a in applied for p in a.pods(DEMO_NAMESPACE)]
     wait_running(api, pods, progress)

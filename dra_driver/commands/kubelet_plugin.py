@@ -53,7 +53,7 @@ from dra_driver.plugin.claim_status import ClaimStatus, ReportingPreparer, nvlin
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_using, keep_fresh, mirror
 from dra_driver.plugin.lock import Lease
-from dra_driver.plugin.mig_steps import dynamic_devices, without_own
+from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without_own
 from dra_driver.plugin.prepared import MigRecord
 from dra_driver.plugin.registration import RegistrationService, add_registration
 from dra_driver.plugin.server import SocketServer
@@ -344,7 +344,14 @@ async def run_plugin(opts: PluginOptions) -> None:
         mig=MigInstances(mig_api(opts)) if opts.dynamic_mig else None,
         placements=placements,
     )
-    claim_status = ClaimStatus(api, opts.driver, opts.node_name, devices, nvlink_peers(inventory, devices))
+    def made() -> list[MigRecord]:
+        try:
+            return [r for e in preparer.read_checkpoint().claims.values() for r in e.mig]
+        except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused):
+            return []
+
+    described = CreatedDevices(devices, placements, made) if placements else devices
+    claim_status = ClaimStatus(api, opts.driver, opts.node_name, described, nvlink_peers(inventory, devices))
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)
     heartbeat = Heartbeat("slice-publisher", stuck_after=PUBLISHER_STUCK_SECONDS)
     probes = plugin_probes(

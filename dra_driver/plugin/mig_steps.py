@@ -15,7 +15,7 @@ records the placement before it creates (two-phase) and destroys on Unprepare.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 
 from dra_driver.devices import NodeDevice, gpu_device_name
@@ -127,3 +127,34 @@ def without_own(inventory: Inventory, records: Iterable[MigRecord]) -> Inventory
         replace(g, mig_devices=tuple(m for m in g.mig_devices if not mine(g.uuid, m))) for g in inventory.gpus
     )
     return replace(inventory, gpus=gpus)
+
+
+class CreatedDevices(Mapping[str, NodeDevice]):
+    """`devices` with each dynamic MIG placement that has an instance now (`records`: what
+    the checkpoint holds) as that instance, for those who describe prepared devices (the
+    claim's status: the MIG UUID, not the parent's). A placement is made for one claim at a
+    time, so its name names one instance."""
+
+    def __init__(
+        self,
+        devices: Mapping[str, NodeDevice],
+        placements: Mapping[str, Placement],
+        records: Callable[[], Iterable[MigRecord]],
+    ) -> None:
+        self.devices = devices
+        self.placements = placements
+        self.records = records
+
+    def __getitem__(self, name: str) -> NodeDevice:
+        placement = self.placements.get(name)
+        if placement is not None:
+            for r in self.records():
+                if r.device == name and r.created:
+                    return created_device(placement, as_created(r))
+        return self.devices[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.devices)
+
+    def __len__(self) -> int:
+        return len(self.devices)

@@ -27,7 +27,7 @@ from dra_driver.gpu.simulated_mig import FakeMig, LiveInstance
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin import state
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
-from dra_driver.plugin.mig_steps import dynamic_devices, without_own
+from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without_own
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
@@ -140,6 +140,10 @@ def test_prepare_creates_the_instance_and_unprepare_destroys_it(tmp_path: Path) 
         assert spec is not None and made.uuid is not None and made.uuid in json.dumps(spec)
         caps = [n["path"] for d in spec["devices"] for n in d["containerEdits"].get("deviceNodes", [])]
         assert any(c.startswith("/dev/nvidia-caps/nvidia-cap") for c in caps), caps
+        records = node.checkpoint().claims[ref.uid].mig
+        described = CreatedDevices(node.devices, p.steps.placements, lambda: records)
+        assert described[SLICE_3G].uuid == made.uuid, "the claim's status names the instance, not the parent"
+        assert described["gpu-2"] == node.devices["gpu-2"] and len(described) == len(node.devices)
         assert await p.prepare([ref]) == {ref.uid: result}, "a retry neither creates nor changes anything"
         assert dynamic(node) == [(0, profile_id("3g.71gb"), 4)]
         assert await p.unprepare([ref]) == {ref.uid: ClaimResult()}
