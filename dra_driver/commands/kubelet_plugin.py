@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal, cast
@@ -258,6 +259,28 @@ def mig_api(opts: PluginOptions) -> MigApi:
     return FakeNvml(load_profile(opts.simulate), mig_state_file=simulated_mig_state(opts))
 
 
+class RecordedInstances:
+    """The dynamic MIG instances the checkpoint records now, re-read only when the file
+    changed (it is replaced by a rename on every save: a new inode)."""
+
+    def __init__(self, preparer: NodePreparer) -> None:
+        self.preparer = preparer
+        self._seen: tuple[int, int, int] | None = None
+        self._records: list[MigRecord] = []
+
+    def __call__(self) -> list[MigRecord]:
+        try:
+            st = self.preparer.steps.checkpoint_path.stat()
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key != self._seen:
+                cp = self.preparer.read_checkpoint()
+                self._records = [r for e in cp.claims.values() for r in e.mig]
+                self._seen = key
+        except (OSError, ckpt.CheckpointUnreadable, ckpt.CheckpointRefused):
+            return []
+        return self._records
+
+
 def own_mig_instances(opts: PluginOptions) -> list[MigRecord]:
     """The MIG instances the checkpoint says this plugin made for claims (intents included).
     An unreadable checkpoint says none: recovery moves it aside, and its instances then look
@@ -344,13 +367,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         mig=MigInstances(mig_api(opts)) if opts.dynamic_mig else None,
         placements=placements,
     )
-    def made() -> list[MigRecord]:
-        try:
-            return [r for e in preparer.read_checkpoint().claims.values() for r in e.mig]
-        except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused):
-            return []
-
-    described = CreatedDevices(devices, placements, made) if placements else devices
+    described = CreatedDevices(devices, placements, RecordedInstances(preparer)) if placements else devices
     claim_status = ClaimStatus(api, opts.driver, opts.node_name, described, nvlink_peers(inventory, devices))
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)
     heartbeat = Heartbeat("slice-publisher", stuck_after=PUBLISHER_STUCK_SECONDS)
@@ -371,7 +388,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         for entry in preparer.read_checkpoint().claims.values():
             if entry.phase is ckpt.ClaimPhase.COMPLETED:
                 claim_status.prepared(ClaimRef(entry.namespace, entry.name, entry.uid), entry.devices)
-        health = await _start_health(opts, inventory, devices, paths.data_dir)
+        health = await _start_health(opts, inventory, described, paths.data_dir)
         if health is None:
             board = DeviceHealthBoard(opts.node_name, devices, "UNKNOWN", NOT_MONITORED)
             tasks.append(asyncio.create_task(keep_fresh(board, lambda: True), name="health-heartbeat"))
@@ -410,7 +427,7 @@ async def run_plugin(opts: PluginOptions) -> None:
 
 
 async def _start_health(
-    opts: PluginOptions, inventory: Inventory, devices: dict[str, NodeDevice], data_dir: Path
+    opts: PluginOptions, inventory: Inventory, devices: Mapping[str, NodeDevice], data_dir: Path
 ) -> NodeHealth | None:
     if opts.health is None:
         log.info("device health is not monitored (--no-health-monitor)")

@@ -57,7 +57,9 @@ class HealthKeeper:
         """`count(kind, n)` is told of every event (by kind) and transition ("unhealthy",
         "recovered"): the metrics hook."""
         self.driver = driver
-        self.devices = dict(devices)
+        # not copied: with dynamic MIG a placement resolves to the instance made for it now,
+        # so an event naming that instance's ids taints that device only
+        self.devices = devices
         self.policy = policy
         self.clock = clock
         self.states: dict[str, DeviceState] = {name: DeviceState() for name in devices}

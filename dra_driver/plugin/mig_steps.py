@@ -132,8 +132,10 @@ def without_own(inventory: Inventory, records: Iterable[MigRecord]) -> Inventory
 class CreatedDevices(Mapping[str, NodeDevice]):
     """`devices` with each dynamic MIG placement that has an instance now (`records`: what
     the checkpoint holds) as that instance, for those who describe prepared devices (the
-    claim's status: the MIG UUID, not the parent's). A placement is made for one claim at a
-    time, so its name names one instance."""
+    claim's status: the MIG UUID, not the parent's) and the health keeper (an XID naming the
+    instance's ids taints that placement only). A placement is made for one claim at a time,
+    so its name names one instance. `records` is asked on every lookup of a placement: keep
+    it cheap (the plugin's re-reads the checkpoint only when the file changed)."""
 
     def __init__(
         self,

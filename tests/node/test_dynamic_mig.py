@@ -163,6 +163,16 @@ def test_a_pod_gets_its_dynamic_mig_slice_and_it_goes_with_the_pod(env: Env) -> 
     assert entry is not None and entry["phase"] == "completed"
     (record,) = entry["mig"]
     assert (record["gpuInstanceId"], record["uuid"]) == (made["gpu_instance_id"], made["uuid"])
+
+    def status_data() -> JSON:
+        devices = claim_of(env, name).get("status", {}).get("devices") or [{}]
+        data: JSON = devices[0].get("data") or {}
+        return data
+
+    wait_until("the claim's status.devices", lambda: bool(status_data()), 30)
+    data = status_data()
+    assert data["uuid"] == made["uuid"], "the claim's status names the MIG instance, not its parent GPU"
+    assert data["mig"]["gpuInstanceID"] == made["gpu_instance_id"] and data["mig"]["profile"] == "3g.71gb"
     delete_and_wait_destroyed(env, pod["metadata"]["name"], claim["metadata"]["uid"])
 
 

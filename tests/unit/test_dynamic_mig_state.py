@@ -24,6 +24,9 @@ from dra_driver.gpu.mig import Created, MigError, MigInstances
 from dra_driver.gpu.mig_profiles import GiProfile, table_for
 from dra_driver.gpu.simulated import FakeNvml
 from dra_driver.gpu.simulated_mig import FakeMig, LiveInstance
+from dra_driver.health.classify import HealthPolicy
+from dra_driver.health.events import EventKind, HealthEvent
+from dra_driver.health.keeper import HealthKeeper
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin import state
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
@@ -281,5 +284,29 @@ def test_a_placement_without_dynamic_mig_is_refused_with_what_to_do(tmp_path: Pa
         ref = node.add("a", SLICE_3G)
         error = (await p.prepare([ref]))[ref.uid].error
         assert error is not None and "--dynamic-mig" in error and dynamic(node) == []
+
+    asyncio.run(run())
+
+
+def test_an_xid_on_a_made_instance_taints_its_placement_only(tmp_path: Path) -> None:
+    async def run() -> None:
+        node = MigNode(tmp_path)
+        p = await node.restart()
+        records: list[Any] = []
+        keeper = HealthKeeper(DRIVER, CreatedDevices(node.devices, p.steps.placements, lambda: records),
+                              HealthPolicy())
+        ref = node.add("a", SLICE_3G)
+        assert (await p.prepare([ref]))[ref.uid].error is None
+        records.extend(node.checkpoint().claims[ref.uid].mig)  # what the plugin's reader sees now
+        (r,) = records
+        xid = HealthEvent(gpu=0, kind=EventKind.XID, data=79, gpu_instance=r.gpu_instance_id,
+                          compute_instance=r.compute_instance_id)
+        assert keeper.apply([xid])
+        tainted = {name for name, ts in keeper.snapshot().taints().items() if ts}
+        assert tainted == {SLICE_3G}, "the instance's own XID: its placement, not the rest of GPU 0"
+        assert keeper.apply([HealthEvent(gpu=0, kind=EventKind.XID, data=79)])
+        tainted = {name for name, ts in keeper.snapshot().taints().items() if ts}
+        assert "gpu-0" in tainted and "gpu-0-mig-1g-18gb-19-0" in tainted, "a whole-GPU XID: all of GPU 0"
+        assert not any(name.startswith("gpu-1") for name in tainted)
 
     asyncio.run(run())
