@@ -127,6 +127,18 @@ def create_node(api: client.ApiClient, name: str, labels: dict[str, str] | None 
     return core.patch_node_status(name, status)
 
 
+def delete_node_and_slices(api: client.ApiClient, name: str) -> None:
+    """Removes a test's Node and every ResourceSlice published for it. The integration tests
+    share one cluster: a slice left behind offers its devices to the next test's claims."""
+    sync_request(api, "DELETE", "/apis/resource.k8s.io/v1/resourceslices",
+                 query={"fieldSelector": f"spec.nodeName={name}"})
+    try:
+        client.CoreV1Api(api).delete_node(name)
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
 def load_yaml_documents(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 

@@ -294,9 +294,11 @@ def test_every_example_file_has_an_intent_test() -> None:
     tests = {name[len("test_"):][:2] for name in globals() if re.match(r"test_\d\d_", name)}
     assert numbers == {f"{n:02d}" for n in range(1, 12)}
     assert numbers <= tests, f"examples without a test_NN_ function: {sorted(numbers - tests)}"
+    # gpu-share.yaml and examples/memory-shares/: tests/integration/test_memory_shares.py;
+    # mig-dynamic.yaml and examples/mig/: tests/integration/test_dynamic_mig.py
     assert {p.name for p in device_class_files()} == {
-        "gpu.yaml", "mig.yaml", "gpu-extended-resource.yaml", "gpu-share.yaml"
-    }  # gpu-share.yaml and examples/memory-shares/: tests/integration/test_memory_shares.py
+        "gpu.yaml", "mig.yaml", "gpu-extended-resource.yaml", "gpu-share.yaml", "mig-dynamic.yaml"
+    }
 
 
 def test_device_classes_are_served(cluster: Cluster) -> None:

@@ -27,7 +27,7 @@ from kubernetes import client
 
 from tests.harness.cluster import ControlPlane, free_port
 from tests.harness.driver import DriverProcess
-from tests.harness.objects import create_node, sync_request, wait_for
+from tests.harness.objects import create_node, delete_node_and_slices, sync_request, wait_for
 
 pytestmark = pytest.mark.integration
 log = structlog.get_logger(__name__)
@@ -106,4 +106,5 @@ def test_a_fatal_xid_after_30_s_of_a_10000_per_s_storm_taints_its_gpu_at_once(
         assert counted > 0.5 * STORM_RATE * STORM_SECONDS, "the storm reached the plugin"
     finally:
         plugin.stop()
+        delete_node_and_slices(api, node)
 

@@ -45,7 +45,14 @@ from dra_driver.plugin.claims import ClaimRef
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import CHART, build_helm
 from tests.harness.helm import Helm
-from tests.harness.objects import create_namespace, create_node, create_object, sync_request, wait_for
+from tests.harness.objects import (
+    create_namespace,
+    create_node,
+    create_object,
+    delete_node_and_slices,
+    sync_request,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RELEASE = "lp"
@@ -343,6 +350,8 @@ def as_driver(
         f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}",
         query={"gracePeriodSeconds": "0"},
     )
+    for node in (node_a, node_b):
+        delete_node_and_slices(api, node)
 
 
 def _slice(node: str | None, driver: str = DRIVER, pool: str | None = None, **spec: Any) -> dict[str, Any]:

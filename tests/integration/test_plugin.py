@@ -30,6 +30,7 @@ from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_device_class, create_node, sync_request, wait_for
 
 PROFILE = "a100-pcie-bridged"  # 4 GPUs: gpu-0..gpu-3
+PLUGIN_NODE = "plugin-node"
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,8 @@ def short_tmp() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def node(api: client.ApiClient) -> str:
-    name = "plugin-node"
-    create_node(api, name)
-    return name
+    create_node(api, PLUGIN_NODE)
+    return PLUGIN_NODE
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,8 @@ def _pod_with_claim(
             "metadata": {"name": pod},
             "spec": {
                 "automountServiceAccountToken": False,
+                # Other tests' nodes may still offer devices of this driver.
+                "nodeSelector": {"kubernetes.io/hostname": PLUGIN_NODE},
                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": pod}],
                 "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
             },
