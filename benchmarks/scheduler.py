@@ -29,7 +29,9 @@ are gone, so the next shape starts on a free fleet.
 Shapes: `reference` (devices with index, uuid, productName and capacity memory only; one GPU
 per pod: upstream's shape), and ours: `one-gpu`, `cel-memory` (one GPU, memory >= 24Gi), `pair`
 and `quad` (the documented 8-layer firstAvailable shape of controller/claim_shapes.py,
-deploy/examples/05), `share` (an 8Gi memory share, on slices published with memory shares).
+deploy/examples/05), `pair-fit` and `quad-fit` (the same with only the layers where some node
+of the fleet has a group of 2 or 4: `claim_shapes.fleet_layers`; it finds the same GPUs),
+`share` (an 8Gi memory share, on slices published with memory shares).
 Profiles: hgx-h200, dgx1-v100, mixed (the two alternating).
 
 `--pprof-seconds S` takes a CPU profile of kube-scheduler over S seconds of each shape, from
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import http.client
 import itertools
 import json
@@ -59,9 +62,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import fresh_control_plane, report
-from controller.claim_shapes import linked_gpus_ga
+from controller.claim_shapes import fleet_layers, linked_gpus_ga
 from controller.plan import MANAGED_BY_LABEL, SLICES, PoolSpec, desired_objects
-from controller.slices import SliceFeatures, desired_slices
+from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME, kube
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
@@ -104,6 +107,9 @@ class Shape:
     slices: str  # "reference" | "ours" | "shares"
     gpus: int  # whole GPUs per pod; 0 for a memory share
     claim: JSON
+    # the GA linked shape with only the layers the fleet can use (claim_shapes.fleet_layers),
+    # built per fleet in run_profile
+    fit: bool = False
 
 
 def _one(device_class: str, selectors: Sequence[str] = ()) -> JSON:
@@ -119,6 +125,8 @@ SHAPES: tuple[Shape, ...] = (
     Shape("cel-memory", "ours", 1, _one(GPU_CLASS, [CEL_MEMORY])),
     Shape("pair", "ours", 2, linked_gpus_ga(2)),
     Shape("quad", "ours", 4, linked_gpus_ga(4)),
+    Shape("pair-fit", "ours", 2, linked_gpus_ga(2), fit=True),
+    Shape("quad-fit", "ours", 4, linked_gpus_ga(4), fit=True),
     Shape("share", "shares", 0, {"requests": [{"name": "mem", "exactly": {
         "deviceClassName": SHARE_CLASS, "capacity": {"requests": {"memory": "8Gi"}}}}]}),
 )
@@ -471,6 +479,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
     pending = "" if bound >= count else _why_pending(api, ns)
     result: JSON = {
         "shape": shape.name,
+        "subrequests": len(shape.claim["requests"][0].get("firstAvailable", ())),
         "pods": count,
         "bound": bound,
         "seconds": round(elapsed, 2),
@@ -560,6 +569,15 @@ def device_classes(api: Any) -> None:
                         "spec": {"selectors": [{"cel": {"expression": f'device.driver == "{DRIVER}"'}}]}})
 
 
+def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
+    """`shape` with its claim fitted to the fleet's layers (a `fit` shape), else as it is."""
+    if not shape.fit:
+        return shape
+    topologies = [published_topology(inv) for inv in set(fleet.values())]
+    layers = fleet_layers(shape.gpus, topologies)
+    return dataclasses.replace(shape, claim=linked_gpus_ga(shape.gpus, layers=layers))
+
+
 def fleet_of(profile: str, nodes: int) -> dict[str, Inventory]:
     inventories = [discover(p) for p in PROFILES[profile]]
     return {f"{profile}-{i:04d}": inventories[i % len(inventories)] for i in range(nodes)}
@@ -568,6 +586,7 @@ def fleet_of(profile: str, nodes: int) -> dict[str, Inventory]:
 def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *, raised: bool,
                 stall_s: float, pprof_s: int, log: Callable[[str], None]) -> JSON:
     fleet = fleet_of(profile, nodes)
+    shapes = [for_fleet(s, fleet) for s in shapes]
     with fresh_control_plane("dra-bench-sched-") as (cp, work):
         if raised:
             raise_limits(cp)
