@@ -16,6 +16,7 @@ cache, and the Go module proxy only when that cache is cold.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -31,8 +32,15 @@ def build() -> Path:
     """Build kubelet-client (a no-op when cached) and return the binary's path.
 
     The script's progress (stderr) is passed through to ours as it comes; its last stdout
-    line is the binary's path.
+    line is the binary's path. `$DRA_KUBELET_CLIENT` names a binary built elsewhere instead
+    (the GPU host has no Go: hack/h200/build.sh carries one there), as `$DRA_CLUSTER_BIN`
+    does for the control plane.
     """
+    override = os.environ.get("DRA_KUBELET_CLIENT")
+    if override:
+        if not os.access(override, os.X_OK):
+            raise RuntimeError(f"DRA_KUBELET_CLIENT={override} is not an executable file: fix or unset it")
+        return Path(override)
     proc = subprocess.Popen(
         ["bash", str(BUILD_SCRIPT)],
         cwd=REPO,

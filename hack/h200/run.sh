@@ -32,7 +32,8 @@ rm -rf "$work"
 mkdir -p "$work"/{libexec,cluster-bin,node-bin,small,path,results} "$out"
 
 log "unpacking $(du -sh "$carry" | cut -f1) from $carry"
-for b in kube containerd-ctr containerd-shim-runc-v2 runc; do
+for b in kube containerd-ctr containerd-shim-runc-v2 runc kubelet-client; do
+  [ -f "$carry/$b.xz" ] || continue  # kubelet-client: only in carries built since issue 26
   (xz -dc "$carry/$b.xz" > "$work/libexec/$b" && chmod 755 "$work/libexec/$b") &
 done
 tar -xJf "$carry/small.tar.xz" -C "$work/small"
@@ -122,6 +123,7 @@ if [ -n "${H200_SIMULATE:-}" ]; then
   "$py" -c "import sys, pathlib; from tests.harness.fake_mps import install_fake_mps_control as i; i(pathlib.Path(sys.argv[1]))" "$standin"
   export HW_SIMULATE="$H200_SIMULATE" DRA_DRIVER_ROOT="$standin"
 fi
+[ -x "$work/libexec/kubelet-client" ] && export DRA_KUBELET_CLIENT="$work/libexec/kubelet-client"
 export DRA_CLUSTER_BIN="$work/cluster-bin" DRA_NODE_BIN="$work/node-bin" \
   DRA_NODE_RUNC="$work/libexec/runc" DRA_NODE_CNI_BIN="$work/small/cni" \
   DRA_CATATONIT="$tools/catatonit" DRA_BUSYBOX="$work/small/image/bin/busybox" \
@@ -136,6 +138,23 @@ timeout "${H200_TIMEOUT:-420}" "$py" -m pytest $tests -v -rA -s -p no:cacheprovi
   --basetemp="$work/pytest" 2>&1 | tee "$out/pytest.log"
 status=${PIPESTATUS[0]}
 log "pytest exit status $status"
+
+# H200_BENCH names benchmarks (python -m benchmarks.<name>) to run after the tests, on the
+# same unpacked control plane binaries and kubelet-client; H200_BENCH_ARGS are passed to
+# each. Issue 26's probe flood on the 16-core host:
+#   H200_TESTS=tests/hardware/test_hw_mig_readonly.py H200_BENCH=probe_flood bash hack/h200/run.sh
+# Each one's figures (its JSON on stdout) come back as $OUT/<name>_h200.json, its progress
+# and errors as $OUT/<name>.log; a failing benchmark makes the exit status non-zero.
+for b in ${H200_BENCH:-}; do
+  log "benchmark $b ${H200_BENCH_ARGS:-}"
+  # shellcheck disable=SC2086  # arguments as given
+  timeout "${H200_BENCH_TIMEOUT:-420}" "$py" -m "benchmarks.$b" ${H200_BENCH_ARGS:-} \
+    > "$out/${b}_h200.json" 2> "$out/$b.log"
+  bench_status=$?
+  log "benchmark $b exit status $bench_status; last lines of its log:"
+  tail -n 5 "$out/$b.log" >&2
+  [ "$status" -eq 0 ] && status=$bench_status
+done
 
 cp "$work/results/ALL.md" "$out/results.md" 2>/dev/null
 # Logs and configs, not the image stores.

@@ -53,11 +53,21 @@ _INFO_FIELDS = (
 
 
 def _call(fn: Any, *args: Any) -> tuple[Any, str | None]:
-    """(value, None) or (None, NVML's error name): a read that NVML refuses is a finding."""
+    """(value, None) or (None, NVML's error name): a read that NVML refuses is a finding.
+    A call this nvidia-ml-py lacks (or takes other arguments) is recorded as such too."""
     try:
         return fn(*args), None
     except pynvml.NVMLError as err:
         return None, _ERROR_NAMES.get(err.value, str(err.value))
+    except (AttributeError, TypeError) as err:
+        return None, f"nvidia-ml-py: {err}"
+
+
+def _absent(name: str) -> Any:
+    def call(*args: Any) -> Any:
+        raise AttributeError(f"no {name} in this nvidia-ml-py")
+
+    return call
 
 
 def _info(info: Any) -> dict[str, Any]:
@@ -105,10 +115,14 @@ def _real_only(handle: Any, profile_ids: tuple[int, ...]) -> dict[str, Any]:
         v1[f"{enum} {_ENUM_NAMES.get(enum, '?')}"] = {"error": error} if info is None else _info(info)
     by_id: dict[str, Any] = {}
     remaining: dict[str, Any] = {}
+    by_id_fn, remaining_fn = (
+        "nvmlDeviceGetGpuInstanceProfileInfoById",
+        "nvmlDeviceGetGpuInstanceRemainingCapacity",
+    )
     for pid in profile_ids:
-        info, error = _call(pynvml.nvmlDeviceGetGpuInstanceProfileInfoById, handle, pid)
+        info, error = _call(getattr(pynvml, by_id_fn, _absent(by_id_fn)), handle, pid)
         by_id[str(pid)] = {"error": error} if info is None else _info(info)
-        count, error = _call(pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity, handle, pid)
+        count, error = _call(getattr(pynvml, remaining_fn, _absent(remaining_fn)), handle, pid)
         remaining[str(pid)] = {"error": error} if count is None else count
     max_devices, error = _call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)
     return {
@@ -150,21 +164,25 @@ def test_mig_reads_match_fakenvml(record: Recorder, driver_root: str) -> None:
         if not table:
             pytest.skip(f"{name} has no MIG profile table here")
         table_ids = tuple(sorted(p.id for p in table))
-        before = pynvml.nvmlDeviceGetMigMode(handle)
+        before, _ = _call(pynvml.nvmlDeviceGetMigMode, handle)
         real = mig_report(pynvml, handle, table_ids)
         extra = _real_only(handle, table_ids)
-        after = pynvml.nvmlDeviceGetMigMode(handle)
+        after, _ = _call(pynvml.nvmlDeviceGetMigMode, handle)
         driver = pynvml.nvmlSystemGetDriverVersion()
     finally:
         pynvml.nvmlShutdown()
 
-    mig_on = before[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+    mig_on = before is not None and before[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+    try:
+        bindings = f"nvidia-ml-py {metadata.version('nvidia-ml-py')}"
+    except metadata.PackageNotFoundError:
+        bindings = f"pynvml from {pynvml.__file__}"
     fake_nvml = _fake_for(name, mig_on)
     fake_nvml.nvmlInit()
     fake = mig_report(fake_nvml, fake_nvml.nvmlDeviceGetHandleByIndex(0), table_ids)
     header = (
-        f"GPU 0: {name}, driver {driver}, nvidia-ml-py {metadata.version('nvidia-ml-py')}, "
-        f"MIG mode current/pending {before[0]}/{before[1]} (1 = enabled)"
+        f"GPU 0: {name}, driver {driver}, {bindings}, "
+        f"MIG mode current/pending {real['mig_mode']} (1 = enabled)"
     )
     record.json(
         "mig-nvml-reads",
@@ -192,6 +210,7 @@ def test_mig_reads_match_fakenvml(record: Recorder, driver_root: str) -> None:
     record(
         "mig-differences", "compare (NVML, FakeNvml)", "\n".join(diffs) or "none: every read answered alike"
     )
+    assert before is not None, f"NVML could not read the MIG mode: {real['mig_mode']}"
     assert after == before, f"MIG mode changed during a read-only test: {before} -> {after}"
     assert out.returncode == 0, out.stderr
     expected_smi = "Enabled" if mig_on else "Disabled"
