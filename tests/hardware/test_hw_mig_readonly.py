@@ -11,6 +11,8 @@ The same reads go through FakeNvml for the same product with the same MIG mode (
 path the simulated GPUs take), and the test fails where the two answer differently (a value
 or an NVML error), so that FakeNvml's H200 table (dra_driver/gpu/mig_profiles.py) and its
 errors are held to what the hardware says, as far as the hardware's MIG mode lets NVML answer.
+On the H200 with MIG mode off (2026-12-04) it fails on three differences, all FakeNvml's:
+tests/hardware/MIG_H200.md lists them with what the GPU answered.
 """
 
 from __future__ import annotations
