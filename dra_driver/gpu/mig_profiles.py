@@ -3,8 +3,9 @@
 What `nvidia-smi mig -lgip` / `-lgipp` list (NVML's `nvmlDeviceGetGpuInstanceProfileInfo`
 and `nvmlDeviceGetGpuInstancePossiblePlacements`), for the products NVIDIA's MIG user
 guide tables ("Supported MIG Profiles"): A100-SXM4-40GB, A100-SXM4-80GB, H100-SXM5-80GB,
-H200-141GB. Memory sizes are NVML's `memorySizeMB` (MiB); the H200 ones are what a real
-H200 with driver 580 reports (tests/unit/test_gpu_nvml.py). `GiProfile` is also the type
+H200-141GB. Memory sizes are NVML's `memorySizeMB` (MiB); the H200 ones, and every other
+H200 field, are what a real H200 with driver 580 reports (tests/unit/test_gpu_nvml.py,
+tests/hardware/MIG_H200.md). `GiProfile` is also the type
 discovery reads from real NVML into `GpuInfo.mig_profiles`.
 
 FakeNvml answers from these tables; the controller derives counters and placement
@@ -20,6 +21,10 @@ import pynvml
 
 MEMORY_SLICES: Final = 8  # every MIG-capable GPU so far (A100, H100, H200, B200)
 COMPUTE_SLICES: Final = 7
+# How many GPU-instance profile enums the driver's NVML knows: 0..16 with driver 580 (an H200
+# answers INVALID_ARGUMENT for 17, NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX, which newer
+# nvidia-ml-py bindings define), whatever the installed bindings' PROFILE_COUNT says.
+NVML_PROFILE_ENUMS: Final = 17
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,10 @@ class GiProfile:
     jpeg_engines: int
     ofa_engines: int
     placements: tuple[int, ...]  # possible placement starts
+    # instanceCount: how many of it one GPU holds at most. Not always len(placements): a +me
+    # profile may start anywhere a 1g may, but takes the GPU's only OFA engine, so one per GPU
+    # (NVIDIA's MIG user guide; an H200 with driver 580 answers 1 for 1g.18gb+me).
+    instance_count: int
 
     @property
     def media_extensions(self) -> bool:
@@ -63,7 +72,9 @@ def _row(
     name: str, pid: int, cs: int, ms: int, mib: int, sms: int, ce: int, dec: int, jpeg: int, ofa: int,
     placements: tuple[int, ...],
 ) -> GiProfile:
-    return GiProfile(name, pid, int(_ENUM_BY_ID[pid]), cs, ms, mib, sms, ce, dec, 0, jpeg, ofa, placements)
+    count = 1 if name.endswith("+me") else len(placements)
+    enum = int(_ENUM_BY_ID[pid])
+    return GiProfile(name, pid, enum, cs, ms, mib, sms, ce, dec, 0, jpeg, ofa, placements, count)
 
 
 def _ampere(mem: tuple[int, int, int, int], names: tuple[str, ...]) -> tuple[GiProfile, ...]:

@@ -366,6 +366,8 @@ def _read_gpu(
         numa_node=numa,
         mig_enabled=mig_enabled,
         mig_devices=_read_mig_devices(nvml, dev, memory) if mig_enabled else (),
+        # NVML answers profile reads with MIG mode off too (an H200, driver 580), but a GPU
+        # not in MIG mode must not be offered as slices: no profiles read, none published.
         mig_profiles=_read_gi_profiles(nvml, dev) if mig_enabled else (),
         nvlinks=_read_nvlinks(nvml, dev),
         fabric_clique=_read_fabric_clique(nvml, dev),
@@ -462,8 +464,10 @@ def _read_mig_devices(nvml: NvmlApi, dev: _Device, parent_memory: int) -> tuple[
 
 
 def _read_gi_profiles(nvml: NvmlApi, dev: _Device) -> tuple[GiProfile, ...]:
-    """Every GPU-instance profile the GPU offers and where each may start (MIG mode only:
-    NVML answers NotSupported otherwise, and for profiles the product does not have)."""
+    """Every GPU-instance profile the GPU offers and where each may start. NVML answers
+    NotSupported for the profile enums the product does not have and InvalidArgument for
+    enums the driver does not know (17 with driver 580); it answers the others whatever the
+    MIG mode (seen on an H200, driver 580: tests/hardware/MIG_H200.md)."""
     i, h = dev.index, dev.handle
     found: dict[int, GiProfile] = {}
     for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
@@ -491,6 +495,7 @@ def _read_gi_profiles(nvml: NvmlApi, dev: _Device) -> tuple[GiProfile, ...]:
             jpeg_engines=int(info.jpegCount),
             ofa_engines=int(info.ofaCount),
             placements=tuple(int(s.start) for s in slots),
+            instance_count=int(info.instanceCount),
         )
     return tuple(sorted(found.values(), key=lambda p: (p.compute_slices, p.memory_slices, p.name)))
 

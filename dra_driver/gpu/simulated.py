@@ -65,6 +65,22 @@ def _fail(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
+def _gi_profile_info(p: GiProfile, version: int) -> Any:
+    """nvmlGpuInstanceProfileInfo as the V call (v2 struct, with a name) or the v1 call fills it."""
+    info: Any
+    if version == 1:
+        info = pynvml.c_nvmlGpuInstanceProfileInfo_t()
+    else:
+        info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
+        info.version = pynvml.nvmlGpuInstanceProfileInfo_v2
+        info.name = f"MIG {p.name}".encode()
+    info.id, info.sliceCount, info.instanceCount = p.id, p.compute_slices, p.instance_count
+    info.multiprocessorCount, info.copyEngineCount = p.multiprocessors, p.copy_engines
+    info.decoderCount, info.encoderCount = p.decoders, p.encoders
+    info.jpegCount, info.ofaCount, info.memorySizeMB = p.jpeg_engines, p.ofa_engines, p.memory_mib
+    return info
+
+
 def _pci_info(bus_id: str) -> Any:
     domain, bus, rest = bus_id.split(":")
     info = pynvml.nvmlPciInfo_t()
@@ -354,15 +370,17 @@ class FakeNvml:
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: Any, profile: int, version: int = 2) -> Any:
         self._enter("nvmlDeviceGetGpuInstanceProfileInfo", handle, profile)
-        p = self.mig.profile_info(self._gpu(handle).index, profile)
-        info = pynvml.c_nvmlGpuInstanceProfileInfo_v2_t()
-        info.version = pynvml.nvmlGpuInstanceProfileInfo_v2
-        info.id, info.sliceCount, info.instanceCount = p.id, p.compute_slices, len(p.placements)
-        info.multiprocessorCount, info.copyEngineCount = p.multiprocessors, p.copy_engines
-        info.decoderCount, info.encoderCount = p.decoders, p.encoders
-        info.jpegCount, info.ofaCount, info.memorySizeMB = p.jpeg_engines, p.ofa_engines, p.memory_mib
-        info.name = f"MIG {p.name}".encode()
-        return info
+        if version not in (1, 2):
+            raise _fail(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)  # as the bindings answer
+        return _gi_profile_info(self.mig.profile_info(self._gpu(handle).index, profile), version)
+
+    def nvmlDeviceGetGpuInstanceProfileInfoById(self, handle: Any, profile_id: int) -> Any:
+        self._enter("nvmlDeviceGetGpuInstanceProfileInfoById", handle, profile_id)
+        return _gi_profile_info(self.mig.profile_by_id(self._gpu(handle).index, profile_id), 2)
+
+    def nvmlDeviceGetGpuInstanceRemainingCapacity(self, handle: Any, profile_id: int) -> int:
+        self._enter("nvmlDeviceGetGpuInstanceRemainingCapacity", handle, profile_id)
+        return self.mig.remaining_capacity(self._gpu(handle).index, profile_id)
 
     def nvmlDeviceGetGpuInstancePossiblePlacements(
         self, handle: Any, profile_id: int, placements: Any, count_ref: Any

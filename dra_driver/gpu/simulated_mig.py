@@ -1,10 +1,13 @@
 """MIG as NVML keeps it, for FakeNvml: GPU instances at placements, one compute instance each.
 
 `FakeMig` holds the live GPU and compute instances of every simulated GPU and answers
-the MIG calls the way NVML does: profile info and possible placements from the product's
-table (`dra_driver.gpu.mig_profiles`), `NOT_SUPPORTED` while MIG mode is off,
-`INVALID_ARGUMENT` for a placement the profile cannot start at, `INSUFFICIENT_RESOURCES`
-for a placement whose memory slices are taken (NVML does not say `ALREADY_EXISTS`),
+the MIG calls the way NVML does: profile info (by enum and by id), possible placements and
+remaining capacity from the product's table (`dra_driver.gpu.mig_profiles`) whatever the
+MIG mode (an H200 with driver 580 answers them with MIG mode off too), `INVALID_ARGUMENT`
+for a profile enum that driver does not know, `NOT_SUPPORTED` for creating an instance
+while MIG mode is off, `INVALID_ARGUMENT` for a placement the profile cannot start at,
+`INSUFFICIENT_RESOURCES` for a placement whose memory slices are taken (NVML does not say
+`ALREADY_EXISTS`) or a profile the GPU already holds as often as it can (one 1g+me),
 `IN_USE` for destroying a GPU instance that still has a compute instance, `NOT_FOUND`
 for ids that are gone.
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import pynvml
 
 from dra_driver.atomic import write_file_atomic
-from dra_driver.gpu.mig_profiles import GiProfile, table_for
+from dra_driver.gpu.mig_profiles import NVML_PROFILE_ENUMS, GiProfile, table_for
 from dra_driver.gpu.profiles import GpuSpec, MigInstanceSpec
 
 
@@ -110,6 +113,9 @@ class FakeMig:
 
     # -- profiles ---------------------------------------------------------------------
 
+    # Profile reads do not depend on the MIG mode (as on an H200 with driver 580); only
+    # creating instances needs MIG mode on.
+
     def _require_mig(self, gpu: int) -> None:
         if not self.gpus[gpu].mig_enabled:
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -121,8 +127,7 @@ class FakeMig:
         raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     def profile_info(self, gpu: int, nvml_profile: int) -> GiProfile:
-        self._require_mig(gpu)
-        if not 0 <= nvml_profile < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT:
+        if not 0 <= nvml_profile < NVML_PROFILE_ENUMS:
             raise _fail(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         for p in self.tables[gpu]:
             if p.nvml_profile == nvml_profile:
@@ -130,8 +135,19 @@ class FakeMig:
         raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     def possible_placements(self, gpu: int, profile_id: int) -> tuple[int, ...]:
-        self._require_mig(gpu)
         return self.profile_by_id(gpu, profile_id).placements
+
+    def remaining_capacity(self, gpu: int, profile_id: int) -> int:
+        """How many more instances of the profile could be created now: its placements whose
+        memory slices are all free (one profile's placements never overlap), no more than its
+        instance count less those already made. Not bounded by MaxMigDeviceCount, which is 0
+        with MIG mode off while NVML still answers the full counts (an H200, driver 580)."""
+        profile = self.profile_by_id(gpu, profile_id)
+        mine = self.live(gpu)
+        taken = {s for x in mine for s in range(x.placement, x.placement + x.size)}
+        free = sum(1 for s in profile.placements if not taken & set(range(s, s + profile.memory_slices)))
+        same = sum(1 for x in mine if x.profile_id == profile_id)
+        return max(0, min(free, profile.instance_count - same))
 
     # -- create / destroy ---------------------------------------------------------------
 
@@ -144,7 +160,8 @@ class FakeMig:
         mine = [x for x in rows if x.gpu == gpu]
         wanted = set(range(start, start + size))
         taken = {s for x in mine for s in range(x.placement, x.placement + x.size)}
-        if wanted & taken or len(mine) >= self.gpus[gpu].mig_max_devices:
+        same = sum(1 for x in mine if x.profile_id == profile_id)
+        if wanted & taken or len(mine) >= self.gpus[gpu].mig_max_devices or same >= profile.instance_count:
             raise _fail(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
         used = {x.gpu_instance_id for x in mine}
         gi = next(n for n in range(1, 64) if n not in used)

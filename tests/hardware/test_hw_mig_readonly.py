@@ -11,8 +11,10 @@ The same reads go through FakeNvml for the same product with the same MIG mode (
 path the simulated GPUs take), and the test fails where the two answer differently (a value
 or an NVML error), so that FakeNvml's H200 table (dra_driver/gpu/mig_profiles.py) and its
 errors are held to what the hardware says, as far as the hardware's MIG mode lets NVML answer.
-On the H200 with MIG mode off (2026-12-04) it fails on three differences, all FakeNvml's:
-tests/hardware/MIG_H200.md lists them with what the GPU answered.
+On the H200 with MIG mode off (2026-12-04) it failed on three differences, all FakeNvml's,
+since fixed in FakeNvml: tests/hardware/MIG_H200.md lists them with what the GPU answered.
+tests/unit/test_mig_h200_readonly.py holds FakeNvml to those recorded answers and rehearses
+this test with FakeNvml in pynvml's place, MIG mode off and on.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def mig_report(nvml: Any, handle: Any, profile_ids: tuple[int, ...]) -> dict[str
     """What `nvml` (pynvml or a FakeNvml) answers to every MIG read, as comparable data."""
     mode, mode_error = _call(nvml.nvmlDeviceGetMigMode, handle)
     by_enum: dict[str, Any] = {}
+    v1: dict[str, Any] = {}
     ids = set(profile_ids)
     for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
         info, error = _call(nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, enum)
@@ -102,37 +105,34 @@ def mig_report(nvml: Any, handle: Any, profile_ids: tuple[int, ...]) -> dict[str
         by_enum[key] = {"error": error} if info is None else _info(info)
         if info is not None:
             ids.add(int(info.id))
-    return {
-        "mig_mode": {"error": mode_error} if mode is None else {"current": mode[0], "pending": mode[1]},
-        "profile_info_v": by_enum,
-        "placements_by_id": {str(pid): _placements(nvml, handle, pid) for pid in sorted(ids)},
-    }
-
-
-def _real_only(handle: Any, profile_ids: tuple[int, ...]) -> dict[str, Any]:
-    """Reads FakeNvml does not implement (the driver does not call them): recorded, not compared."""
-    v1: dict[str, Any] = {}
-    for enum in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
-        info, error = _call(pynvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, enum, 1)
-        v1[f"{enum} {_ENUM_NAMES.get(enum, '?')}"] = {"error": error} if info is None else _info(info)
+        info, error = _call(nvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, enum, 1)
+        v1[key] = {"error": error} if info is None else _info(info)
     by_id: dict[str, Any] = {}
     remaining: dict[str, Any] = {}
     by_id_fn, remaining_fn = (
         "nvmlDeviceGetGpuInstanceProfileInfoById",
         "nvmlDeviceGetGpuInstanceRemainingCapacity",
     )
-    for pid in profile_ids:
-        info, error = _call(getattr(pynvml, by_id_fn, _absent(by_id_fn)), handle, pid)
+    for pid in sorted(ids):
+        info, error = _call(getattr(nvml, by_id_fn, _absent(by_id_fn)), handle, pid)
         by_id[str(pid)] = {"error": error} if info is None else _info(info)
-        count, error = _call(getattr(pynvml, remaining_fn, _absent(remaining_fn)), handle, pid)
+        count, error = _call(getattr(nvml, remaining_fn, _absent(remaining_fn)), handle, pid)
         remaining[str(pid)] = {"error": error} if count is None else count
-    max_devices, error = _call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)
     return {
+        "mig_mode": {"error": mode_error} if mode is None else {"current": mode[0], "pending": mode[1]},
+        "profile_info_v": by_enum,
+        "placements_by_id": {str(pid): _placements(nvml, handle, pid) for pid in sorted(ids)},
         "profile_info_v1": v1,
         "profile_info_by_id": by_id,
         "remaining_capacity_by_id": remaining,
-        "max_mig_device_count": {"error": error} if max_devices is None else max_devices,
     }
+
+
+def _real_only(handle: Any) -> dict[str, Any]:
+    """A read FakeNvml answers from the node profile, not as NVML does with MIG mode off
+    (the driver reads it only for GPUs in MIG mode): recorded, not compared."""
+    max_devices, error = _call(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle)
+    return {"max_mig_device_count": {"error": error} if max_devices is None else max_devices}
 
 
 def _fake_for(name: str, mig_enabled: bool) -> Any:
@@ -168,7 +168,7 @@ def test_mig_reads_match_fakenvml(record: Recorder, driver_root: str) -> None:
         table_ids = tuple(sorted(p.id for p in table))
         before, _ = _call(pynvml.nvmlDeviceGetMigMode, handle)
         real = mig_report(pynvml, handle, table_ids)
-        extra = _real_only(handle, table_ids)
+        extra = _real_only(handle)
         after, _ = _call(pynvml.nvmlDeviceGetMigMode, handle)
         driver = pynvml.nvmlSystemGetDriverVersion()
     finally:

@@ -94,12 +94,19 @@ def test_profile_names_follow_from_memory_as_nvidia_smi_names_them(product: str)
 
 
 @pytest.mark.parametrize("table", [A100_40GB, A100_80GB, H100_80GB, H200_141GB])
+def test_instance_counts_are_the_published_ones(table: tuple[GiProfile, ...]) -> None:
+    # NVIDIA's MIG user guide: seven 1g, one 1g+me (the only OFA engine), four 1g of two
+    # memory slices, three 2g, two 3g, one 4g, one 7g, on A100, H100 and H200 alike.
+    assert [p.instance_count for p in table] == [7, 1, 4, 3, 2, 1, 1]
+
+
+@pytest.mark.parametrize("table", [A100_40GB, A100_80GB, H100_80GB, H200_141GB])
 def test_the_full_instance_holds_each_profile_as_often_as_it_fits(
     table: tuple[GiProfile, ...],
 ) -> None:
     full = next(p for p in table if p.compute_slices == 7)
     for p in table:
-        n = 1 if p.media_extensions else len(p.placements)
+        n = p.instance_count
         assert n * p.multiprocessors <= full.multiprocessors
         assert n * p.memory_mib <= full.memory_mib
         assert n * p.compute_slices <= 7
@@ -130,7 +137,7 @@ def test_discovery_reads_the_h200_table_only_for_gpus_in_mig_mode() -> None:
     inventory = nvml.discover(fake, FakeSysfs(fake.profile))
     assert inventory.gpus[0].mig_profiles == H200_141GB
     assert inventory.gpus[1].mig_profiles == H200_141GB
-    assert inventory.gpus[2].mig_profiles == ()  # MIG mode off: NVML says NotSupported
+    assert inventory.gpus[2].mig_profiles == ()  # MIG mode off: not read, though NVML answers
 
 
 def test_create_a_gpu_and_compute_instance_then_discovery_sees_the_mig_device() -> None:
@@ -206,3 +213,67 @@ def test_instances_outlive_the_fake_in_its_state_file(tmp_path: Path) -> None:
         (0, gi.gpu_instance_id, 3)
     ]
     assert [x.uuid for x in again.mig.live(1)] == ["MIG-7c0d9e4a-1f2b-4c3d-8e5f-6a7b8c9d0e12"]
+
+
+def _remaining(fake: FakeNvml, gpu: object) -> dict[str, int]:
+    return {p.name: fake.nvmlDeviceGetGpuInstanceRemainingCapacity(gpu, p.id) for p in H200_141GB}
+
+
+def test_one_me_instance_per_gpu_as_nvml_answers() -> None:
+    fake = _fake()
+    gpu = fake.nvmlDeviceGetHandleByIndex(0)
+    me = fake.nvmlDeviceGetGpuInstanceProfileInfo(gpu, pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1)
+    assert (me.id, me.instanceCount) == (20, 1)  # an H200, driver 580, answers 1 (not 7 starts)
+    assert _remaining(fake, gpu)["1g.18gb+me"] == 1
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 20, _placement(2, 1))
+    with pytest.raises(pynvml.NVMLError) as err:
+        fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 20, _placement(5, 1))  # a free start
+    assert _code(err) == pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES
+    assert _remaining(fake, gpu) == {
+        "1g.18gb": 6,
+        "1g.18gb+me": 0,
+        "1g.35gb": 3,  # 2-3 is taken
+        "2g.35gb": 2,
+        "3g.71gb": 1,
+        "4g.71gb": 0,
+        "7g.141gb": 0,
+    }
+    fake.nvmlDeviceCreateGpuInstanceWithPlacement(gpu, 19, _placement(5, 1))  # a plain 1g still fits
+
+
+def test_profile_reads_with_mig_mode_off_answer_as_with_it_on() -> None:
+    fake = _fake()
+    on, off = fake.nvmlDeviceGetHandleByIndex(0), fake.nvmlDeviceGetHandleByIndex(2)
+    assert fake.nvmlDeviceGetMigMode(off)[0] == pynvml.NVML_DEVICE_MIG_DISABLE
+    for p in H200_141GB:
+        for version in (1, 2):
+            a, b = (fake.nvmlDeviceGetGpuInstanceProfileInfo(h, p.nvml_profile, version) for h in (on, off))
+            assert bytes(a) == bytes(b), p.name
+        a, b = (fake.nvmlDeviceGetGpuInstanceProfileInfoById(h, p.id) for h in (on, off))
+        assert bytes(a) == bytes(b) and a.instanceCount == p.instance_count, p.name
+        for h in (on, off):
+            count = ctypes.c_uint(8)
+            buffer = (pynvml.c_nvmlGpuInstancePlacement_t * 8)()
+            fake.nvmlDeviceGetGpuInstancePossiblePlacements(h, p.id, buffer, ctypes.byref(count))
+            assert tuple(s.start for s in buffer[: count.value]) == p.placements
+            assert {s.size for s in buffer[: count.value]} == {p.memory_slices}
+    assert _remaining(fake, off) == _remaining(fake, on) == {p.name: p.instance_count for p in H200_141GB}
+    with pytest.raises(pynvml.NVMLError) as err:  # creating still needs MIG mode on
+        fake.nvmlDeviceCreateGpuInstanceWithPlacement(off, 0, _placement(0, 8))
+    assert _code(err) == pynvml.NVML_ERROR_NOT_SUPPORTED
+
+
+@pytest.mark.parametrize(
+    ("enum", "error"),
+    [
+        (pynvml.NVML_GPU_INSTANCE_PROFILE_8_SLICE, pynvml.NVML_ERROR_NOT_SUPPORTED),  # not on an H200
+        (pynvml.NVML_GPU_INSTANCE_PROFILE_2_SLICE_ALL_ME, pynvml.NVML_ERROR_NOT_SUPPORTED),
+        (17, pynvml.NVML_ERROR_INVALID_ARGUMENT),  # 3_SLICE_GFX: unknown to driver 580's NVML
+        (-1, pynvml.NVML_ERROR_INVALID_ARGUMENT),
+    ],
+)
+def test_profile_enums_an_h200_lacks(enum: int, error: int) -> None:
+    fake = _fake()
+    with pytest.raises(pynvml.NVMLError) as err:
+        fake.nvmlDeviceGetGpuInstanceProfileInfo(fake.nvmlDeviceGetHandleByIndex(2), enum)
+    assert _code(err) == error
