@@ -10,6 +10,11 @@
 # and PyPI; when the host's CA bundle exists it is lent to the build (PIP_CERT), for pip
 # behind a TLS-intercepting proxy.
 #
+# The base is pinned by digest: the build resolves the manifest digest of the base it has in
+# local storage and builds FROM <base>@sha256:<digest> (PYTHON_IMAGE), so it uses exactly that
+# image or fails; the digest goes into the image's labels org.opencontainers.image.base.name
+# and .base.digest (PYTHON_DIGEST), into base.ref beside the archive (name@digest), and on stderr.
+#
 # Cache keys: the base by its recipe; the image by the recipe, the base key, the image name
 # and the content of every file the build context holds. Same inputs: a no-op. Installs
 # buildah, runc and mmdebstrap with apt-get when missing (root). Changes nothing else.
@@ -44,12 +49,12 @@ context_files() {
 
 base_recipe="mmdebstrap --variant=minbase $suite +$base_packages; no man/doc/locale; apt lists removed; v1"
 base_key=$(echo "$base_recipe" | sha256sum | cut -c1-12)
-recipe="buildah bud --layers --network host; overlay; oci-archive; $name; base $base_key; v1"
+recipe="buildah bud --layers --network host; overlay; oci-archive; $name; base $base_key by digest; v2"
 key=$( (echo "$recipe"; cd "$repo" && context_files | xargs -0 sha256sum) | sha256sum | cut -c1-12)
 out="$cache_root/$version-$key"
 
 if [ -f "$out/.complete" ]; then
-  log "image $name: cached in $out"
+  log "image $name: cached in $out (base $(cat "$out/base.ref" 2>/dev/null || echo unknown))"
   echo "$out/image.oci.tar"
   exit 0
 fi
@@ -96,7 +101,15 @@ if [ "$have_base" != "$base_key" ]; then
   log "base ready: $(bah images --format '{{.Name}}:{{.Tag}} {{.Size}}' "$base_image")"
 fi
 
-build_args=(--build-arg "VERSION=$version"
+# The digest of the manifest in local storage, which is what `name@digest` resolves to.
+base_digest=$(bah inspect --type image --format '{{.FromImageDigest}}' "$base_image")
+case "$base_digest" in
+  sha256:????????????????????????????????????????????????????????????????) ;;
+  *) log "no manifest digest for $base_image in $storage (got '$base_digest')"; exit 1 ;;
+esac
+log "base pinned: $base_image@$base_digest"
+build_args=(--build-arg "PYTHON_IMAGE=$base_image@$base_digest" --build-arg "PYTHON_DIGEST=$base_digest"
+  --build-arg "VERSION=$version"
   --build-arg "REVISION=$(git -C "$repo" rev-parse HEAD 2>/dev/null || echo unknown)"
   --build-arg "SOURCE=$(git -C "$repo" remote get-url origin 2>/dev/null || echo unknown)")
 if [ -f "$host_ca" ]; then
@@ -118,6 +131,12 @@ if ! bah bud --layers --pull=never --network host "${build_args[@]}" -f "$repo/D
   exit 1
 fi
 bah push --quiet "$name" "oci-archive:$tmp/image.oci.tar:$name" >&2
+labelled=$(bah inspect --type image --format '{{index .OCIv1.Config.Labels "org.opencontainers.image.base.digest"}}' "$name")
+if [ "$labelled" != "$base_digest" ]; then
+  log "the image's base.digest label is '$labelled', not the base it was built on ($base_digest)"
+  exit 1
+fi
+echo "$base_image@$base_digest" > "$tmp/base.ref"
 log "image $name: $(bah images --format '{{.Size}}' "$name") in storage, archive $(du -h "$tmp/image.oci.tar" | cut -f1)"
 # The image's SBOM beside the archive (sbom.cdx.json), read out of the image itself.
 sbom_ctr=$(bah from --quiet --pull=never "$name")
@@ -131,5 +150,5 @@ bah rmi --prune >/dev/null 2>&1 || true
 touch "$tmp/.complete"
 rm -rf "$out"; mv "$tmp" "$out"
 trap - EXIT
-log "done"
+log "done: $name on base $base_image@$base_digest"
 echo "$out/image.oci.tar"

@@ -59,6 +59,20 @@ def test_default_render(helm: Helm) -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
 
 
+def test_an_image_digest_pins_the_pods_to_that_image(helm: Helm) -> None:
+    """image.digest set: the DaemonSet runs repository@digest and the tag is not used."""
+    digest = "sha256:" + "0123456789abcdef" * 4
+
+    def image(*sets: str) -> str:
+        (ds,) = [d for d in _render(helm, *sets) if d["kind"] == "DaemonSet"]
+        return str(ds["spec"]["template"]["spec"]["containers"][0]["image"])
+
+    repo = "registry.example.com/gpu-dra-driver"
+    sets = (f"image.repository={repo}", "image.tag=9.9.9")
+    assert image(*sets, f"image.digest={digest}") == f"{repo}@{digest}"
+    assert image(*sets) == f"{repo}:9.9.9"
+
+
 def test_feature_switches_reach_the_plugin(helm: Helm) -> None:
     docs = _render(
         helm,
@@ -94,6 +108,9 @@ def test_feature_switches_reach_the_plugin(helm: Helm) -> None:
         ("driverName=gpu.nvidia.com", "gpu.nvidia.com is the name of NVIDIA's DRA driver"),
         ("driverName=GPU", "is not a DNS subdomain"),
         ("cdiDir=var/run/cdi", 'cdiDir: "var/run/cdi" must be an absolute path'),
+        ("image.digest=sha256:abc", "'/image/digest': 'sha256:abc' does not match pattern"),
+        ("image.digest=" + "a" * 64, "/image/digest"),  # the algorithm is part of it
+        ("image.digest=sha256:" + "A" * 64, "/image/digest"),  # digests are lowercase hex
     ],
 )
 def test_bad_values_are_refused_clearly(helm: Helm, value: str, message: str) -> None:

@@ -12,8 +12,11 @@ driver root (its RBAC, policies, securityContext, mounts and probes are those of
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
+import re
+import tarfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -179,3 +182,38 @@ def test_the_image_comes_with_an_sbom_of_what_it_runs() -> None:
     names = {c["name"].lower().replace("_", "-") for c in sbom["components"]}
     assert {"grpcio", "aiohttp", "prometheus-client", "structlog", "nvidia-ml-py"} <= names, sorted(names)
     assert all(c.get("version") and c.get("purl") for c in sbom["components"])
+
+
+def test_the_image_names_its_base_by_digest_and_holds_only_the_driver() -> None:
+    """hack/image/build.sh builds FROM the base by its manifest digest and the image says so
+    in its OCI labels (base.name, base.digest; base.ref beside the archive); the one layer the
+    image adds is /opt/dra-driver: the driver's environment, without pip or setuptools, and
+    its SBOM. Read from the OCI archive itself."""
+    image = build_driver_image()
+    with tarfile.open(image.archive) as archive:
+
+        def blob(digest: str) -> bytes:
+            f = archive.extractfile("blobs/sha256/" + digest.removeprefix("sha256:"))
+            assert f is not None, digest
+            return f.read()
+
+        index = archive.extractfile("index.json")
+        assert index is not None, "no index.json: not an OCI archive"
+        (entry,) = json.loads(index.read())["manifests"]
+        manifest = json.loads(blob(entry["digest"]))
+        labels = json.loads(blob(manifest["config"]["digest"]))["config"]["Labels"]
+        layer = io.BytesIO(blob(manifest["layers"][-1]["digest"]))
+        with tarfile.open(fileobj=layer, mode="r:*") as added:
+            paths = added.getnames()
+    oci = "org.opencontainers.image"
+    digest, base = labels[f"{oci}.base.digest"], labels[f"{oci}.base.name"]
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", digest), labels
+    assert base.endswith(f"@{digest}"), labels
+    assert (image.archive.parent / "base.ref").read_text().strip() == base
+    assert {p.split("/", 2)[1] for p in paths if "/" in p} == {"dra-driver"}, sorted(paths)[:20]
+    assert "opt/dra-driver/sbom.cdx.json" in paths and "opt/dra-driver/bin/dra-driver" in paths
+    top = {p.split("site-packages/", 1)[1].split("/")[0] for p in paths if "site-packages/" in p}
+    assert {"dra_driver", "controller", "grpc", "aiohttp"} <= top, sorted(top)
+    leftovers = {t for t in top if re.match(r"(pip|setuptools|pkg_resources|_distutils_hack|wheel)\b", t)}
+    assert not leftovers, f"build tools in the driver's environment: {sorted(leftovers)}"
+    assert not [p for p in paths if re.search(r"/bin/(pip|easy_install)", p)]

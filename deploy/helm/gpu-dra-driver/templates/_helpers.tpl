@@ -34,8 +34,13 @@ app.kubernetes.io/component: kubelet-plugin
 {{- default (printf "/run/%s/state" .Values.driverName) .Values.stateDir -}}
 {{- end -}}
 
+{{/* repository@digest when a digest is set (the schema checks its form), else repository:tag. */}}
 {{- define "gpu-dra-driver.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* A DeviceClass selector: devices of this driver whose `type` attribute is the argument. */}}
