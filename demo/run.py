@@ -427,7 +427,9 @@ def node_views(api: client.ApiClient, nodes: Nodes, devices: DeviceMap) -> tuple
             f"node IP {node.ip}, kubelet {info.get('kubeletVersion', '?')}, "
             f"{info.get('containerRuntimeVersion', '?')}, runc"
         )
-        views.append(NodeView(name, node.spec.profile, len(mine), product, description, runtime))
+        # A MIG-mode GPU is published as itself plus one device per placement: count GPUs.
+        gpus = sum(1 for dev in mine if _attribute(dev, "type") == "gpu")
+        views.append(NodeView(name, node.spec.profile, gpus, product, description, runtime))
     return tuple(views)
 
 
