@@ -56,6 +56,7 @@ from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_us
 from dra_driver.plugin.lock import Lease
 from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without_own
 from dra_driver.plugin.prepared import MigRecord
+from dra_driver.plugin.recovery import StartPaths, asked_once, instances_at_start
 from dra_driver.plugin.registration import RegistrationService, add_registration
 from dra_driver.plugin.server import SocketServer
 from dra_driver.plugin.service import add_dra_services
@@ -281,18 +282,6 @@ class RecordedInstances:
         return self._records
 
 
-def own_mig_instances(opts: PluginOptions) -> list[MigRecord]:
-    """The MIG instances the checkpoint says this plugin made for claims (intents included).
-    An unreadable checkpoint says none: recovery moves it aside, and its instances then look
-    like static ones (logged; docs/mig.md)."""
-    try:
-        cp = ckpt.load(ckpt.checkpoint_path(opts.state_dir), ckpt.read_boot_id(), opts.driver).checkpoint
-    except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused, OSError, ValueError) as e:
-        log.error("cannot read which MIG instances are this plugin's; treating all as static", error=str(e))
-        return []
-    return [r for entry in cp.claims.values() for r in entry.mig]
-
-
 @dataclass(frozen=True)
 class PluginOptions:
     node_name: str
@@ -322,8 +311,14 @@ class PluginOptions:
 
 async def run_plugin(opts: PluginOptions) -> None:
     inventory = await asyncio.to_thread(discover, opts.simulate, simulated_mig_state(opts))
-    # The instances this plugin made for claims are no static MIG: published as placements
-    own = await asyncio.to_thread(own_mig_instances, opts)
+    api = await kube.load_client(opts.kubeconfig)
+    claims = ClaimReader(api, timeout=opts.claim_read_timeout)
+    allocated = asked_once(lambda: claims.allocated_here(opts.driver, opts.node_name))
+    # The instances this plugin made for claims are no static MIG: published as placements.
+    # With an unreadable checkpoint they come from the claims recovery adopts (same answer).
+    at_start = StartPaths(ckpt.checkpoint_path(opts.state_dir), ckpt.read_boot_id(), opts.driver,
+                          opts.node_name, opts.cdi_dir)
+    own = await instances_at_start(inventory, at_start, allocated, ask_api=opts.dynamic_mig)
     inventory = without_own(inventory, own)
     # Share views resolve whether or not they are published now: claims allocated while
     # --memory-shares was on must still prepare and recover after it is turned off.
@@ -348,7 +343,6 @@ async def run_plugin(opts: PluginOptions) -> None:
     paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     opts.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
-    api = await kube.load_client(opts.kubeconfig)
     mps = MpsControl(
         opts.mps_root or mps_default_root(opts.driver),
         opts.driver_root or Path("/"),
@@ -359,7 +353,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         driver=opts.driver,
         pool=opts.node_name,
         devices=devices,
-        claims=ClaimReader(api, timeout=opts.claim_read_timeout),
+        claims=claims,
         driver_files=driver_files,
         cdi_dir=opts.cdi_dir,
         state_dir=opts.state_dir,
@@ -383,7 +377,7 @@ async def run_plugin(opts: PluginOptions) -> None:
     reg_server: SocketServer | None = None
     health: NodeHealth | None = None
     try:
-        await preparer.recover()
+        await preparer.recover(allocated)
         # a restarted plugin reports again what it holds (the kubelet does not prepare again)
         for entry in preparer.read_checkpoint().claims.values():
             if entry.phase is ckpt.ClaimPhase.COMPLETED:

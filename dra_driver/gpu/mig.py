@@ -4,7 +4,9 @@ A dynamic MIG claim names a placement (`controller.partitions`): GPU-instance pr
 and start slice on a parent GPU. `MigInstances.create` makes the GPU instance at exactly
 that placement, then its one full-size compute instance, and returns the MIG device's
 UUID and ids; `destroy` removes the compute instance, then the GPU instance; `at` finds
-what a GPU instance id holds (for adopting after a crash), `occupants` which GPU instances
+what a GPU instance id holds (for adopting after a crash), `find_at` the instance at
+exactly a placement with its compute instance and MIG UUID (for adopting one whose ids
+were lost with an unreadable checkpoint), `occupants` which GPU instances
 hold any of a placement's slices (a taken placement is refused before anything is
 recorded), and `destroy_at` removes the instance at exactly a placement (an intent whose
 create may have happened before a crash). A placement that is taken (by
@@ -149,6 +151,37 @@ class MigInstances:
                 raise MigError(f"GPU {parent_uuid}: reading GPU instance {gpu_instance_id}: {e}") from e
             info = self.api.nvmlGpuInstanceGetInfo(gi)
             return int(info.profileId), int(info.placement.start)
+        finally:
+            self.api.nvmlShutdown()
+
+    def find_at(self, parent_uuid: str, profile_id: int, start: int) -> Created | None:
+        """The instance of `profile_id` at exactly `start`, with its (first) compute instance
+        and MIG UUID; None if there is no such GPU instance or it has no compute instance."""
+        self.api.nvmlInit()
+        try:
+            gpu = self._handle(parent_uuid)
+            found = next(
+                (gi for gi in self._instances(gpu) if (gi.profile_id, gi.start) == (profile_id, start)), None
+            )
+            if found is None:
+                return None
+            where = f"GPU {parent_uuid}, GPU instance {found.gpu_instance_id}"
+            try:
+                gi = self.api.nvmlDeviceGetGpuInstanceById(gpu, found.gpu_instance_id)
+                for ci_id in COMPUTE_INSTANCE_IDS:
+                    try:
+                        ci = self.api.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+                    except pynvml.NVMLError as e:
+                        if e.value == pynvml.NVML_ERROR_NOT_FOUND:
+                            continue
+                        raise
+                    info = self.api.nvmlComputeInstanceGetInfo(ci)
+                    mig_uuid = _text(self.api.nvmlDeviceGetUUID(info.device))
+                    gi_id = found.gpu_instance_id
+                    return Created(parent_uuid, gi_id, int(info.id), mig_uuid, profile_id, start)
+            except pynvml.NVMLError as e:
+                raise MigError(f"{where}: reading its compute instance failed: {e}") from e
+            return None
         finally:
             self.api.nvmlShutdown()
 

@@ -4,7 +4,10 @@
 plugin resolves an allocated name back to its placement with `find_placement`, so the two
 halves cannot disagree. Names follow NVIDIA's dynamic MIG devices:
 `gpu-<index>-mig-<profile>-<profileId>-<start>`. A placement that overlaps an instance
-that existed at start (static MIG) is no placement. Pure data, no I/O.
+that existed at start (static MIG) is no placement. `find_placement(..., over_instances=True)`
+resolves a name whatever instances sit on the GPU: after an unreadable checkpoint, the
+instance this plugin made for an allocated placement looks static until it is adopted.
+Pure data, no I/O.
 """
 
 from __future__ import annotations
@@ -58,11 +61,15 @@ def placements(gpu: GpuInfo) -> tuple[Placement, ...]:
     return tuple(p for p in every if not held.intersection(p.slices))
 
 
-def find_placement(inventory: Inventory, device_name: str) -> Placement | None:
-    """The placement a device name stands for, None if it names none (the plugin's lookup)."""
+def find_placement(
+    inventory: Inventory, device_name: str, *, over_instances: bool = False
+) -> Placement | None:
+    """The placement a device name stands for, None if it names none (the plugin's lookup).
+    `over_instances`: also one that an instance on the GPU now overlaps."""
     for gpu in inventory.gpus:
         if dynamic(gpu):
-            for p in placements(gpu):
+            every = (Placement(gpu, p, s) for p in gpu.mig_profiles for s in p.placements)
+            for p in every if over_instances else placements(gpu):
                 if p.name == device_name:
                     return p
     return None

@@ -15,7 +15,13 @@ A checkpoint that cannot be read, or that is missing while this boot's specs or 
 daemons are on disk (a wiped or moved state dir), never costs a running pod its devices:
 it is moved aside, and the specs on disk of claims that the API server says are allocated
 to this node are adopted into a new checkpoint; only specs of claims that are gone are
-removed, and none at all if the API server cannot say. A checkpoint from a newer build or
+removed, and none at all if the API server cannot say. An adopted claim's dynamic MIG
+instances are found through NVML at its allocated placements and recorded with their ids
+and MIG UUID, as if the checkpoint had kept them; a claim with a placement where no instance
+is found is not adopted (its files are kept for the kubelet's Unprepare, as for any claim
+that cannot be adopted). `instances_at_start` says which instances are this plugin's before
+discovery's devices are published: the checkpoint's, or, while the checkpoint cannot say,
+those at the placements of the claims recovery will adopt. A checkpoint from a newer build or
 of another driver stops the plugin before anything on disk changes (CheckpointRefused
 propagates). Only this driver's files are looked at: its checkpoint (it records the driver),
 the CDI specs named with its vendor, and the sharing state under its own MPS root.
@@ -27,17 +33,22 @@ It must not serve the kubelet's calls (state.py does) nor decide what a claim ne
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
 from dra_driver.cdi.files import claim_spec_path, claim_uids_in, remove_claim_spec
 from dra_driver.gpu.mig import MigError
+from dra_driver.gpu.model import Inventory
+from dra_driver.gpu.placements import Placement, dynamic, find_placement
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin import mig_steps
 from dra_driver.plugin.claim_steps import JSON, ClaimSteps
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.lock import exclusive
+from dra_driver.plugin.prepared import MigRecord
 from dra_driver.sharing.policy import SharingError
 
 log = structlog.get_logger(__name__)
@@ -130,15 +141,14 @@ def _adopt(
             continue
         try:
             plan = steps.plan(ref, claim)
+            mig = _found_instances(steps, ref, plan.mig)
         except ClaimRejected as e:
             log.error(
                 "cannot adopt a claim allocated here; keeping its files", error=str(e), **ref.log_fields()
             )
             keep.add(ref.uid)
             continue
-        # its MIG instances' ids are lost with the checkpoint: as intents, Unprepare finds them
-        intents = [mig_steps.intent(p) for p in plan.mig]
-        started = ckpt.started_entry(ref.namespace, ref.name, ref.uid, plan.devices, mig=intents)
+        started = ckpt.started_entry(ref.namespace, ref.name, ref.uid, plan.devices, mig=mig)
         claims[ref.uid] = ckpt.completed_entry(started)
         if plan.sharing is not None and steps.sharing.saved_plan(ref.uid) is None:
             keep.add(ref.uid)  # a daemon without its settings: leave it to Unprepare
@@ -146,18 +156,122 @@ def _adopt(
     return claims, frozenset(keep)
 
 
+def _found_instances(steps: ClaimSteps, ref: ClaimRef, placements: Sequence[Placement]) -> list[MigRecord]:
+    """The MIG records of an adopted claim: the instance found at each allocated placement,
+    with its ids and MIG UUID (lost with the checkpoint). ClaimRejected where none is there
+    (the claim's pod lost that device: not adopted). If NVML cannot be read, the intent:
+    Unprepare destroys whatever instance of its profile sits at its start."""
+    records = []
+    for p in placements:
+        if steps.mig is None:  # plan() refuses placements without --dynamic-mig
+            raise ClaimRejected(f"claim {ref}: {p.name} is a dynamic MIG slice and --dynamic-mig is off")
+        try:
+            made = steps.mig.find_at(p.gpu.uuid, p.profile.id, p.start)
+        except MigError as e:
+            log.error("could not read an adopted claim's MIG instance; recording its placement only",
+                      device=p.name, error=str(e), **ref.log_fields())
+            records.append(mig_steps.intent(p))
+            continue
+        if made is None:
+            raise ClaimRejected(
+                f"claim {ref}: no MIG instance of {p.profile.name} at memory slice {p.start} of GPU "
+                f"{p.gpu.uuid} (its placement {p.name}): the instance made for it is gone, and "
+                "with it its pod's device"
+            )
+        records.append(mig_steps.made(p, made))
+        log.warning("adopted a prepared claim's MIG instance found at its placement", device=p.name,
+                    gpu_instance_id=made.gpu_instance_id, mig_uuid=made.uuid, **ref.log_fields())
+    return records
+
+
+def asked_once(list_allocated: ListAllocated) -> ListAllocated:
+    """`list_allocated`, asked at most once: at start, the MIG instances taken out of
+    discovery and the claims recovery adopts come from the same answer."""
+    answer: list[list[JSON] | None] = []
+
+    async def listed() -> list[JSON] | None:
+        if not answer:
+            answer.append(await list_allocated())
+        return answer[0]
+
+    return listed
+
+
+@dataclass(frozen=True)
+class StartPaths:
+    """What `instances_at_start` reads before the plugin's `ClaimSteps` exist."""
+
+    checkpoint_path: Path
+    boot_id: str
+    driver: str
+    pool: str
+    cdi_dir: Path
+
+
+async def instances_at_start(
+    inventory: Inventory, steps_at: StartPaths, list_allocated: ListAllocated, *, ask_api: bool = True
+) -> list[MigRecord]:
+    """The dynamic MIG instances that are this plugin's, for discovery to take out before
+    anything is published (`mig_steps.without_own`): the checkpoint's records; or, while the
+    checkpoint cannot say (unreadable, or not this boot's) and some dynamic GPU holds an
+    instance, those at the allocated placements of the claims recovery will adopt (listed
+    by the API server, CDI spec of this boot on disk), as intents. Without them an instance
+    this plugin made would be published as static. `ask_api` False (no --dynamic-mig): the
+    checkpoint's records only."""
+    try:
+        at = steps_at
+        loaded = await asyncio.to_thread(ckpt.load, at.checkpoint_path, at.boot_id, at.driver)
+    except ckpt.CheckpointRefused:
+        return []  # recovery stops the plugin before anything is published
+    except (ckpt.CheckpointUnreadable, OSError, ValueError) as e:
+        log.error("cannot read which MIG instances are this plugin's; asking the API server", error=str(e))
+    else:
+        if loaded.status == ckpt.LoadStatus.LOADED:
+            return [r for entry in loaded.checkpoint.claims.values() for r in entry.mig]
+    if not ask_api or not any(dynamic(g) and g.mig_devices for g in inventory.gpus):
+        return []
+    on_disk = await asyncio.to_thread(specs_of_this_boot, steps_at.cdi_dir, steps_at.driver)
+    if not on_disk:
+        return []  # no claim to adopt: every instance there is someone else's
+    listed = await list_allocated()
+    if listed is None:
+        log.error("the API server could not say which claims are allocated here: every MIG instance on a "
+                  "dynamic GPU is taken for a static one")
+        return []
+    return listed_instances(inventory, listed, steps_at.driver, steps_at.pool, on_disk)
+
+
+def listed_instances(
+    inventory: Inventory, listed: Sequence[JSON], driver: str, pool: str, uids: frozenset[str]
+) -> list[MigRecord]:
+    """Intents for the dynamic MIG placements allocated in `pool` to the listed claims of
+    `uids`, resolved whatever instance sits on them now (that instance may be the claim's)."""
+    found = []
+    for claim in listed:
+        if str((claim.get("metadata") or {}).get("uid", "")) not in uids:
+            continue
+        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results", [])
+        for r in results:
+            if r.get("driver") != driver or r.get("pool") != pool:
+                continue
+            placement = find_placement(inventory, str(r.get("device", "")), over_instances=True)
+            if placement is not None:
+                found.append(mig_steps.intent(placement))
+    return found
+
+
 def _state_on_disk(steps: ClaimSteps) -> frozenset[str]:
-    return _specs_of_this_boot(steps) | steps.sharing.claims_with_state()
+    return specs_of_this_boot(steps.cdi_dir, steps.driver) | steps.sharing.claims_with_state()
 
 
-def _specs_of_this_boot(steps: ClaimSteps) -> frozenset[str]:
+def specs_of_this_boot(cdi_dir: Path, driver: str) -> frozenset[str]:
     """Claims with a CDI spec written since this boot (a persistent CDI dir may still hold
     specs of an earlier boot, whose pods are gone: never adopt those)."""
     booted = ckpt.boot_time()
     found = set()
-    for uid in claim_uids_in(steps.cdi_dir, steps.driver):
+    for uid in claim_uids_in(cdi_dir, driver):
         try:
-            if claim_spec_path(steps.cdi_dir, steps.driver, uid).stat().st_mtime >= booted:
+            if claim_spec_path(cdi_dir, driver, uid).stat().st_mtime >= booted:
                 found.add(uid)
         except FileNotFoundError:
             continue

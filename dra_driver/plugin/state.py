@@ -58,7 +58,7 @@ from dra_driver.plugin.claim_steps import JSON, ClaimPlan, ClaimSteps, MigLeftBe
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected, check_ref
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.prepared import MigRecord, PreparedDevice
-from dra_driver.plugin.recovery import recover
+from dra_driver.plugin.recovery import ListAllocated, recover
 from dra_driver.sharing.policy import Sharing, SharingError
 
 log = structlog.get_logger(__name__)
@@ -112,10 +112,11 @@ class NodePreparer:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
         return ckpt.load(self.steps.checkpoint_path, self.steps.boot_id, self.steps.driver).checkpoint
 
-    async def recover(self) -> None:
-        """Make checkpoint, CDI specs and sharing state agree again (at start)."""
+    async def recover(self, list_allocated: ListAllocated | None = None) -> None:
+        """Make checkpoint, CDI specs and sharing state agree again (at start). `list_allocated`:
+        the API server's claims of this node as the start already asked for them (once)."""
         steps = self.steps
-        await recover(steps, lambda: self.claims.allocated_here(steps.driver, steps.pool))
+        await recover(steps, list_allocated or (lambda: self.claims.allocated_here(steps.driver, steps.pool)))
 
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
         """Prepare every claim; each gets its own answer (one bad claim never fails the rest)."""

@@ -31,6 +31,7 @@ from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin import state
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without_own
+from dra_driver.plugin.recovery import StartPaths, asked_once, instances_at_start
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
@@ -74,7 +75,10 @@ class MigNode:
 
     async def restart(self) -> NodePreparer:
         inventory = discover(PROFILE, self.mig_state)
-        own = [r for e in self.checkpoint().claims.values() for r in e.mig]
+        paths = StartPaths(ckpt.checkpoint_path(self.root / "state"), BOOT, DRIVER, NODE, self.root / "cdi")
+        self.listings = 0
+        listed = asked_once(self.listed)
+        own = await instances_at_start(inventory, paths, listed)
         inventory = without_own(inventory, own)
         placements, carved = dynamic_devices(inventory)
         self.devices = {**node_devices(inventory), **carved}
@@ -91,8 +95,12 @@ class MigNode:
             mig=MigInstances(self.nvml()),
             placements=placements,
         )
-        await p.recover()
+        await p.recover(listed)
         return p
+
+    async def listed(self) -> list[dict[str, Any]] | None:
+        self.listings += 1
+        return await self.allocated_here(DRIVER, NODE)
 
     def add(self, name: str, *devices: str) -> ClaimRef:
         ref = ClaimRef("ns", name, f"uid-{name}")
@@ -308,5 +316,75 @@ def test_an_xid_on_a_made_instance_taints_its_placement_only(tmp_path: Path) -> 
         tainted = {name for name, ts in keeper.snapshot().taints().items() if ts}
         assert "gpu-0" in tainted and "gpu-0-mig-1g-18gb-19-0" in tainted, "a whole-GPU XID: all of GPU 0"
         assert not any(name.startswith("gpu-1") for name in tainted)
+
+    asyncio.run(run())
+
+
+def lose_checkpoint(node: MigNode, how: str) -> None:
+    path = ckpt.checkpoint_path(node.root / "state")
+    if how == "corrupt":
+        path.write_text('{"version": 1, "claims": {')  # torn: recovery moves it aside
+    else:
+        path.unlink()  # the state dir wiped while the pod runs
+
+
+@pytest.mark.parametrize("how", ["corrupt", "missing"])
+def test_a_lost_checkpoint_adopts_a_live_claim_with_its_instance(tmp_path: Path, how: str) -> None:
+    async def run() -> None:
+        node = MigNode(tmp_path)
+        p = await node.restart()
+        ref = node.add("a", SLICE_3G)
+        assert (await p.prepare([ref]))[ref.uid].error is None
+        made = node.live()
+        (instance,) = [x for x in made if x.gpu == 0]
+        spec = node.spec(ref)
+        lose_checkpoint(node, how)
+        p = await node.restart()
+        assert node.listings == 1, "discovery and recovery share one answer of the API server"
+        assert node.live() == made, "adopted: nothing destroyed, nothing created"
+        assert not any(d.startswith("gpu-0-mig-3g71gb") for d in node.devices), "not taken for a static one"
+        assert SLICE_3G in node.devices and STATIC_3G in node.devices
+        entry = node.checkpoint().claims[ref.uid]
+        assert entry.phase == ckpt.ClaimPhase.COMPLETED
+        (record,) = entry.mig
+        assert (record.device, record.gpu_instance_id, record.compute_instance_id, record.uuid) == (
+            SLICE_3G, instance.gpu_instance_id, instance.compute_instance_id, instance.uuid
+        )
+        assert node.spec(ref) == spec
+        described = CreatedDevices(node.devices, p.steps.placements, lambda: entry.mig)
+        assert described[SLICE_3G].uuid == instance.uuid, "the claim's status names the instance"
+        retry = (await p.prepare([ref]))[ref.uid]
+        assert retry == ClaimResult(entry.devices), "the kubelet's retry: as before"
+        p = await node.restart()  # the new checkpoint says it from now on
+        assert node.listings == 0 and not any(d.startswith("gpu-0-mig-3g71gb") for d in node.devices)
+        assert await p.unprepare([ref]) == {ref.uid: ClaimResult()}
+        assert dynamic(node) == [], "Unprepare destroys the adopted instance"
+        assert [(x.gpu, x.placement) for x in node.live()] == [(1, 4)], "the static instance is untouched"
+        assert node.spec(ref) is None and node.checkpoint().claims == {}
+
+    asyncio.run(run())
+
+
+def test_a_lost_checkpoint_and_no_instance_at_the_placement_adopts_nothing(tmp_path: Path) -> None:
+    async def run() -> None:
+        node = MigNode(tmp_path)
+        p = await node.restart()
+        ref = node.add("a", SLICE_3G)
+        assert (await p.prepare([ref]))[ref.uid].error is None
+        (record,) = node.checkpoint().claims[ref.uid].mig
+        assert record.gpu_instance_id is not None and record.compute_instance_id is not None
+        by_hand = MigInstances(node.nvml())
+        by_hand.destroy(record.parent_uuid, record.gpu_instance_id, record.compute_instance_id)
+        other = node.add("b", "gpu-0-mig-3g-71gb-9-0")
+        assert (await p.prepare([other]))[other.uid].error is None
+        lose_checkpoint(node, "corrupt")
+        p = await node.restart()
+        claims = node.checkpoint().claims
+        assert ref.uid not in claims, "its device is gone: not adopted (as any claim that cannot be)"
+        assert node.spec(ref) is not None, "its files are kept for the kubelet's Unprepare"
+        assert claims[other.uid].mig[0].created, "the other claim's instance is adopted"
+        assert await p.unprepare([ref]) == {ref.uid: ClaimResult()} and node.spec(ref) is None
+        assert dynamic(node) == [(0, profile_id("3g.71gb"), 0)]
+        assert await p.unprepare([other]) == {other.uid: ClaimResult()} and dynamic(node) == []
 
     asyncio.run(run())
