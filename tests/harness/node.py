@@ -176,6 +176,21 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def _free_subnet(seed: int) -> int:
+    """The second octet (200-249) for a run's node and pod addresses that no address or route
+    on this host uses yet. Node clusters of one test session can be alive at once (a
+    session-scoped one beside a test's own): picking by hash alone, two of them met on the
+    same node IP 1 time in 50 ("bind: address already in use" from the second kubelet)."""
+    shown = _ip("-4", "-o", "addr", "show", check=False).stdout
+    shown += _ip("-4", "route", "show", check=False).stdout
+    used = {int(m) for m in re.findall(r"\b10\.(2[0-4]\d)\.", shown)}
+    for step in range(50):
+        subnet = 200 + (seed + step) % 50
+        if subnet not in used:
+            return subnet
+    raise RuntimeError(f"every node subnet 10.200-249.x.x is in use on this host: {sorted(used)}")
+
+
 @dataclass(frozen=True)
 class NodeSpec:
     name: str
@@ -664,7 +679,7 @@ class Nodes:
         base = base or Path(tempfile.mkdtemp(prefix="dra-nodes-", dir="/tmp"))
         nodes = cls(cp=cp, base=base, bin_dir=bin_dir, keep_files=keep_files)
         token = hashlib.sha256(str(base).encode()).hexdigest()[:5]
-        subnet = 200 + int(token, 16) % 50
+        subnet = _free_subnet(int(token, 16))
         restrict_oom = not has_cap_sys_resource()
         if restrict_oom:
             logger.info(
