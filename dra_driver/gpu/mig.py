@@ -22,6 +22,7 @@ the caller writes its checkpoint before calling `create` (two-phase).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -160,21 +161,13 @@ class MigInstances:
         self.api.nvmlInit()
         try:
             gpu = self._handle(parent_uuid)
-            found = next(
-                (gi for gi in self._instances(gpu) if (gi.profile_id, gi.start) == (profile_id, start)), None
-            )
+            found = self._instance_at(gpu, profile_id, start)
             if found is None:
                 return None
             where = f"GPU {parent_uuid}, GPU instance {found.gpu_instance_id}"
             try:
                 gi = self.api.nvmlDeviceGetGpuInstanceById(gpu, found.gpu_instance_id)
-                for ci_id in COMPUTE_INSTANCE_IDS:
-                    try:
-                        ci = self.api.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
-                    except pynvml.NVMLError as e:
-                        if e.value == pynvml.NVML_ERROR_NOT_FOUND:
-                            continue
-                        raise
+                for ci in self._compute_instances(gi):
                     info = self.api.nvmlComputeInstanceGetInfo(ci)
                     mig_uuid = _text(self.api.nvmlDeviceGetUUID(info.device))
                     gi_id = found.gpu_instance_id
@@ -230,21 +223,13 @@ class MigInstances:
         self.api.nvmlInit()
         try:
             gpu = self._handle(parent_uuid)
-            found = next(
-                (gi for gi in self._instances(gpu) if (gi.profile_id, gi.start) == (profile_id, start)), None
-            )
+            found = self._instance_at(gpu, profile_id, start)
             if found is None:
                 return None
             where = f"GPU {parent_uuid}, GPU instance {found.gpu_instance_id}"
             try:
                 gi = self.api.nvmlDeviceGetGpuInstanceById(gpu, found.gpu_instance_id)
-                for ci_id in COMPUTE_INSTANCE_IDS:
-                    try:
-                        ci = self.api.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
-                    except pynvml.NVMLError as e:
-                        if e.value == pynvml.NVML_ERROR_NOT_FOUND:
-                            continue
-                        raise
+                for ci in list(self._compute_instances(gi)):
                     self.api.nvmlComputeInstanceDestroy(ci)
                 self.api.nvmlGpuInstanceDestroy(gi)
             except pynvml.NVMLError as e:
@@ -252,6 +237,19 @@ class MigInstances:
             return found
         finally:
             self.api.nvmlShutdown()
+
+    def _instance_at(self, gpu: Any, profile_id: int, start: int) -> GpuInstanceAt | None:
+        at = (profile_id, start)
+        return next((gi for gi in self._instances(gpu) if (gi.profile_id, gi.start) == at), None)
+
+    def _compute_instances(self, gi: Any) -> Iterator[Any]:
+        """The GPU instance's compute instances, by id; NVML errors other than NOT_FOUND go up."""
+        for ci_id in COMPUTE_INSTANCE_IDS:
+            try:
+                yield self.api.nvmlGpuInstanceGetComputeInstanceById(gi, ci_id)
+            except pynvml.NVMLError as e:
+                if e.value != pynvml.NVML_ERROR_NOT_FOUND:
+                    raise
 
     def _instances(self, gpu: Any) -> list[GpuInstanceAt]:
         found = []
