@@ -427,8 +427,10 @@ def node_views(api: client.ApiClient, nodes: Nodes, devices: DeviceMap) -> tuple
             f"node IP {node.ip}, kubelet {info.get('kubeletVersion', '?')}, "
             f"{info.get('containerRuntimeVersion', '?')}, runc"
         )
-        # A MIG-mode GPU is published as itself plus one device per placement: count GPUs.
-        gpus = sum(1 for dev in mine if _attribute(dev, "type") == "gpu")
+        # A MIG-mode GPU is published as itself and its MIG devices (or only those, when a
+        # static instance keeps the whole GPU out): count distinct GPUs.
+        gpus = len({_attribute(d, "uuid") if _attribute(d, "type") == "gpu" else _attribute(d, "parentUUID")
+                    for d in mine})
         views.append(NodeView(name, node.spec.profile, gpus, product, description, runtime))
     return tuple(views)
 
