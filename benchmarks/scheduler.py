@@ -31,11 +31,15 @@ per pod: upstream's shape), and ours: `one-gpu`, `cel-memory` (one GPU, memory >
 and `quad` (the documented 8-layer firstAvailable shape of controller/claim_shapes.py,
 deploy/examples/05), `pair-fit` and `quad-fit` (the same with only the layers where some node
 of the fleet has a group of 2 or 4: `claim_shapes.fleet_layers`; it finds the same GPUs),
-`share` (an 8Gi memory share, on slices published with memory shares).
+`share` (an 8Gi memory share, on slices published with memory shares: each GPU whole and as a
+share view, kept apart by a counter set), `share-only` (the same claim on slices published with
+`--memory-shares-only`: each GPU as its share view alone, no counters).
 Profiles: hgx-h200, dgx1-v100, mixed (the two alternating).
 
 `--pprof-seconds S` takes a CPU profile of kube-scheduler over S seconds of each shape, from
-the moment all its pods exist (its /debug/pprof/profile) and keeps `go tool pprof -top`'s first entries.
+the moment all its pods exist and a quarter of them are bound (its /debug/pprof/profile: the
+steady state, after the burst of claim-add events that pod creation causes) and keeps
+`go tool pprof -top`'s first entries; `--pprof-dir D` keeps the profiles for `go tool pprof`.
 
 The machine this ran on has 2 cores shared with other engineers' test runs: every figure was
 taken under that contention. Run alone: `python -m benchmarks.scheduler [--full]`; results go to
@@ -95,6 +99,7 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "mixed": ("hgx-h200", "dgx1-v100"),
 }
 SHARE_REQUEST = 8 * 2**30
+SLICE_KINDS = ("reference", "ours", "shares", "shares-only")
 CEL_MEMORY = 'device.capacity["gpu.dra-driver.dev"].memory.compareTo(quantity("24Gi")) >= 0'
 COMPONENTS = ("kube-scheduler", "kube-apiserver", "kube-controller-manager", "etcd")
 
@@ -104,7 +109,7 @@ class Shape:
     """One claim shape: which slices it needs, how many GPUs (or shares) a pod takes, its claim."""
 
     name: str
-    slices: str  # "reference" | "ours" | "shares"
+    slices: str  # "reference" | "ours" | "shares" | "shares-only"
     gpus: int  # whole GPUs per pod; 0 for a memory share
     claim: JSON
     # the GA linked shape with only the layers the fleet can use (claim_shapes.fleet_layers),
@@ -119,6 +124,9 @@ def _one(device_class: str, selectors: Sequence[str] = ()) -> JSON:
     return {"requests": [{"name": "gpu", "exactly": exactly}]}
 
 
+_SHARE: JSON = {"requests": [{"name": "mem", "exactly": {
+    "deviceClassName": SHARE_CLASS, "capacity": {"requests": {"memory": "8Gi"}}}}]}
+
 SHAPES: tuple[Shape, ...] = (
     Shape("reference", "reference", 1, _one(REFERENCE_CLASS)),
     Shape("one-gpu", "ours", 1, _one(GPU_CLASS)),
@@ -127,8 +135,8 @@ SHAPES: tuple[Shape, ...] = (
     Shape("quad", "ours", 4, linked_gpus_ga(4)),
     Shape("pair-fit", "ours", 2, linked_gpus_ga(2), fit=True),
     Shape("quad-fit", "ours", 4, linked_gpus_ga(4), fit=True),
-    Shape("share", "shares", 0, {"requests": [{"name": "mem", "exactly": {
-        "deviceClassName": SHARE_CLASS, "capacity": {"requests": {"memory": "8Gi"}}}}]}),
+    Shape("share", "shares", 0, _SHARE),
+    Shape("share-only", "shares-only", 0, _SHARE),
 )
 
 
@@ -156,7 +164,8 @@ def reference_specs(inventory: Inventory, node: str) -> tuple[JSON, ...]:
 def node_specs(kind: str, inventory: Inventory, node: str) -> tuple[JSON, ...]:
     if kind == "reference":
         return reference_specs(inventory, node)
-    features = SliceFeatures(list_attributes=True, memory_shares=kind == "shares")
+    features = SliceFeatures(list_attributes=True, memory_shares=kind.startswith("shares"),
+                             shares_only=kind == "shares-only")
     return desired_slices(inventory, node, DRIVER, features)
 
 
@@ -450,7 +459,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
     metrics = ComponentClient(cp, "kube-scheduler")
     before, cpu0 = scheduler_metrics(metrics), cpu_all(cp)
     base = scheduled(before)
-    profiler = Profiler(cp, pprof_s, work / f"{shape.name}.pprof") if pprof_s else None
+    profiler = Profiler(cp, pprof_s, work / f"{len(fleet)}-{shape.name}.pprof") if pprof_s else None
     creator = threading.Thread(target=create_all, args=(cp, bodies), daemon=True)
     t0 = time.perf_counter()
     creator.start()
@@ -461,13 +470,15 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
         now = time.perf_counter()
         if created_at is None and not creator.is_alive():
             created_at = now
-            if profiler and bound < count:
-                profiler.start()  # the window where the scheduler alone has work
         seen = int(scheduled(scheduler_metrics(metrics)) - base)
         if seen > bound:
             bound, last_bound, last_change = seen, now, now
         elif now - last_change > stall_s and not creator.is_alive():
             break
+        if profiler and profiler.ident is None and created_at and count // 4 <= bound < count:
+            # steady state: every pod and claim exists, the queue's burst of claim-add events
+            # is over, and the scheduler alone has work
+            profiler.start()
     creator.join()
     created_at = created_at or time.perf_counter()
     after, cpu1 = scheduler_metrics(metrics), cpu_all(cp)
@@ -584,7 +595,8 @@ def fleet_of(profile: str, nodes: int) -> dict[str, Inventory]:
 
 
 def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *, raised: bool,
-                stall_s: float, pprof_s: int, log: Callable[[str], None]) -> JSON:
+                stall_s: float, pprof_s: int, log: Callable[[str], None],
+                pprof_dir: Path | None = None) -> JSON:
     fleet = fleet_of(profile, nodes)
     shapes = [for_fleet(s, fleet) for s in shapes]
     with fresh_control_plane("dra-bench-sched-") as (cp, work):
@@ -606,6 +618,8 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
             order.append(order[0])
         warm = bool(order)
         kind_now = ""
+        keep = pprof_dir / profile if pprof_dir else work
+        keep.mkdir(parents=True, exist_ok=True)
         for shape in order:
             if shape.slices != kind_now:
                 kind_now = shape.slices
@@ -614,7 +628,7 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
             if warm:
                 run_shape(cp, api, shape, fleet, max(pods // 10, 20), stall_s, 0, work)
                 warm = False
-            r = run_shape(cp, api, shape, fleet, pods, stall_s, pprof_s, work)
+            r = run_shape(cp, api, shape, fleet, pods, stall_s, pprof_s, keep)
             if any(x["shape"] == shape.name for x in results):
                 r["shape"] = f"{shape.name}-again"
             log(f"{profile} {nodes} nodes {r['shape']}: {r['bound']}/{r['pods']} pods, "
@@ -633,7 +647,7 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
             "client_limits": "raised" if raised else "default",
             "reference_pods_per_s_mean": round(ref, 1) if ref else None,
             "slices_publish_s": published,
-            "slice_bytes_per_node": {p: {k: slice_bytes(k, inv) for k in ("reference", "ours", "shares")}
+            "slice_bytes_per_node": {p: {k: slice_bytes(k, inv) for k in SLICE_KINDS}
                                      for p, inv in inventories.items()},
             "shapes": results,
         }
@@ -646,7 +660,8 @@ FULL = {"sizes": [(100, 5000), (500, 5000), (1000, 5000)], "profiles": list(PROF
 
 def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
         profiles: Sequence[str] | None = None, shapes: Sequence[str] | None = None,
-        defaults: bool = True, stall_s: float = 30.0, pprof_s: int = 0) -> JSON:
+        defaults: bool = True, stall_s: float = 30.0, pprof_s: int = 0,
+        pprof_dir: Path | None = None) -> JSON:
     plan = FULL if full else SMALL
     chosen = [s for s in SHAPES if not shapes or s.name in shapes]
     cases: list[JSON] = []
@@ -657,7 +672,7 @@ def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
     for nodes, pods in sizes or plan["sizes"]:  # type: ignore[attr-defined]
         for profile in profiles or plan["profiles"]:  # type: ignore[attr-defined]
             cases.append(run_profile(profile, nodes, pods, chosen, raised=True, stall_s=stall_s,
-                                     pprof_s=pprof_s, log=log))
+                                     pprof_s=pprof_s, log=log, pprof_dir=pprof_dir))
     if defaults:
         nodes, pods = plan["default_limits"]  # type: ignore[misc]
         two = [s for s in chosen if s.name in ("reference", "one-gpu")]
@@ -686,10 +701,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--stall", type=float, default=30.0,
                         help="end a shape after this long without a binding")
     parser.add_argument("--pprof-seconds", type=int, default=0)
+    parser.add_argument("--pprof-dir", type=Path, help="keep the profiles here (for go tool pprof -peek)")
     parser.add_argument("--out", default="scheduler", help="results file name under benchmarks/results")
     args = parser.parse_args(argv)
     result = run(args.full, args.size, args.profile, args.shape, not args.no_defaults, args.stall,
-                 args.pprof_seconds)
+                 args.pprof_seconds, args.pprof_dir)
     report(args.out, result)
 
 

@@ -4,8 +4,12 @@ has the design and the names).
 
 `with_memory_shares` takes the device entries `controller.slices` built and returns them
 with, for every whole GPU, `consumesCounters` on the whole GPU, its share view right after
-it, and the GPU's counter set. Pure: no I/O, no API calls; the caller puts the counter
-sets in slices of their own (since 1.35 a slice holds devices or counters, not both).
+it, and the GPU's counter set. With `only` (`--memory-shares-only`) a whole GPU is published
+as its share view alone, without counters: no whole-GPU claim can take it, and the scheduler
+has no counters to check (kube-scheduler 1.37 checks a pool's counters by scanning every
+allocated share of the cluster for each device: 0.36x the reference shape's pods/s at 500
+nodes, docs/sharing.md). Pure: no I/O, no API calls; the caller puts the counter sets in
+slices of their own (since 1.35 a slice holds devices or counters, not both).
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ def counter_set(device: NodeDevice) -> JSON:
     }
 
 
-def share_view(device: NodeDevice, whole: JSON) -> JSON | None:
-    """The share view of the whole GPU `device` published as `whole`; None if too small."""
+def share_view(device: NodeDevice, whole: JSON, counters: bool = True) -> JSON | None:
+    """The share view of the whole GPU `device` published as `whole`; None if too small.
+    Without `counters` nothing else is published for the GPU, so nothing needs keeping apart."""
     policy = memory_policy(device.gpu.memory_bytes)
     if policy is None:
         return None
@@ -69,20 +74,24 @@ def share_view(device: NodeDevice, whole: JSON) -> JSON | None:
             }
         },
         "allowMultipleAllocations": True,
-        "consumesCounters": _consumes(device),
+        **({"consumesCounters": _consumes(device)} if counters else {}),
     }
 
 
 def with_memory_shares(
-    devices: Sequence[NodeDevice], entries: Sequence[JSON]
+    devices: Sequence[NodeDevice], entries: Sequence[JSON], only: bool = False
 ) -> tuple[list[JSON], list[JSON]]:
-    """The device entries with share views added, and the counter sets they consume."""
+    """The device entries with share views added, and the counter sets they consume; with
+    `only`, each shareable GPU's share view in place of the whole GPU, and no counter sets."""
     out: list[JSON] = []
     counter_sets: list[JSON] = []
     for device, entry in zip(devices, entries, strict=True):
-        view = share_view(device, entry) if shareable(device) else None
+        view = share_view(device, entry, counters=not only) if shareable(device) else None
         if view is None:
             out.append(entry)
+            continue
+        if only:
+            out.append(view)
             continue
         out.append({**entry, "consumesCounters": _consumes(device)})
         out.append(view)

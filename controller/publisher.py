@@ -407,10 +407,12 @@ async def slice_controller(
     list_attributes: ListAttributesMode = "auto",
     memory_shares: bool = False,
     dynamic_mig: bool = False,
+    shares_only: bool = False,
 ) -> SliceController:
     features = replace(
         await resolve_features(api, driver, list_attributes),
         memory_shares=memory_shares,
+        shares_only=shares_only,
         dynamic_mig=dynamic_mig,
     )
     single = next(iter(inventories)) if len(inventories) == 1 else None

@@ -46,6 +46,8 @@ class SliceFeatures:
     list_attributes: bool = False  # DRAListTypeAttributes: ints/strings/... attribute values
     # --memory-shares: each whole GPU also as a share view (controller.capacity)
     memory_shares: bool = False
+    # --memory-shares-only: each whole GPU as its share view alone, without counters
+    shares_only: bool = False
     # --dynamic-mig: MIG-mode GPUs as partitionable devices (controller.partitions)
     dynamic_mig: bool = False
 
@@ -115,7 +117,7 @@ def desired_slices(
     entries = [device_json(d.name, a) for d, a in zip(devices, described, strict=True)]
     counter_sets: list[JSON] = []
     if features.memory_shares:
-        entries, counter_sets = with_memory_shares(devices, entries)
+        entries, counter_sets = with_memory_shares(devices, entries, only=features.shares_only)
         restricted = restricted or bool(counter_sets)
     if taints and any(taints.values()):
         entries = [{**e, "taints": [taint_json(t) for t in taints[e["name"]]]} if taints.get(e["name"]) else e

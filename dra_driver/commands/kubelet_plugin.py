@@ -180,6 +180,7 @@ def kubelet_plugin(
     metrics_port: int,
     metrics_bind_address: str,
     memory_shares: bool,
+    memory_shares_only: bool,
     dynamic_mig: bool,
     health_monitor: bool,
     health_taint_effect: TaintEffect,
@@ -211,7 +212,8 @@ def kubelet_plugin(
         claim_read_timeout=claim_read_timeout,
         list_attributes=list_attributes,
         publish_slices=publish_slices,
-        memory_shares=memory_shares,
+        memory_shares=memory_shares or memory_shares_only,
+        shares_only=memory_shares_only,
         dynamic_mig=dynamic_mig,
         metrics_port=metrics_port,
         metrics_bind_address=metrics_bind_address,
@@ -302,6 +304,7 @@ class PluginOptions:
     list_attributes: Literal["auto", "on", "off"] = "auto"
     publish_slices: bool = True
     memory_shares: bool = False
+    shares_only: bool = False  # each whole GPU as its share view alone (controller.capacity)
     dynamic_mig: bool = False  # MIG-mode GPUs carved by claims (docs/mig.md)
     metrics_port: int = 0  # 0: no metrics or probe port
     metrics_bind_address: str = "0.0.0.0"
@@ -497,7 +500,7 @@ async def _publish(
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
     ctl = await slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares,
-        dynamic_mig=opts.dynamic_mig,
+        shares_only=opts.shares_only, dynamic_mig=opts.dynamic_mig,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:

@@ -81,7 +81,17 @@ def driver_files_options(f: F) -> F:
 
 
 def memory_shares_option(f: F) -> F:
-    """`--memory-shares`: publish each whole GPU also as a share view (docs/sharing.md)."""
+    """`--memory-shares`: publish each whole GPU also as a share view; `--memory-shares-only`:
+    as its share view alone (docs/sharing.md)."""
+    f = click.option(
+        "--memory-shares-only/--no-memory-shares-only",
+        envvar="MEMORY_SHARES_ONLY",
+        default=False,
+        show_default=True,
+        help="Publish every whole GPU only for memory shares, not also whole (implies --memory-shares): no "
+        "counters for the scheduler to check, which at fleet scale schedules shares about 3x faster "
+        "(docs/sharing.md).",
+    )(f)
     return click.option(
         "--memory-shares/--no-memory-shares",
         envvar="MEMORY_SHARES",

@@ -12,6 +12,8 @@ first allocation (KEP-5075 with KEP-4815), so the first share takes the counter 
 further share only needs free `memory` capacity: a whole-GPU claim then finds no counter
 left, and while a whole-GPU claim holds the counter no share can start. When the last
 share is gone the counter is free again.
+With `--memory-shares-only` a whole GPU is published as its share view alone, without
+counters (controller.capacity); everything below is the same.
 
 Request policy of `memory` (docs/sharing.md says why): `validRange {min: 1Gi, step: 1Gi,
 max: the GPU's memory rounded down to whole Gi}`, `default: 8Gi` (or max, if smaller).

@@ -1,7 +1,8 @@
 """Memory shares against the real kube-scheduler: placement by consumable capacity, whole
 GPU vs shares kept apart by the shared counter, and each share's own limit in its container.
 
-One `dra-driver kubelet-plugin --memory-shares` on a simulated single H200 (143771Mi, so
+One `dra-driver kubelet-plugin --memory-shares` (and, for one test, a second node's with
+`--memory-shares-only`) on a simulated single H200 (143771Mi, so
 140Gi of shares) with a stand-in `nvidia-cuda-mps-control` (tests/harness/fake_mps.py)
 under its driver root; the share DeviceClass and its admission policy come from
 deploy/deviceclasses/gpu-share.yaml as shipped. Claims are standalone ResourceClaims used
@@ -13,6 +14,7 @@ At the end the plugin stops and the node, its slices, the classes and the policy
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -56,6 +58,7 @@ SHARE_CLASS = "gpu-share.gpu.dra-driver.dev"
 WHOLE_CLASS = "shares-test-whole-gpu"
 SUFFIX = uuid.uuid4().hex[:6]
 NODE = f"shares-{SUFFIX}"
+ONLY_NODE = f"only-{SUFFIX}"  # --memory-shares-only
 GI = 2**30
 
 
@@ -65,6 +68,7 @@ class Bench:
     control_plane: ControlPlane
     plugin: DriverProcess
     kubelet: KubeletSide
+    node: str
 
 
 def _fake_driver_root(root: Path) -> Path:
@@ -89,6 +93,35 @@ def _path(kind: str, name: str = "") -> str:
     }[kind]
     group = RESOURCE_API if kind == "DeviceClass" else "/apis/admissionregistration.k8s.io/v1"
     return f"{group}/{plural}" + (f"/{name}" if name else "")
+
+
+@contextlib.contextmanager
+def _plugin_node(
+    control_plane: ControlPlane, api: client.ApiClient, node: str, base: Path, *flags: str
+) -> Iterator[Bench]:
+    """A Node and its `dra-driver kubelet-plugin` on a simulated single H200 with `flags`,
+    until its share view is published; afterwards the plugin, its slices and the Node go."""
+    create_node(api, node)
+    plugin = DriverProcess(
+        node,
+        "h200-single",
+        control_plane.kubeconfig,
+        base / "n",
+        extra_args=("--driver-root", str(_fake_driver_root(base / "driver")), *flags),
+    )
+    side = None
+    try:
+        plugin.start()
+        wait_for("the share view in the node's slices", lambda: "gpu-0-share" in _devices(api, node),
+                 timeout=60)
+        side = KubeletSide(plugin.registration_socket())
+        yield Bench(api, control_plane, plugin, side, node)
+    finally:
+        if side is not None:
+            side.close()
+        plugin.stop()
+        sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={node}"})
+        sync_request(api, "DELETE", f"/api/v1/nodes/{node}")
 
 
 @pytest.fixture(scope="module")
@@ -118,26 +151,10 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
             },
         },
     )
-    create_node(api, NODE)
-    plugin = DriverProcess(
-        NODE,
-        "h200-single",
-        control_plane.kubeconfig,
-        base / "n",
-        extra_args=("--driver-root", str(_fake_driver_root(base / "driver")), "--memory-shares"),
-    )
-    side = None
     try:
-        plugin.start()
-        wait_for("the share view in the node's slices", lambda: "gpu-0-share" in _devices(api), timeout=60)
-        side = KubeletSide(plugin.registration_socket())
-        yield Bench(api, control_plane, plugin, side)
+        with _plugin_node(control_plane, api, NODE, base, "--memory-shares") as b:
+            yield b
     finally:
-        if side is not None:
-            side.close()
-        plugin.stop()
-        sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})
-        sync_request(api, "DELETE", f"/api/v1/nodes/{NODE}")
         sync_request(api, "DELETE", _path("DeviceClass", WHOLE_CLASS))
         for doc in reversed(shipped):
             sync_request(api, "DELETE", _path(doc["kind"], doc["metadata"]["name"]))
@@ -145,8 +162,8 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
             shutil.rmtree(base, ignore_errors=True)
 
 
-def _devices(api: client.ApiClient) -> dict[str, JSON]:
-    items = sync_request(api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})["items"]
+def _devices(api: client.ApiClient, node: str = NODE) -> dict[str, JSON]:
+    items = sync_request(api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={node}"})["items"]
     return {d["name"]: d for s in items for d in s["spec"].get("devices", [])}
 
 
@@ -190,7 +207,7 @@ class Case:
                 "kind": "Pod",
                 "metadata": {"name": name},
                 "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": NODE},
+                    "nodeSelector": {"kubernetes.io/hostname": self.bench.node},
                     "automountServiceAccountToken": False,
                     "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
                     "containers": [
@@ -427,3 +444,34 @@ def test_example_12_two_pods_share_one_gpu_each_with_its_limit(case: Case) -> No
         _, oci = case.prepare(claim)
         limits[pod] = _env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     assert limits == {"share-a": "0=40G", "share-b": "0=60G"}
+
+
+def test_a_shares_only_node_serves_shares_and_never_a_whole_gpu(bench: Bench, namespace: str) -> None:
+    """--memory-shares-only: the GPU is published as its share view alone, with no counter;
+    shares fill it by capacity as on a node with both views, a whole-GPU claim finds no
+    device, and Prepare of a share is the same."""
+    base = Path(tempfile.mkdtemp(prefix="sho-", dir="/tmp"))
+    base.chmod(0o755)
+    try:
+        with _plugin_node(bench.control_plane, bench.api, ONLY_NODE, base, "--memory-shares-only") as only:
+            devices = _devices(bench.api, ONLY_NODE)
+            assert set(devices) == {"gpu-0-share"}
+            assert "consumesCounters" not in devices["gpu-0-share"]
+            query = {"fieldSelector": f"spec.nodeName={ONLY_NODE}"}
+            items = sync_request(bench.api, "GET", SLICES, query=query)["items"]
+            assert not any("sharedCounters" in s["spec"] for s in items)
+            case = Case(only, namespace)
+            try:
+                first, second = case.create(share("100Gi")), case.create(share("40Gi"))
+                assert case.bound(first)["device"] == case.bound(second)["device"] == "gpu-0-share"
+                whole = case.create(WHOLE)
+                assert "cannot allocate all claims" in case.pending(whole)
+                third = case.create(share("1Gi"))
+                assert "cannot allocate all claims" in case.pending(third), "140Gi of shares are taken"
+                _, oci = case.prepare(first)
+                assert _env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=100G"
+            finally:
+                case.clear()
+    finally:
+        if not os.environ.get("KEEP_TMP"):
+            shutil.rmtree(base, ignore_errors=True)

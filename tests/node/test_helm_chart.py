@@ -77,6 +77,7 @@ def test_feature_switches_reach_the_plugin(helm: Helm) -> None:
     docs = _render(
         helm,
         "memoryShares.enabled=true",
+        "memoryShares.only=true",
         "dynamicMig.enabled=true",
         "health.enabled=false",
         "extendedResource.enabled=true",
@@ -91,7 +92,8 @@ def test_feature_switches_reach_the_plugin(helm: Helm) -> None:
     } <= names
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
     args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
-    wanted = {"--memory-shares", "--dynamic-mig", "--no-health-monitor", "--simulate=hgx-h200"}
+    wanted = {"--memory-shares", "--memory-shares-only", "--dynamic-mig", "--no-health-monitor"}
+    wanted.add("--simulate=hgx-h200")
     wanted.add("--driver-name=gpu.example.com")
     assert wanted <= set(args)
     assert not any(a.startswith("--driver-root") for a in args), "a simulated node mounts no driver root"
@@ -144,7 +146,8 @@ def test_plugin_accepts_every_flag_the_chart_passes(helm: Helm) -> None:
         text=True,
         check=True,
     ).stdout
-    for sets in ((), ("health.enabled=false", "memoryShares.enabled=true", "simulate=l4x4")):
+    for sets in ((), ("health.enabled=false", "memoryShares.enabled=true", "memoryShares.only=true",
+                      "simulate=l4x4")):
         (ds,) = [d for d in _render(helm, *sets) if d["kind"] == "DaemonSet"]
         args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
         plugin_args = args[args.index("kubelet-plugin") + 1 :]

@@ -43,6 +43,7 @@ from tests.harness.fake_mps import install_fake_mps_control, set_mode
 DRIVER = "gpu.dra-driver.dev"
 POOL = "node-a"
 H200 = 143771 * 2**20  # the h200-single profile's memory, as on the real H200
+ONLY = SliceFeatures(memory_shares=True, shares_only=True)  # --memory-shares-only
 
 
 def _slices(profile: str, shares: bool = True) -> tuple[dict[str, Any], ...]:
@@ -116,6 +117,28 @@ def test_gpus_in_mig_mode_are_not_shared() -> None:
     for name, d in devices.items():
         if "mig" in name:
             assert "consumesCounters" not in d and "allowMultipleAllocations" not in d
+
+
+def test_shares_only_publishes_each_whole_gpu_as_its_share_view_alone_without_counters() -> None:
+    both = _devices(_slices("hgx-h200"))
+    only_slices = desired_slices(discover("hgx-h200"), POOL, DRIVER, ONLY)
+    only = _devices(only_slices)
+    assert list(only) == [f"gpu-{i}-share" for i in range(8)], "no whole GPU for a whole-GPU claim"
+    assert not any("sharedCounters" in s for s in only_slices)
+    for name, device in only.items():
+        assert "consumesCounters" not in device, f"{name}: nothing else to keep apart, so no counter"
+        assert device["allowMultipleAllocations"] is True
+        assert device == {k: v for k, v in both[name].items() if k != "consumesCounters"}
+
+
+def test_shares_only_leaves_gpus_in_mig_mode_as_they_are() -> None:
+    inventory = discover("a100-mig")
+    both = _devices(desired_slices(inventory, POOL, DRIVER, SliceFeatures(memory_shares=True)))
+    only = _devices(desired_slices(inventory, POOL, DRIVER, ONLY))
+    assert {n: d for n, d in only.items() if "mig" in n} == {n: d for n, d in both.items() if "mig" in n}
+    whole = [g.index for g in inventory.gpus if not g.mig_enabled]
+    assert whole, "the profile must have a GPU out of MIG mode"
+    assert all(f"gpu-{i}" not in only and f"gpu-{i}-share" in only for i in whole)
 
 
 def test_policy_rounding_and_small_gpus() -> None:
