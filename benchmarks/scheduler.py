@@ -43,8 +43,10 @@ steady state, after the burst of claim-add events that pod creation causes) and 
 
 The machine this ran on has 2 cores shared with other engineers' test runs: every figure was
 taken under that contention. Run alone: `python -m benchmarks.scheduler [--full]`; results go to
-benchmarks/results/scheduler.json (or `--out NAME`). This module must NOT assert timings nor
-change the control plane's flags beyond the client rate limits.
+benchmarks/results/scheduler.json (or `--out NAME`). `--scheduler-feature-gate NAME=true` adds
+a gate to kube-scheduler's (reported in the results). Each shape records the machine's 1-minute
+load average at its start and end. This module must NOT assert timings nor change the control
+plane's flags beyond those two.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import dataclasses
 import http.client
 import itertools
 import json
+import os
 import re
 import ssl
 import subprocess
@@ -461,6 +464,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
     base = scheduled(before)
     profiler = Profiler(cp, pprof_s, work / f"{len(fleet)}-{shape.name}.pprof") if pprof_s else None
     creator = threading.Thread(target=create_all, args=(cp, bodies), daemon=True)
+    load_at_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     creator.start()
     created_at: float | None = None
@@ -503,6 +507,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
         "scheduler_cores_used": round((cpu1["kube-scheduler"] - cpu0["kube-scheduler"]) / elapsed, 2)
         if elapsed > 0 else None,
         "rss_mib": {c: rss_mib(cp.processes[c].pid) for c in COMPONENTS},
+        "load_average_1m": [round(load_at_start, 1), round(os.getloadavg()[0], 1)],
     }
     if pending:
         result["pending_reason"] = pending
@@ -554,12 +559,16 @@ def _clean(cp: ControlPlane, api: Any, ns: str, count: int, shape: Shape) -> Non
     sync_request(api, "DELETE", f"/api/v1/namespaces/{ns}")
 
 
-def raise_limits(cp: ControlPlane) -> None:
+def raise_limits(cp: ControlPlane, scheduler_gates: Sequence[str] = ()) -> None:
     """Restart kube-scheduler and kube-controller-manager with client limits raised (scheduler_perf
-    runs its scheduler without a client rate limit; 50/100 and 20/30 are the defaults)."""
+    runs its scheduler without a client rate limit; 50/100 and 20/30 are the defaults), and the
+    scheduler with `scheduler_gates` (NAME=true) added to its feature gates."""
     for name in ("kube-controller-manager", "kube-scheduler"):
         cp.stop_component(name)
         cp.argv[name] += [f"--kube-api-qps={RAISED_QPS}", f"--kube-api-burst={RAISED_QPS}"]
+        if name == "kube-scheduler" and scheduler_gates:
+            # a second --feature-gates adds to the first (component-base's MapStringBool)
+            cp.argv[name].append(f"--feature-gates={','.join(scheduler_gates)}")
         cp.start_component(name)
         wait_for(f"{name} healthy", lambda n=name: _healthy(cp, n), timeout=120, interval=0.5)  # type: ignore[misc]
 
@@ -596,12 +605,12 @@ def fleet_of(profile: str, nodes: int) -> dict[str, Inventory]:
 
 def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *, raised: bool,
                 stall_s: float, pprof_s: int, log: Callable[[str], None],
-                pprof_dir: Path | None = None) -> JSON:
+                pprof_dir: Path | None = None, scheduler_gates: Sequence[str] = ()) -> JSON:
     fleet = fleet_of(profile, nodes)
     shapes = [for_fleet(s, fleet) for s in shapes]
     with fresh_control_plane("dra-bench-sched-") as (cp, work):
         if raised:
-            raise_limits(cp)
+            raise_limits(cp, scheduler_gates)
         api = sync_client(str(cp.kubeconfig))
         device_classes(api)
         t0 = time.perf_counter()
@@ -645,6 +654,7 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
             "profile": profile,
             "nodes": nodes,
             "client_limits": "raised" if raised else "default",
+            "scheduler_feature_gates_added": list(scheduler_gates),
             "reference_pods_per_s_mean": round(ref, 1) if ref else None,
             "slices_publish_s": published,
             "slice_bytes_per_node": {p: {k: slice_bytes(k, inv) for k in SLICE_KINDS}
@@ -661,7 +671,7 @@ FULL = {"sizes": [(100, 5000), (500, 5000), (1000, 5000)], "profiles": list(PROF
 def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
         profiles: Sequence[str] | None = None, shapes: Sequence[str] | None = None,
         defaults: bool = True, stall_s: float = 30.0, pprof_s: int = 0,
-        pprof_dir: Path | None = None) -> JSON:
+        pprof_dir: Path | None = None, scheduler_gates: Sequence[str] = ()) -> JSON:
     plan = FULL if full else SMALL
     chosen = [s for s in SHAPES if not shapes or s.name in shapes]
     cases: list[JSON] = []
@@ -672,7 +682,8 @@ def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
     for nodes, pods in sizes or plan["sizes"]:  # type: ignore[attr-defined]
         for profile in profiles or plan["profiles"]:  # type: ignore[attr-defined]
             cases.append(run_profile(profile, nodes, pods, chosen, raised=True, stall_s=stall_s,
-                                     pprof_s=pprof_s, log=log, pprof_dir=pprof_dir))
+                                     pprof_s=pprof_s, log=log, pprof_dir=pprof_dir,
+                                     scheduler_gates=scheduler_gates))
     if defaults:
         nodes, pods = plan["default_limits"]  # type: ignore[misc]
         two = [s for s in chosen if s.name in ("reference", "one-gpu")]
@@ -702,10 +713,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="end a shape after this long without a binding")
     parser.add_argument("--pprof-seconds", type=int, default=0)
     parser.add_argument("--pprof-dir", type=Path, help="keep the profiles here (for go tool pprof -peek)")
+    parser.add_argument("--scheduler-feature-gate", action="append", default=[], metavar="NAME=true",
+                        help="add to kube-scheduler's feature gates (e.g. SchedulerPreQueueingHints=true)")
     parser.add_argument("--out", default="scheduler", help="results file name under benchmarks/results")
     args = parser.parse_args(argv)
     result = run(args.full, args.size, args.profile, args.shape, not args.no_defaults, args.stall,
-                 args.pprof_seconds, args.pprof_dir)
+                 args.pprof_seconds, args.pprof_dir, args.scheduler_feature_gate)
     report(args.out, result)
 
 

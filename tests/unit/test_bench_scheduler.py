@@ -61,6 +61,10 @@ def test_our_slices_are_the_publishers() -> None:
     assert node_objects("ours", inventory, "n1") == expected
     shares = node_objects("shares", inventory, "n1")
     assert any(d.get("allowMultipleAllocations") for o in shares for d in o["spec"].get("devices", []))
+    only = node_objects("shares-only", inventory, "n1")
+    devices = [d for o in only for d in o["spec"].get("devices", [])]
+    assert [d["name"] for d in devices] == [f"gpu-{i}-share" for i in range(8)]
+    assert not any("consumesCounters" in d for d in devices)
 
 
 def test_pods_asked_for_fit_the_fleet() -> None:
@@ -69,6 +73,7 @@ def test_pods_asked_for_fit_the_fleet() -> None:
     assert capacity(SHAPE["pair"], fleet) == 16
     assert capacity(SHAPE["quad"], fleet) == 8
     assert capacity(SHAPE["share"], fleet) == 2 * 8 * 17 + 2 * 8 * 3  # 8Gi shares
+    assert capacity(SHAPE["share-only"], fleet) == capacity(SHAPE["share"], fleet)
 
 
 def test_linked_shapes_are_the_documented_eight_layers() -> None:
