@@ -41,9 +41,10 @@ the moment all its pods exist and a quarter of them are bound (its /debug/pprof/
 steady state, after the burst of claim-add events that pod creation causes) and keeps
 `go tool pprof -top`'s first entries; `--pprof-dir D` keeps the profiles for `go tool pprof`.
 
-The machine this ran on has 2 cores shared with other engineers' test runs: every figure was
-taken under that contention. Run alone: `python -m benchmarks.scheduler [--full]`; results go to
-benchmarks/results/scheduler.json (or `--out NAME`). `--scheduler-feature-gate NAME=true` adds
+The machine this runs on has 2 cores, at times shared with other engineers' test runs: read
+each shape's `load_average_1m` beside its figures. Run alone:
+`python -m benchmarks.scheduler [--full]`; results go to benchmarks/results/scheduler.json (or
+`--out NAME`). `--scheduler-feature-gate NAME=true` adds
 a gate to kube-scheduler's (reported in the results). Each shape records the machine's 1-minute
 load average at its start and end. This module must NOT assert timings nor change the control
 plane's flags beyond those two.
@@ -689,7 +690,7 @@ def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
         two = [s for s in chosen if s.name in ("reference", "one-gpu")]
         cases.append(run_profile("hgx-h200", nodes, pods, two, raised=False, stall_s=stall_s, pprof_s=0,
                                  log=log))
-    return {"driver": DRIVER, "contention": "2 cores shared with other engineers' test runs",
+    return {"driver": DRIVER, "contention": "2 cores, at times shared: see each shape's load_average_1m",
             "method": "benchmarks/scheduler.py docstring", "cases": cases}
 
 
