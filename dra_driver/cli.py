@@ -21,6 +21,7 @@ SUBCOMMANDS: Final = {
     "controller": "dra_driver.commands.controller:controller",
     "kubelet-plugin": "dra_driver.commands.kubelet_plugin:kubelet_plugin",
     "status": "dra_driver.commands.status:status",
+    "explain": "dra_driver.commands.why:explain_command",
 }
 
 

@@ -18,17 +18,16 @@ import asyncio
 import json
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import click
 
 from dra_driver import DEFAULT_DRIVER_NAME, kube, log
+from dra_driver.commands.listing import RESOURCE_API
+from dra_driver.commands.listing import list_all as _list
 from dra_driver.jsontypes import JSON
-
-RESOURCE_API: Final = "/apis/resource.k8s.io/v1"
-PAGE: Final = 500
 
 
 class StatusError(click.ClickException):
@@ -222,23 +221,6 @@ def render(view: NodeView) -> str:
 # --------------------------------------------------------------------------- reading
 
 
-async def _list(api: kube.ApiClient, path: str, what: str, query: Mapping[str, str],
-                progress: Callable[[str], None]) -> list[JSON]:
-    items: list[JSON] = []
-    params = {**query, "limit": str(PAGE)}
-    pages = 0
-    while True:
-        page = await kube.request(api, "GET", path, query=params)
-        items.extend(page.get("items") or [])
-        pages += 1
-        token = (page.get("metadata") or {}).get("continue")
-        if pages > 1 or token:
-            progress(f"reading {what}: {len(items)} so far")
-        if not token:
-            return items
-        params = {**query, "limit": str(PAGE), "continue": token}
-
-
 async def read_node(api: kube.ApiClient, node: str, driver: str,
                     progress: Callable[[str], None]) -> NodeView:
     try:
@@ -310,4 +292,9 @@ def kubectl_gpu(node: str, driver_name: str, kubeconfig: str | None, output: str
 
 def main() -> None:
     """The `kubectl-gpu` entry point (kubectl finds it on PATH as the `gpu` plugin)."""
-    kubectl_gpu(prog_name="kubectl gpu", auto_envvar_prefix="DRA_DRIVER", args=sys.argv[1:])
+    args = sys.argv[1:]
+    if args[:1] == ["why"]:  # kubectl gpu why POD
+        from dra_driver.commands.why import kubectl_gpu_why
+
+        kubectl_gpu_why(prog_name="kubectl gpu why", auto_envvar_prefix="DRA_DRIVER", args=args[1:])
+    kubectl_gpu(prog_name="kubectl gpu", auto_envvar_prefix="DRA_DRIVER", args=args)

@@ -5,7 +5,8 @@ The layers, lowest first (LAYERS; units of one layer are separated by commas):
 
     dra_driver (the package itself: the default driver name and the version)
     names, atomic, log, jsontypes, signals, kubeletapi   know nothing of GPUs or claims
-    gpu, driver_root, kube, metrics    the node's GPUs and driver files, the API client, the metrics
+    gpu, driver_root, kube, metrics,   the node's GPUs and driver files, the API client, the metrics,
+      explain                          the scheduler's allocator replayed on API objects
     devices                            the GPUs as allocatable devices
     cdi, health
     sharing, probes
@@ -52,7 +53,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dra_driver.signals",
         "dra_driver.kubeletapi",
     ),
-    ("dra_driver.gpu", "dra_driver.driver_root", "dra_driver.kube", "dra_driver.metrics"),
+    ("dra_driver.gpu", "dra_driver.driver_root", "dra_driver.kube", "dra_driver.metrics",
+     "dra_driver.explain"),
     ("dra_driver.devices",),
     ("dra_driver.cdi", "dra_driver.health"),
     ("dra_driver.sharing", "dra_driver.probes"),

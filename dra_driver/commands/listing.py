@@ -1,0 +1,32 @@
+"""Listing API objects page by page for the read-only commands (`status`, `explain`).
+
+It must NOT write, cache or interpret what it lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Final
+
+from dra_driver import kube
+from dra_driver.jsontypes import JSON
+
+RESOURCE_API: Final = "/apis/resource.k8s.io/v1"
+PAGE: Final = 500
+
+
+async def list_all(api: kube.ApiClient, path: str, what: str, query: Mapping[str, str],
+                progress: Callable[[str], None]) -> list[JSON]:
+    items: list[JSON] = []
+    params = {**query, "limit": str(PAGE)}
+    pages = 0
+    while True:
+        page = await kube.request(api, "GET", path, query=params)
+        items.extend(page.get("items") or [])
+        pages += 1
+        token = (page.get("metadata") or {}).get("continue")
+        if pages > 1 or token:
+            progress(f"reading {what}: {len(items)} so far")
+        if not token:
+            return items
+        params = {**query, "limit": str(PAGE), "continue": token}

@@ -1,0 +1,128 @@
+"""`kubectl gpu why POD` and `dra-driver explain POD`: why a pod's claims are not allocated,
+node by node, or where they are.
+
+Reads the API server only (the pod, its claims or their templates, the nodes, every
+ResourceSlice, DeviceClass and allocated ResourceClaim: what the scheduler's allocator
+reads) and hands them to dra_driver.explain, which replays the allocator. It must NOT
+write anything or need anything on a node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+
+import click
+
+from dra_driver import kube, log
+from dra_driver.commands.listing import RESOURCE_API
+from dra_driver.commands.listing import list_all as _list
+from dra_driver.explain.render import DEFAULT_NODES, render
+from dra_driver.explain.why import PodClaim, PodReport, explain_pod
+from dra_driver.jsontypes import JSON
+
+
+class WhyError(click.ClickException):
+    """The pod cannot be explained; the message says what to check."""
+
+
+async def _get(api: kube.ApiClient, path: str) -> JSON | None:
+    try:
+        return await kube.request(api, "GET", path)
+    except kube.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+async def pod_claims(api: kube.ApiClient, pod: JSON) -> list[PodClaim]:
+    """The pod's claims: the ResourceClaim where it exists, else its template's spec."""
+    namespace = pod["metadata"]["namespace"]
+    generated = {s["name"]: s.get("resourceClaimName")
+                 for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []}
+    found = []
+    for entry in (pod.get("spec") or {}).get("resourceClaims") or []:
+        name = entry.get("resourceClaimName") or generated.get(entry["name"])
+        claim = await _get(api, f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}") if name else None
+        template_spec = None
+        if claim is None and entry.get("resourceClaimTemplateName"):
+            template = await _get(api, f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates/"
+                                       f"{entry['resourceClaimTemplateName']}")
+            template_spec = ((template or {}).get("spec") or {}).get("spec") if template else None
+        found.append(PodClaim(entry["name"], claim, template_spec))
+    return found
+
+
+async def read_report(api: kube.ApiClient, namespace: str, pod_name: str,
+                      progress: Callable[[str], None] = lambda _: None) -> PodReport:
+    pod = await _get(api, f"/api/v1/namespaces/{namespace}/pods/{pod_name}")
+    if pod is None:
+        raise WhyError(f"pod {namespace}/{pod_name} does not exist (kubectl get pods -n {namespace})")
+    claims = await pod_claims(api, pod)
+    nodes, slices, classes, all_claims = await asyncio.gather(
+        _list(api, "/api/v1/nodes", "Nodes", {}, progress),
+        _list(api, f"{RESOURCE_API}/resourceslices", "ResourceSlices", {}, progress),
+        _list(api, f"{RESOURCE_API}/deviceclasses", "DeviceClasses", {}, progress),
+        _list(api, f"{RESOURCE_API}/resourceclaims", "ResourceClaims", {}, progress),
+    )
+    allocated = [c for c in all_claims if (c.get("status") or {}).get("allocation")]
+    by_class = {c["metadata"]["name"]: c for c in classes}
+    return explain_pod(pod, claims, nodes, slices, by_class, allocated)
+
+
+def explain(pod: str, namespace: str, kubeconfig: str | None, verbose: bool, all_nodes: bool,
+            output: str) -> None:
+    if "/" in pod:
+        namespace, pod = pod.split("/", 1)
+
+    def progress(line: str) -> None:
+        click.echo(f"\r{line}", err=True, nl=False)
+
+    async def run() -> PodReport:
+        api = await kube.load_client(kubeconfig)
+        try:
+            return await read_report(api, namespace, pod, progress)
+        except (kube.ApiException, OSError, TimeoutError) as e:
+            raise WhyError(f"reading pod {namespace}/{pod} and the cluster's devices failed: {e}") from None
+        finally:
+            await api.close()
+
+    report = asyncio.run(run())
+    if output == "json":
+        click.echo(json.dumps(asdict(report), indent=2))
+    else:
+        click.echo(render(report, verbose=verbose, all_nodes=all_nodes, limit=DEFAULT_NODES))
+
+
+def _options(f: Callable[..., None]) -> Callable[..., None]:
+    for option in reversed([
+        click.argument("pod"),
+        click.option("-n", "--namespace", default="default", show_default=True,
+                     help="The pod's namespace (or write POD as namespace/name)."),
+        click.option("-v", "--verbose", is_flag=True, help="Every request and subrequest per node."),
+        click.option("--all", "all_nodes", is_flag=True, help="Every node, not only the closest few."),
+        click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True),
+        click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+                     help="Kubeconfig file; default: in-cluster, then $KUBECONFIG or ~/.kube/config."),
+    ]):
+        f = option(f)
+    return f
+
+
+@click.command("explain")
+@_options
+def explain_command(pod: str, namespace: str, verbose: bool, all_nodes: bool, output: str,
+                    kubeconfig: str | None) -> None:
+    """Why POD's GPU claims are not allocated, per node and request, or where they are."""
+    explain(pod, namespace, kubeconfig, verbose, all_nodes, output)
+
+
+@click.command("kubectl-gpu-why", context_settings={"help_option_names": ["-h", "--help"]})
+@_options
+def kubectl_gpu_why(pod: str, namespace: str, verbose: bool, all_nodes: bool, output: str,
+                    kubeconfig: str | None) -> None:
+    """kubectl gpu why POD: why the pod is pending, per node and request (as `dra-driver explain`)."""
+    log.configure("warning", "console")
+    explain(pod, namespace, kubeconfig, verbose, all_nodes, output)
