@@ -15,8 +15,9 @@ RESOURCE_API: Final = "/apis/resource.k8s.io/v1"
 PAGE: Final = 500
 
 
-async def list_all(api: kube.ApiClient, path: str, what: str, query: Mapping[str, str],
-                progress: Callable[[str], None]) -> list[JSON]:
+async def list_all(
+    api: kube.ApiClient, path: str, what: str, query: Mapping[str, str], progress: Callable[[str], None]
+) -> list[JSON]:
     items: list[JSON] = []
     params = {**query, "limit": str(PAGE)}
     pages = 0

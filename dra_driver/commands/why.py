@@ -40,23 +40,31 @@ async def _get(api: kube.ApiClient, path: str) -> JSON | None:
 async def pod_claims(api: kube.ApiClient, pod: JSON) -> list[PodClaim]:
     """The pod's claims: the ResourceClaim where it exists, else its template's spec."""
     namespace = pod["metadata"]["namespace"]
-    generated = {s["name"]: s.get("resourceClaimName")
-                 for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []}
+    generated = {
+        s["name"]: s.get("resourceClaimName")
+        for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []
+    }
     found = []
     for entry in (pod.get("spec") or {}).get("resourceClaims") or []:
         name = entry.get("resourceClaimName") or generated.get(entry["name"])
-        claim = await _get(api, f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}") if name else None
+        claim = (
+            await _get(api, f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims/{name}") if name else None
+        )
         template_spec = None
         if claim is None and entry.get("resourceClaimTemplateName"):
-            template = await _get(api, f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates/"
-                                       f"{entry['resourceClaimTemplateName']}")
+            template = await _get(
+                api,
+                f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates/"
+                f"{entry['resourceClaimTemplateName']}",
+            )
             template_spec = ((template or {}).get("spec") or {}).get("spec") if template else None
         found.append(PodClaim(entry["name"], claim, template_spec))
     return found
 
 
-async def read_report(api: kube.ApiClient, namespace: str, pod_name: str,
-                      progress: Callable[[str], None] = lambda _: None) -> PodReport:
+async def read_report(
+    api: kube.ApiClient, namespace: str, pod_name: str, progress: Callable[[str], None] = lambda _: None
+) -> PodReport:
     pod = await _get(api, f"/api/v1/namespaces/{namespace}/pods/{pod_name}")
     if pod is None:
         raise WhyError(f"pod {namespace}/{pod_name} does not exist (kubectl get pods -n {namespace})")
@@ -72,8 +80,9 @@ async def read_report(api: kube.ApiClient, namespace: str, pod_name: str,
     return explain_pod(pod, claims, nodes, slices, by_class, allocated)
 
 
-def explain(pod: str, namespace: str, kubeconfig: str | None, verbose: bool, all_nodes: bool,
-            output: str) -> None:
+def explain(
+    pod: str, namespace: str, kubeconfig: str | None, verbose: bool, all_nodes: bool, output: str
+) -> None:
     if "/" in pod:
         namespace, pod = pod.split("/", 1)
 
@@ -97,32 +106,47 @@ def explain(pod: str, namespace: str, kubeconfig: str | None, verbose: bool, all
 
 
 def _options(f: Callable[..., None]) -> Callable[..., None]:
-    for option in reversed([
-        click.argument("pod"),
-        click.option("-n", "--namespace", default="default", show_default=True,
-                     help="The pod's namespace (or write POD as namespace/name)."),
-        click.option("-v", "--verbose", is_flag=True, help="Every request and subrequest per node."),
-        click.option("--all", "all_nodes", is_flag=True, help="Every node, not only the closest few."),
-        click.option("-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True),
-        click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
-                     help="Kubeconfig file; default: in-cluster, then $KUBECONFIG or ~/.kube/config."),
-    ]):
+    for option in reversed(
+        [
+            click.argument("pod"),
+            click.option(
+                "-n",
+                "--namespace",
+                default="default",
+                show_default=True,
+                help="The pod's namespace (or write POD as namespace/name).",
+            ),
+            click.option("-v", "--verbose", is_flag=True, help="Every request and subrequest per node."),
+            click.option("--all", "all_nodes", is_flag=True, help="Every node, not only the closest few."),
+            click.option(
+                "-o", "--output", type=click.Choice(["text", "json"]), default="text", show_default=True
+            ),
+            click.option(
+                "--kubeconfig",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="Kubeconfig file; default: in-cluster, then $KUBECONFIG or ~/.kube/config.",
+            ),
+        ]
+    ):
         f = option(f)
     return f
 
 
 @click.command("explain")
 @_options
-def explain_command(pod: str, namespace: str, verbose: bool, all_nodes: bool, output: str,
-                    kubeconfig: str | None) -> None:
+def explain_command(
+    pod: str, namespace: str, verbose: bool, all_nodes: bool, output: str, kubeconfig: str | None
+) -> None:
     """Why POD's GPU claims are not allocated, per node and request, or where they are."""
     explain(pod, namespace, kubeconfig, verbose, all_nodes, output)
 
 
 @click.command("kubectl-gpu-why", context_settings={"help_option_names": ["-h", "--help"]})
 @_options
-def kubectl_gpu_why(pod: str, namespace: str, verbose: bool, all_nodes: bool, output: str,
-                    kubeconfig: str | None) -> None:
+def kubectl_gpu_why(
+    pod: str, namespace: str, verbose: bool, all_nodes: bool, output: str, kubeconfig: str | None
+) -> None:
     """kubectl gpu why POD: why the pod is pending, per node and request (as `dra-driver explain`)."""
     log.configure("warning", "console")
     explain(pod, namespace, kubeconfig, verbose, all_nodes, output)

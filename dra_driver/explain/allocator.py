@@ -87,9 +87,14 @@ class ClaimPlan:
 def _request(claim: int, base: str, sub: str | None, body: JSON, admin: bool) -> Request:
     mode = body.get("allocationMode") or "ExactCount"
     return Request(
-        claim=claim, base=base, sub=sub, class_name=body.get("deviceClassName", ""),
+        claim=claim,
+        base=base,
+        sub=sub,
+        class_name=body.get("deviceClassName", ""),
         selectors=tuple(s["cel"]["expression"] for s in body.get("selectors") or [] if s.get("cel")),
-        count=int(body.get("count") or 1), all_devices=mode == "All", admin=admin,
+        count=int(body.get("count") or 1),
+        all_devices=mode == "All",
+        admin=admin,
         tolerations=tuple(body.get("tolerations") or ()),
         capacity={k: str(v) for k, v in ((body.get("capacity") or {}).get("requests") or {}).items()},
     )
@@ -104,14 +109,18 @@ def plan_claim(index: int, name: str, spec: JSON) -> ClaimPlan:
             exactly = r["exactly"]
             requests.append((_request(index, r["name"], None, exactly, bool(exactly.get("adminAccess"))),))
         else:
-            requests.append(tuple(_request(index, r["name"], s["name"], s, False)
-                                  for s in r.get("firstAvailable") or []))
+            requests.append(
+                tuple(_request(index, r["name"], s["name"], s, False) for s in r.get("firstAvailable") or [])
+            )
     constraints = []
     for c in devices.get("constraints") or []:
         attribute = c.get("matchAttribute") or c.get("distinctAttribute")
         if attribute:
-            constraints.append(Constraint(frozenset(c.get("requests") or ()), attribute,
-                                          distinct=bool(c.get("distinctAttribute"))))
+            constraints.append(
+                Constraint(
+                    frozenset(c.get("requests") or ()), attribute, distinct=bool(c.get("distinctAttribute"))
+                )
+            )
     return ClaimPlan(name, tuple(requests), tuple(constraints))
 
 
@@ -144,8 +153,10 @@ class Matcher:
         variable = self._variables.get(device.id)
         if variable is None:
             variable = self._variables[device.id] = device_variable(device.driver, device.raw)
-        for where, expressions in (("class " + request.class_name, self.class_selectors(request.class_name)),
-                                   ("claim", request.selectors)):
+        for where, expressions in (
+            ("class " + request.class_name, self.class_selectors(request.class_name)),
+            ("claim", request.selectors),
+        ):
             for expression in expressions:
                 try:
                     outcome = evaluate(compile_selector(expression), variable)
@@ -243,12 +254,22 @@ def capacity_fits(request: Request, device: Device, used: Mapping[str, Decimal])
     if taken is None:
         return False
     capacities = device.capacity()
-    return all(used.get(n, Decimal(0)) + v <= parse_quantity(capacities[n].get("value", "0"))
-               for n, v in taken.items())
+    return all(
+        used.get(n, Decimal(0)) + v <= parse_quantity(capacities[n].get("value", "0"))
+        for n, v in taken.items()
+    )
 
 
-_KIND = {"string": "s", "strings": "s", "int": "i", "ints": "i", "bool": "b", "bools": "b",
-         "version": "v", "versions": "v"}
+_KIND = {
+    "string": "s",
+    "strings": "s",
+    "int": "i",
+    "ints": "i",
+    "bool": "b",
+    "bools": "b",
+    "version": "v",
+    "versions": "v",
+}
 
 
 def value_set(value: tuple[str, Any] | None) -> frozenset[tuple[str, Any]] | None:
@@ -275,16 +296,20 @@ def _drop(items: list[Any]) -> None:
 
 
 class Search:
-    def __init__(self, claims: Sequence[ClaimPlan], pools: Sequence[Pool], held: Held, matcher: Matcher,
-                 budget: int = DEFAULT_BUDGET) -> None:
+    def __init__(
+        self,
+        claims: Sequence[ClaimPlan],
+        pools: Sequence[Pool],
+        held: Held,
+        matcher: Matcher,
+        budget: int = DEFAULT_BUDGET,
+    ) -> None:
         self.claims = claims
         self.held = held
         self.matcher = matcher
         self.budget = budget
         self.steps = 0
-        self.devices: list[tuple[Pool, Device]] = [
-            (p, d) for p in pools if p.complete for d in p.devices
-        ]
+        self.devices: list[tuple[Pool, Device]] = [(p, d) for p in pools if p.complete for d in p.devices]
         self.left = {p.name + "\0" + p.driver: counters_left(p, held) for p in pools}
         self.consuming: dict[str, dict[str, dict[str, Decimal]]] = {}
         self.taking: set[DeviceId] = set()
@@ -309,7 +334,9 @@ class Search:
         for consumption in device.consumes():
             counter_set = consuming.setdefault(consumption.get("counterSet", ""), {})
             for name, c in (consumption.get("counters") or {}).items():
-                counter_set[name] = counter_set.get(name, Decimal(0)) + sign * parse_quantity(c.get("value", "0"))
+                counter_set[name] = counter_set.get(name, Decimal(0)) + sign * parse_quantity(
+                    c.get("value", "0")
+                )
 
     def _counters_fit(self, pool: Pool) -> bool:
         key = pool.name + "\0" + pool.driver
@@ -383,6 +410,7 @@ class Search:
                     share[name] -= value
                 if not any(share.values()):
                     self.sharing.pop(device.id, None)
+
             undo.append(unshare)
         results = self.found.results[request.claim]
         results.append((request.name, device, consumed))
@@ -413,8 +441,10 @@ class Search:
     def _alternative(self, c: int, r: int, request: Request) -> bool:
         if request.all_devices:
             if self.incomplete:
-                raise Refused(f"request {request.name} asks for all devices, but pool "
-                              f"{self.incomplete[0].name} is being updated")
+                raise Refused(
+                    f"request {request.name} asks for all devices, but pool "
+                    f"{self.incomplete[0].name} is being updated"
+                )
             wanted = [(p, d) for p, d in self.devices if self.selectable(request, d)]
             if not wanted:
                 return False

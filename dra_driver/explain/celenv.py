@@ -145,29 +145,45 @@ def _env() -> Any:
     obj = t.Map(t.STRING, t.STRING)
 
     def fn(name: str, *overloads: tuple[str, Any, list[Any], bool, Any]) -> Any:
-        return cel.FunctionDecl(name, [
-            cel.Overload(oid, return_type=ret, parameters=params, is_member=member, impl=impl)
-            for oid, ret, params, member, impl in overloads
-        ])
+        return cel.FunctionDecl(
+            name,
+            [
+                cel.Overload(oid, return_type=ret, parameters=params, is_member=member, impl=impl)
+                for oid, ret, params, member, impl in overloads
+            ],
+        )
 
     decls = [
-        fn("quantity", ("k8s_quantity", obj, [t.STRING], False,
-                        lambda s: (parse_quantity(s), {"q": s})[1])),
+        fn("quantity", ("k8s_quantity", obj, [t.STRING], False, lambda s: (parse_quantity(s), {"q": s})[1])),
         fn("isQuantity", ("k8s_is_quantity", t.BOOL, [t.STRING], False, _is_quantity)),
-        fn("semver", ("k8s_semver", obj, [t.STRING], False, _semver),
-           ("k8s_semver_normalize", obj, [t.STRING, t.BOOL], False, _semver)),
-        fn("isSemver", ("k8s_is_semver", t.BOOL, [t.STRING], False, _is_semver),
-           ("k8s_is_semver_normalize", t.BOOL, [t.STRING, t.BOOL], False, _is_semver)),
+        fn(
+            "semver",
+            ("k8s_semver", obj, [t.STRING], False, _semver),
+            ("k8s_semver_normalize", obj, [t.STRING, t.BOOL], False, _semver),
+        ),
+        fn(
+            "isSemver",
+            ("k8s_is_semver", t.BOOL, [t.STRING], False, _is_semver),
+            ("k8s_is_semver_normalize", t.BOOL, [t.STRING, t.BOOL], False, _is_semver),
+        ),
         fn("compareTo", ("k8s_compare_to", t.INT, [obj, obj], True, _compare)),
         fn("isGreaterThan", ("k8s_greater", t.BOOL, [obj, obj], True, lambda a, b: _compare(a, b) > 0)),
         fn("isLessThan", ("k8s_less", t.BOOL, [obj, obj], True, lambda a, b: _compare(a, b) < 0)),
-        fn("add", ("k8s_q_add", obj, [obj, obj], True, lambda a, b: {"q": format_quantity(_q(a) + _q(b))}),
-           ("k8s_q_add_int", obj, [obj, t.INT], True, lambda a, b: {"q": format_quantity(_q(a) + b)})),
-        fn("sub", ("k8s_q_sub", obj, [obj, obj], True, lambda a, b: {"q": format_quantity(_q(a) - _q(b))}),
-           ("k8s_q_sub_int", obj, [obj, t.INT], True, lambda a, b: {"q": format_quantity(_q(a) - b)})),
+        fn(
+            "add",
+            ("k8s_q_add", obj, [obj, obj], True, lambda a, b: {"q": format_quantity(_q(a) + _q(b))}),
+            ("k8s_q_add_int", obj, [obj, t.INT], True, lambda a, b: {"q": format_quantity(_q(a) + b)}),
+        ),
+        fn(
+            "sub",
+            ("k8s_q_sub", obj, [obj, obj], True, lambda a, b: {"q": format_quantity(_q(a) - _q(b))}),
+            ("k8s_q_sub_int", obj, [obj, t.INT], True, lambda a, b: {"q": format_quantity(_q(a) - b)}),
+        ),
         fn("sign", ("k8s_q_sign", t.INT, [obj], True, lambda a: _cmp(_q(a), Decimal(0)))),
-        fn("isInteger", ("k8s_q_is_integer", t.BOOL, [obj], True,
-                         lambda a: _q(a) == _q(a).to_integral_value())),
+        fn(
+            "isInteger",
+            ("k8s_q_is_integer", t.BOOL, [obj], True, lambda a: _q(a) == _q(a).to_integral_value()),
+        ),
         fn("asInteger", ("k8s_q_as_integer", t.INT, [obj], True, lambda a: int(_q(a)))),
         fn("asApproximateFloat", ("k8s_q_as_float", t.DOUBLE, [obj], True, lambda a: float(_q(a)))),
         fn("major", ("k8s_semver_major", t.INT, [obj], True, _part(0))),
@@ -231,12 +247,13 @@ def device_variable(driver: str, device: JSON, multiple_allocations: bool = True
 def evaluate(program: Program, variable: JSON) -> Outcome:
     """Whether the device (from `device_variable`) matches; a runtime error is not a match."""
     data = variable
-    missing = [d for d in program.domains
-               if d not in variable["attributes"] or d not in variable["capacity"]]
+    missing = [d for d in program.domains if d not in variable["attributes"] or d not in variable["capacity"]]
     if missing:
-        data = {**variable,
-                "attributes": {**{d: {} for d in missing}, **variable["attributes"]},
-                "capacity": {**{d: {} for d in missing}, **variable["capacity"]}}
+        data = {
+            **variable,
+            "attributes": {**{d: {} for d in missing}, **variable["attributes"]},
+            "capacity": {**{d: {} for d in missing}, **variable["capacity"]},
+        }
     try:
         result = program.compiled.eval(data={"device": data})
     except Exception as e:  # an exception raised by a shim function

@@ -14,14 +14,22 @@ DEFAULT_NODES = 5
 
 def _detail(r: RequestReport) -> list[str]:
     lines = [f"    {r.request}: {r.asked} asked; {r.matched} match the class and selectors"]
-    for label, items in (("selector errors", r.errors), ("held", r.held), ("tainted", r.tainted),
-                         ("blocked by counters", r.counters), ("short of capacity", r.capacity),
-                         ("in MIG mode", r.mig_mode), ("free", r.free)):
+    for label, items in (
+        ("selector errors", r.errors),
+        ("held", r.held),
+        ("tainted", r.tainted),
+        ("blocked by counters", r.counters),
+        ("short of capacity", r.capacity),
+        ("in MIG mode", r.mig_mode),
+        ("free", r.free),
+    ):
         if items:
             lines.append(f"      {label}: {', '.join(items)}")
     if r.group_attribute:
-        lines.append(f"      largest free set with one {r.group_attribute}: "
-                     f"{', '.join(r.largest_group) or 'none'} ({len(r.largest_group)} of {r.count} asked)")
+        lines.append(
+            f"      largest free set with one {r.group_attribute}: "
+            f"{', '.join(r.largest_group) or 'none'} ({len(r.largest_group)} of {r.count} asked)"
+        )
     if r.most_left:
         lines.append(f"      most left: {r.most_left}")
     return lines
@@ -37,8 +45,9 @@ def _node(n: NodeReport, verbose: bool) -> list[str]:
     return lines
 
 
-def render(report: PodReport, verbose: bool = False, all_nodes: bool = False,
-           limit: int = DEFAULT_NODES) -> str:
+def render(
+    report: PodReport, verbose: bool = False, all_nodes: bool = False, limit: int = DEFAULT_NODES
+) -> str:
     lines = [report.headline]
     if report.claims:
         lines.append("Claims:")

@@ -138,7 +138,8 @@ def slice_targets(spec: JSON, node: JSON) -> bool:
         return node_selector_matches(spec["nodeSelector"], node)
     if spec.get("perDeviceNodeSelection"):
         return any(
-            d.get("nodeName") == name or d.get("allNodes")
+            d.get("nodeName") == name
+            or d.get("allNodes")
             or (d.get("nodeSelector") and node_selector_matches(d["nodeSelector"], node))
             for d in spec.get("devices") or []
         )
@@ -156,8 +157,10 @@ def pools(slices: Sequence[JSON], node: JSON) -> list[Pool]:
     found = []
     for (driver, pool), members in sorted(by_pool.items()):
         generation = max(int(s["spec"]["pool"].get("generation", 0)) for s in members)
-        current = sorted((s for s in members if int(s["spec"]["pool"].get("generation", 0)) == generation),
-                         key=lambda s: s["metadata"].get("name", ""))
+        current = sorted(
+            (s for s in members if int(s["spec"]["pool"].get("generation", 0)) == generation),
+            key=lambda s: s["metadata"].get("name", ""),
+        )
         mine = [s for s in current if slice_targets(s["spec"], node)]
         if not mine:
             continue
@@ -166,12 +169,15 @@ def pools(slices: Sequence[JSON], node: JSON) -> list[Pool]:
         for s in current:
             for counter_set in s["spec"].get("sharedCounters") or []:
                 counters[counter_set["name"]] = {
-                    n: parse_quantity(c.get("value", "0")) for n, c in (counter_set.get("counters") or {}).items()
+                    n: parse_quantity(c.get("value", "0"))
+                    for n, c in (counter_set.get("counters") or {}).items()
                 }
         devices = tuple(
             Device(driver, pool, d["name"], d, bool(d.get("allowMultipleAllocations")))
-            for s in mine for d in s["spec"].get("devices") or []
-            if not s["spec"].get("perDeviceNodeSelection") or d.get("nodeName") == node["metadata"]["name"]
+            for s in mine
+            for d in s["spec"].get("devices") or []
+            if not s["spec"].get("perDeviceNodeSelection")
+            or d.get("nodeName") == node["metadata"]["name"]
             or d.get("allNodes")
         )
         found.append(Pool(driver, pool, devices, counters, len(current) == expected))
@@ -180,8 +186,11 @@ def pools(slices: Sequence[JSON], node: JSON) -> list[Pool]:
 
 def _reserved_pods(claim: JSON) -> tuple[str, ...]:
     namespace = claim["metadata"].get("namespace", "")
-    return tuple(f"{namespace}/{r['name']}" for r in (claim.get("status") or {}).get("reservedFor") or []
-                 if r.get("resource") == "pods")
+    return tuple(
+        f"{namespace}/{r['name']}"
+        for r in (claim.get("status") or {}).get("reservedFor") or []
+        if r.get("resource") == "pods"
+    )
 
 
 def held(claims: Iterable[JSON], skip: Iterable[str] = ()) -> Held:
@@ -208,8 +217,15 @@ def held(claims: Iterable[JSON], skip: Iterable[str] = ()) -> Held:
                     used[name] = used.get(name, Decimal(0)) + parse_quantity(value)
             else:
                 devices.add(key)
-            holders[key].append(Holder(who, pods, result.get("request", ""), result.get("shareID"),
-                                       {k: str(v) for k, v in consumed.items()}))
+            holders[key].append(
+                Holder(
+                    who,
+                    pods,
+                    result.get("request", ""),
+                    result.get("shareID"),
+                    {k: str(v) for k, v in consumed.items()},
+                )
+            )
     return Held(frozenset(devices), capacity, {k: tuple(v) for k, v in holders.items()})
 
 

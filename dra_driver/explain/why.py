@@ -136,16 +136,20 @@ def node_excluded(pod: JSON, node: JSON) -> str | None:
     wrong = {k: v for k, v in (spec.get("nodeSelector") or {}).items() if labels.get(k) != v}
     if wrong:
         return "nodeSelector " + ", ".join(f"{k}={v}" for k, v in sorted(wrong.items())) + " does not match"
-    required = (((spec.get("affinity") or {}).get("nodeAffinity") or {})
-                .get("requiredDuringSchedulingIgnoredDuringExecution"))
-    if required:
-        if not node_selector_matches(required, node):
-            return "the pod's required node affinity does not match"
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if required and not node_selector_matches(required, node):
+        return "the pod's required node affinity does not match"
     if (node.get("spec") or {}).get("unschedulable"):
         return "node is cordoned (unschedulable)"
     for taint in (node.get("spec") or {}).get("taints") or []:
-        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(taint, spec.get("tolerations") or []):
-            return f"node taint {taint.get('key')}={taint.get('value', '')}:{taint['effect']} is not tolerated"
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not _tolerated(
+            taint, spec.get("tolerations") or []
+        ):
+            return (
+                f"node taint {taint.get('key')}={taint.get('value', '')}:{taint['effect']} is not tolerated"
+            )
     return None
 
 
@@ -163,8 +167,11 @@ def _who(state: Held, device: Device) -> str:
 
 
 def _mig_parents(devices: Sequence[Device]) -> set[int]:
-    return {int(d.plain("parentIndex")) for d in devices
-            if d.plain("type") == "mig" and isinstance(d.plain("parentIndex"), int)}
+    return {
+        int(d.plain("parentIndex"))
+        for d in devices
+        if d.plain("type") == "mig" and isinstance(d.plain("parentIndex"), int)
+    }
 
 
 def _counter_holders(pool: Pool, state: Held) -> dict[str, list[Device]]:
@@ -184,8 +191,14 @@ def _counters_short(device: Device, left: Mapping[str, Mapping[str, Decimal]]) -
     for c in device.consumes():
         for name, v in (c.get("counters") or {}).items():
             want[c.get("counterSet", "")][name] = parse_quantity(v.get("value", "0"))
-    return sorted({s for s, counters in left.items() for n, value in counters.items()
-                   if value < want.get(s, {}).get(n, Decimal(0))})
+    return sorted(
+        {
+            s
+            for s, counters in left.items()
+            for n, value in counters.items()
+            if value < want.get(s, {}).get(n, Decimal(0))
+        }
+    )
 
 
 def _asked(request: Request, nouns: Sequence[str], linked: bool) -> str:
@@ -199,12 +212,15 @@ def _asked(request: Request, nouns: Sequence[str], linked: bool) -> str:
     if profile:
         words.append(profile)
     if request.capacity:
-        words.append("of " + ", ".join(f"{v} {k.rpartition('/')[2]}" for k, v in sorted(request.capacity.items())))
+        words.append(
+            "of " + ", ".join(f"{v} {k.rpartition('/')[2]}" for k, v in sorted(request.capacity.items()))
+        )
     return " ".join(words)
 
 
-def request_report(request: Request, plan: ClaimPlan, node_pools: Sequence[Pool], state: Held,
-                   matcher: Matcher) -> RequestReport:
+def request_report(
+    request: Request, plan: ClaimPlan, node_pools: Sequence[Pool], state: Held, matcher: Matcher
+) -> RequestReport:
     """What the request alone finds on the node (other requests and claims not counted)."""
     devices = [(p, d) for p in node_pools for d in p.devices]
     mig_parents = _mig_parents([d for _, d in devices])
@@ -235,8 +251,10 @@ def request_report(request: Request, plan: ClaimPlan, node_pools: Sequence[Pool]
         short = [] if skip or not d.consumes() else _counters_short(d, lefts[p.name])
         if short:
             takers = sorted({_who(state, h) for s in short for h in holders[p.name].get(s, [])})
-            counters.append(f"{d.name} (counters of {', '.join(short)} taken by "
-                            f"{'; '.join(takers) or 'nothing allocated: the counters are overdrawn'})")
+            counters.append(
+                f"{d.name} (counters of {', '.join(short)} taken by "
+                f"{'; '.join(takers) or 'nothing allocated: the counters are overdrawn'})"
+            )
             continue
         used = state.capacity.get(d.id, {})
         if d.multi:
@@ -248,9 +266,15 @@ def request_report(request: Request, plan: ClaimPlan, node_pools: Sequence[Pool]
                         most = (left, f"{_bytes(left)} {name} left on {d.name}")
         if not capacity_fits(request, d, used):
             taken = consumed_capacity(request, d)
-            why = ("asks for a capacity it does not have or its policy refuses" if taken is None else
-                   ", ".join(f"{_bytes(parse_quantity(d.capacity()[n].get('value', '0')) - used.get(n, Decimal(0)))}"
-                             f" {n} left" for n in sorted(taken)))
+            why = (
+                "asks for a capacity it does not have or its policy refuses"
+                if taken is None
+                else ", ".join(
+                    f"{_bytes(parse_quantity(d.capacity()[n].get('value', '0')) - used.get(n, Decimal(0)))}"
+                    f" {n} left"
+                    for n in sorted(taken)
+                )
+            )
             capacity.append(f"{d.name} ({why})")
             continue
         free.append(d.name)
@@ -268,21 +292,32 @@ def request_report(request: Request, plan: ClaimPlan, node_pools: Sequence[Pool]
     linked = bool(group_attr and "nvlink" in group_attr.lower())
     nouns = [NOUNS.get(str(d.plain("type")), str(d.plain("type"))) for _, d in matched if d.plain("type")]
     return RequestReport(
-        request=request.name, asked=_asked(request, nouns, linked),
-        count=0 if request.all_devices else request.count, matched=len(matched),
-        held=tuple(held_), tainted=tuple(tainted), counters=tuple(counters), capacity=tuple(capacity),
-        mig_mode=tuple(mig_mode), free=tuple(free), errors=tuple(sorted(set(errors))),
-        group_attribute=group_attr, largest_group=largest, most_left=most[1] if most else None,
+        request=request.name,
+        asked=_asked(request, nouns, linked),
+        count=0 if request.all_devices else request.count,
+        matched=len(matched),
+        held=tuple(held_),
+        tainted=tuple(tainted),
+        counters=tuple(counters),
+        capacity=tuple(capacity),
+        mig_mode=tuple(mig_mode),
+        free=tuple(free),
+        errors=tuple(sorted(set(errors))),
+        group_attribute=group_attr,
+        largest_group=largest,
+        most_left=most[1] if most else None,
     )
 
 
 def _bytes(value: Decimal) -> str:
-    """A byte count the way a person reads it: 40Gi, 1.5Gi, 512Mi."""
-    for unit, size in (("Ti", 2**40), ("Gi", 2**30), ("Mi", 2**20)):
+    """A byte count the way a person reads it: 40Gi, 76.4Gi, 512Mi."""
+    for unit, size in (("Ti", 2**40), ("Gi", 2**30)):
         if value >= size and value % size == 0:
             return f"{int(value // size)}{unit}"
     if value >= 2**30:
         return f"{value / 2**30:.1f}Gi"
+    if value >= 2**20 and value % 2**20 == 0:
+        return f"{int(value // 2**20)}Mi"
     return format_quantity(value)
 
 
@@ -301,11 +336,14 @@ def request_line(r: RequestReport) -> str:
         return "; ".join(parts)
     out = []
     if r.held:
-        out.append(f"{len(r.held)} held" + (f" by {r.held[0].split(' ', 1)[1].strip('()')}"
-                                               if len(r.held) == 1 and " " in r.held[0] else ""))
+        claims = sorted({h.split(" (", 1)[1].rstrip(")") for h in r.held if " (" in h})
+        by = f" by {claims[0]}" if len(claims) == 1 else f" by {len(claims)} claims" if claims else ""
+        out.append(f"{len(r.held)} held{by}")
     if r.counters:
         mig = any("memory-slice" in c or "counter-set" in c for c in r.counters)
-        out.append(f"{len(r.counters)} blocked by " + ("held MIG slices" if mig else "held shares or whole GPUs"))
+        out.append(
+            f"{len(r.counters)} blocked by " + ("held MIG slices" if mig else "held shares or whole GPUs")
+        )
     if r.capacity:
         out.append(f"{len(r.capacity)} short of capacity")
     if r.tainted:
@@ -315,7 +353,11 @@ def request_line(r: RequestReport) -> str:
     parts.append(f"{r.matched} match" + (f" ({', '.join(out)})" if out else ""))
     parts.append(f"free {_short_list(r.free)}" if r.free else "none free")
     if r.group_attribute:
-        word = "linked" if "nvlink" in r.group_attribute.lower() else f"same-{r.group_attribute.rpartition('/')[2]}"
+        word = (
+            "linked"
+            if "nvlink" in r.group_attribute.lower()
+            else f"same-{r.group_attribute.rpartition('/')[2]}"
+        )
         parts.append(f"largest {word} free set {len(r.largest_group)}")
     if r.most_left and not r.free:
         parts.append(f"most left: {r.most_left}")
@@ -328,11 +370,20 @@ def request_line(r: RequestReport) -> str:
 def _closeness(reports: Sequence[RequestReport]) -> float:
     if not reports:
         return 0.0
-    return sum(min(1.0, r.available / r.count) if r.count else float(r.enough) for r in reports) / len(reports)
+    return sum(min(1.0, r.available / r.count) if r.count else float(r.enough) for r in reports) / len(
+        reports
+    )
 
 
-def node_report(node: JSON, pod: JSON, plans: Sequence[ClaimPlan], slices: Sequence[JSON],
-                state: Held, matcher: Matcher, allocated_elsewhere: str | None = None) -> NodeReport:
+def node_report(
+    node: JSON,
+    pod: JSON,
+    plans: Sequence[ClaimPlan],
+    slices: Sequence[JSON],
+    state: Held,
+    matcher: Matcher,
+    allocated_elsewhere: str | None = None,
+) -> NodeReport:
     name = node["metadata"]["name"]
     excluded = node_excluded(pod, node) or allocated_elsewhere
     if excluded:
@@ -353,14 +404,23 @@ def node_report(node: JSON, pod: JSON, plans: Sequence[ClaimPlan], slices: Seque
     try:
         found = Search(plans, node_pools, state, matcher).run()
     except Refused as e:
-        return NodeReport(name, "refused", f"{name}: the scheduler stops here: {e}", requests=tuple(per_request))
+        return NodeReport(
+            name, "refused", f"{name}: the scheduler stops here: {e}", requests=tuple(per_request)
+        )
     except Undecided as e:
-        return NodeReport(name, "undecided", f"{name}: {e}; see the detail", requests=tuple(per_request),
-                          closeness=closeness)
+        return NodeReport(
+            name,
+            "undecided",
+            f"{name}: {e}; see the detail",
+            requests=tuple(per_request),
+            closeness=closeness,
+        )
     if found is not None:
-        allocation = tuple(f"{req}: {d.name}" + (f" ({', '.join(f'{_bytes(v)} {k}' for k, v in c.items())})"
-                                                 if c else "")
-                           for results in found.results for req, d, c in results)
+        allocation = tuple(
+            f"{req}: {d.name}" + (f" ({', '.join(f'{_bytes(v)} {k}' for k, v in c.items())})" if c else "")
+            for results in found.results
+            for req, d, c in results
+        )
         by_request: dict[str, list[str]] = defaultdict(list)
         for results in found.results:
             for req, d, _ in results:
@@ -368,16 +428,16 @@ def node_report(node: JSON, pod: JSON, plans: Sequence[ClaimPlan], slices: Seque
         text = "; ".join(f"{req} gets {', '.join(names)}" for req, names in by_request.items())
         return NodeReport(name, "fits", f"{name}: fits: {text}", allocation, tuple(per_request), 2.0)
     if not node_pools:
-        return NodeReport(name, "full", f"{name}: no devices published for this node",
-                          requests=tuple(per_request))
+        return NodeReport(
+            name, "full", f"{name}: no devices published for this node", requests=tuple(per_request)
+        )
     failing = [r for r in best if not r.enough]
     if failing:
         line = "; ".join(request_line(r) for r in failing[:1])
         if len(failing) > 1:
             line += f" (and {len(failing) - 1} more request{'s' if len(failing) > 2 else ''} short)"
     else:
-        line = ("each request fits alone, not all together: "
-                + "; ".join(request_line(r) for r in best))
+        line = "each request fits alone, not all together: " + "; ".join(request_line(r) for r in best)
     return NodeReport(name, "full", f"{name}: {line}", requests=tuple(per_request), closeness=closeness)
 
 
@@ -388,12 +448,21 @@ def _allocation_text(claim: JSON) -> tuple[str, str | None]:
     """`allocated on NODE: dev (req), ...` and the node, from the claim's allocation."""
     allocation = (claim.get("status") or {}).get("allocation") or {}
     results = (allocation.get("devices") or {}).get("results") or []
-    nodes = sorted({v for term in (allocation.get("nodeSelector") or {}).get("nodeSelectorTerms") or []
-                    for f in term.get("matchFields") or [] for v in f.get("values") or []})
+    nodes = sorted(
+        {
+            v
+            for term in (allocation.get("nodeSelector") or {}).get("nodeSelectorTerms") or []
+            for f in term.get("matchFields") or []
+            for v in f.get("values") or []
+        }
+    )
     where = nodes[0] if len(nodes) == 1 else None
-    devices = ", ".join(f"{r.get('device')} ({r.get('request')}"
-                        + (f", {r['consumedCapacity'].get('memory')} memory" if r.get("consumedCapacity") else "")
-                        + ")" for r in results)
+    devices = ", ".join(
+        f"{r.get('device')} ({r.get('request')}"
+        + (f", {r['consumedCapacity'].get('memory')} memory" if r.get("consumedCapacity") else "")
+        + ")"
+        for r in results
+    )
     place = f"on {where}" if where else ("on any node" if not nodes else f"on one of {', '.join(nodes)}")
     return f"allocated {place}: {devices}", where
 
@@ -403,8 +472,14 @@ def _pod_name(pod: JSON) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
-def explain_pod(pod: JSON, pod_claims: Sequence[PodClaim], nodes: Sequence[JSON], slices: Sequence[JSON],
-                classes: Mapping[str, JSON], all_claims: Sequence[JSON]) -> PodReport:
+def explain_pod(
+    pod: JSON,
+    pod_claims: Sequence[PodClaim],
+    nodes: Sequence[JSON],
+    slices: Sequence[JSON],
+    classes: Mapping[str, JSON],
+    all_claims: Sequence[JSON],
+) -> PodReport:
     """Where the pod's claims are, or why they cannot be allocated on each node."""
     claims: list[ClaimState] = []
     plans: list[ClaimPlan] = []
@@ -427,8 +502,9 @@ def explain_pod(pod: JSON, pod_claims: Sequence[PodClaim], nodes: Sequence[JSON]
             claims.append(ClaimState(pc.pod_claim, None, "not created yet (from its template)", False))
             plans.append(plan_claim(len(plans), f"<{pc.pod_claim}>", pc.template_spec))
         else:
-            claims.append(ClaimState(pc.pod_claim, None, "missing: neither the claim nor its template exists",
-                                     False))
+            claims.append(
+                ClaimState(pc.pod_claim, None, "missing: neither the claim nor its template exists", False)
+            )
     bound = (pod.get("spec") or {}).get("nodeName")
     name = _pod_name(pod)
     if bound:
@@ -437,9 +513,14 @@ def explain_pod(pod: JSON, pod_claims: Sequence[PodClaim], nodes: Sequence[JSON]
         return PodReport(name, None, f"pod {name} waits for a claim that does not exist", tuple(claims), ())
     if not plans and pod_claims:
         where = f" on {pinned}" if pinned else ""
-        return PodReport(name, None, f"pod {name}: every claim is allocated{where}; the pod waits for "
-                         "something else (node resources, affinity, volumes: kubectl describe pod)",
-                         tuple(claims), ())
+        return PodReport(
+            name,
+            None,
+            f"pod {name}: every claim is allocated{where}; the pod waits for "
+            "something else (node resources, affinity, volumes: kubectl describe pod)",
+            tuple(claims),
+            (),
+        )
     if not pod_claims:
         return PodReport(name, None, f"pod {name} has no resource claims", (), ())
     state = held(all_claims)
@@ -447,17 +528,20 @@ def explain_pod(pod: JSON, pod_claims: Sequence[PodClaim], nodes: Sequence[JSON]
     reports = []
     for node in nodes:
         node_name = node["metadata"]["name"]
-        elsewhere = (f"claim {pinned_claim} is allocated on {pinned}"
-                     if pinned and pinned != node_name else None)
+        elsewhere = (
+            f"claim {pinned_claim} is allocated on {pinned}" if pinned and pinned != node_name else None
+        )
         reports.append(node_report(node, pod, plans, slices, state, matcher, elsewhere))
     order = {"fits": 0, "full": 1, "undecided": 1, "refused": 2, "excluded": 3}
     reports.sort(key=lambda r: (order[r.verdict], -r.closeness, r.node))
     fitting = [r.node for r in reports if r.fits]
     considered = [r for r in reports if r.verdict != "excluded"]
     if fitting:
-        headline = (f"pod {name}: its claims fit on {len(fitting)} of {len(reports)} nodes "
-                    f"({_short_list(fitting, 4)}); the scheduler should place it (if it still waits, "
-                    "the reason is outside its claims: kubectl describe pod)")
+        headline = (
+            f"pod {name}: its claims fit on {len(fitting)} of {len(reports)} nodes "
+            f"({_short_list(fitting, 4)}); the scheduler should place it (if it still waits, "
+            "the reason is outside its claims: kubectl describe pod)"
+        )
     elif not considered:
         headline = f"pod {name}: no node is considered for it (see why per node)"
     else:
