@@ -18,8 +18,9 @@ import asyncio
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import click
@@ -27,6 +28,7 @@ import click
 from dra_driver import DEFAULT_DRIVER_NAME, kube, log
 from dra_driver.commands.listing import RESOURCE_API
 from dra_driver.commands.listing import list_all as _list
+from dra_driver.explain import state as explain_state
 from dra_driver.jsontypes import JSON
 
 
@@ -46,6 +48,7 @@ class Holder:
     share_id: str | None = None
     memory: str | None = None  # what a share consumed
     ready: str | None = None  # the Ready condition the plugin wrote: "True", "False: <reason>"
+    uuid: str | None = None  # what the plugin wrote in status.devices (a made MIG instance's UUID)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class DeviceRow:
     uuid: str
     memory: str
     holders: tuple[Holder, ...] = ()
+    # MIG placements: free | held | static | blocked by <held devices>; whole GPUs in MIG mode too
+    state: str = ""
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,10 @@ class GpuRow:
     taints: tuple[str, ...]
     nvlink_peers: tuple[int, ...]
     devices: tuple[DeviceRow, ...] = field(default=())
+    mig_mode: bool = False  # it publishes MIG devices (placements or instances)
+    memory_slices: tuple[str, ...] = ()  # per memory slice: "free" or the device holding it
+    can_carve: tuple[str, ...] = ()  # "1g.18gb x4": placements free now, per profile
+    blocked: tuple[str, ...] = ()  # "3g.71gb x1": placements that overlap held slices
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,44 @@ def _memory(device: JSON) -> str:
     return str(((device.get("capacity") or {}).get("memory") or {}).get("value", "-"))
 
 
+def _status_uuid(claim: JSON, driver: str, pool: str, device: str, share_id: str | None) -> str | None:
+    for entry in (claim.get("status") or {}).get("devices") or []:
+        if (entry.get("driver"), entry.get("pool"), entry.get("device"), entry.get("shareID")) == (
+            driver, pool, device, share_id
+        ):
+            value = (entry.get("data") or {}).get("uuid")
+            return str(value) if value else None
+    return None
+
+
+def _slices_of(device: JSON) -> set[int]:
+    """The memory slices a MIG device spans: the counters it consumes (a placement) or its
+    memorySlice<i> capacities (an instance that exists)."""
+    found = {int(n.removeprefix("memory-slice-")) for c in device.get("consumesCounters") or []
+             for n in c.get("counters") or {} if n.startswith("memory-slice-")}
+    found |= {int(n.removeprefix("memorySlice")) for n in device.get("capacity") or {}
+              if n.startswith("memorySlice") and n.removeprefix("memorySlice").isdigit()}
+    return found
+
+
+def _mig_states(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[JSON]) -> dict[str, str]:
+    """Per device that consumes counters: held, free, or blocked by which held devices."""
+    node_json: JSON = {"metadata": {"name": node}}
+    state = explain_state.held(c for c in claims if (c.get("status") or {}).get("allocation"))
+    states: dict[str, str] = {}
+    for pool in explain_state.pools([s for s in slices if s["spec"].get("driver") == driver], node_json):
+        left = explain_state.counters_left(pool, state)
+        takers = explain_state.counter_takers(pool, state)
+        for d in pool.devices:
+            if state.allocated(d.id):
+                states[d.name] = "held"
+            elif d.consumes():
+                short = explain_state.counters_short(d, left)
+                by = sorted({t.name for pair in short for t in takers.get(pair, [])})
+                states[d.name] = f"blocked by {', '.join(by) or 'overdrawn counters'}" if short else "free"
+    return states
+
+
 def _ready(claim: JSON, driver: str, pool: str, device: str, share_id: str | None) -> str | None:
     for entry in (claim.get("status") or {}).get("devices") or []:
         if (entry.get("driver"), entry.get("pool"), entry.get("device"), entry.get("shareID")) != (
@@ -143,8 +191,10 @@ def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[J
             held.setdefault(result["device"], []).append(Holder(
                 meta["namespace"], meta["name"], meta["uid"], pod_names, share, memory,
                 _ready(claim, driver, result["pool"], result["device"], share),
+                _status_uuid(claim, driver, result["pool"], result["device"], share),
             ))
 
+    mig_states = _mig_states(node, driver, slices, claims)
     by_gpu: dict[int, dict[str, Any]] = {}
     for s in slices:
         for device in s["spec"].get("devices") or []:
@@ -153,32 +203,64 @@ def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[J
             if index is None:
                 continue
             gpu = by_gpu.setdefault(int(index), {"devices": [], "taints": set(), "whole": None,
-                                                 "any": device})
+                                                 "any": device, "mig": []})
             if kind == "whole":
                 gpu["whole"] = device
+            if kind == "mig":
+                gpu["mig"].append(device)
             taints = device.get("taints") or []
             gpu["taints"].update(f"{t['key']}={t.get('value', '')}:{t['effect']}" for t in taints)
-            gpu["devices"].append(DeviceRow(device["name"], kind, str(_attr(device, "uuid") or "-"),
-                                            _memory(device), tuple(held.get(device["name"], ()))))
+            holders = tuple(held.get(device["name"], ()))
+            made = next((h.uuid for h in holders if h.uuid), None)
+            static = kind == "mig" and bool(_attr(device, "uuid"))
+            pending = "(made at Prepare)" if holders and kind == "mig" else "-"
+            uuid = _attr(device, "uuid") or made or pending
+            row_state = "static" if static else mig_states.get(device["name"], "")
+            gpu["devices"].append(DeviceRow(device["name"], kind, str(uuid), _memory(device), holders,
+                                            row_state, _attr(device, "profile")))
     rows = []
     for index in sorted(by_gpu):
         gpu = by_gpu[index]
         whole = gpu["whole"] or gpu["any"]
-        mig_mode = gpu["whole"] is None and _kind(whole) == "mig"
+        mig_mode = bool(gpu["mig"])
         taints = tuple(sorted(gpu["taints"]))
+        devices = tuple(sorted(gpu["devices"], key=lambda d: d.name))
+        memory_slices: tuple[str, ...] = ()
+        if mig_mode:
+            spans = {d["name"]: _slices_of(d) for d in gpu["mig"]}
+            count = max((max(v) + 1 for v in spans.values() if v), default=0)
+            taken = {i: name for row in devices if row.kind == "mig" and row.state in ("held", "static")
+                     for name in [row.name] for i in spans.get(name, ())}
+            memory_slices = tuple(taken.get(i, "free") for i in range(count))
+        placements = [d for d in devices if d.kind == "mig" and d.state not in ("held", "static")]
         rows.append(GpuRow(
             index=index,
             name=f"gpu-{index}",
             product=str(_attr(whole, "productName") or "-"),
             memory="MIG mode" if mig_mode else _memory(whole),
             pci_bus_id=str(_attr(whole, "resource.kubernetes.io/pciBusID") or "-"),
-            uuid=str((_attr(whole, "parentUUID") if mig_mode else _attr(whole, "uuid")) or "-"),
+            uuid=str((_attr(whole, "uuid") if gpu["whole"] else _attr(whole, "parentUUID")) or "-"),
             health="Unhealthy" if taints else "Healthy",
             taints=taints,
             nvlink_peers=_peers(_attr(whole, "nvlinkPeers")),
-            devices=tuple(sorted(gpu["devices"], key=lambda d: d.name)),
+            devices=devices,
+            mig_mode=mig_mode,
+            memory_slices=memory_slices,
+            can_carve=_per_profile(d for d in placements if d.state == "free"),
+            blocked=_per_profile(d for d in placements if d.state.startswith("blocked")),
         ))
+    # A link is both GPUs' (a GPU in MIG mode with a static instance publishes no peers itself).
+    linked = {r.index: set(r.nvlink_peers) for r in rows}
+    for a, peers in list(linked.items()):
+        for b in peers:
+            linked.setdefault(b, set()).add(a)
+    rows = [replace(r, nvlink_peers=tuple(sorted(linked.get(r.index, ())))) for r in rows]
     return NodeView(node, driver, tuple(rows))
+
+
+def _per_profile(rows: Iterable[DeviceRow]) -> tuple[str, ...]:
+    counts = Counter(str(r.profile) for r in rows)
+    return tuple(f"{p} x{n}" for p, n in sorted(counts.items()))
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -195,6 +277,20 @@ def render(view: NodeView) -> str:
         [(g.name, g.product, g.memory, g.pci_bus_id, g.uuid, g.health, ",".join(g.taints) or "-")
          for g in view.gpus],
     )
+    for g in view.gpus:
+        if not g.mig_mode:
+            continue
+        spans: list[str] = []
+        for i, holder in enumerate(g.memory_slices):
+            if spans and spans[-1].endswith(f": {holder}"):
+                first = spans[-1].split(":")[0].split("-")[0]
+                spans[-1] = f"{first}-{i}: {holder}"
+            else:
+                spans.append(f"{i}: {holder}")
+        lines += ["", f"{g.name} is in MIG mode; memory slices: " + "; ".join(spans)]
+        lines.append(f"  can carve now: {', '.join(g.can_carve) or 'nothing'}")
+        if g.blocked:
+            lines.append(f"  blocked by held slices: {', '.join(g.blocked)}")
     indices = [g.index for g in view.gpus]
     if any(g.nvlink_peers for g in view.gpus):
         lines += ["", "NVLink (NV: linked, -: not linked)"]
@@ -204,17 +300,20 @@ def render(view: NodeView) -> str:
             [(f"gpu-{a}", *("X" if a == b else "NV" if b in peers[a] else "-" for b in indices))
              for a in indices],
         )
-    lines += ["", "Devices and who holds them"]
+    lines += ["", "Devices and who holds them (MIG placements not held: see above)"]
     rows = []
     for g in view.gpus:
         for d in g.devices:
+            if d.kind == "mig" and not d.holders and d.state != "static":
+                continue  # free and blocked placements are counted per profile above
+            state = d.state or ("held" if d.holders else "free")
             if not d.holders and d.kind != "share":  # a free GPU shows once, as itself
-                rows.append((d.name, d.kind, d.memory, "-", "-", "-", d.uuid))
+                rows.append((d.name, d.kind, d.memory, state, "-", "-", "-", d.uuid))
             for h in d.holders:
                 detail = f"{h.memory} of {d.memory}" if h.memory else d.memory
-                rows.append((d.name, d.kind, detail, f"{h.claim_namespace}/{h.claim_name}",
+                rows.append((d.name, d.kind, detail, state, f"{h.claim_namespace}/{h.claim_name}",
                              ", ".join(h.pods) or "-", h.ready or "-", d.uuid))
-    lines += _table(("DEVICE", "KIND", "MEMORY", "CLAIM", "PODS", "READY", "UUID"), rows)
+    lines += _table(("DEVICE", "KIND", "MEMORY", "STATE", "CLAIM", "PODS", "READY", "UUID"), rows)
     return "\n".join(lines)
 
 

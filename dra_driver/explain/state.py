@@ -243,3 +243,26 @@ def counters_left(pool: Pool, state: Held) -> dict[str, dict[str, Decimal]]:
                 if name in counter_set:
                     counter_set[name] -= parse_quantity(c.get("value", "0"))
     return left
+
+
+def counters_short(device: Device, left: Mapping[str, Mapping[str, Decimal]]) -> list[tuple[str, str]]:
+    """(counter set, counter) of the pool that the device alone would overdraw. A counter
+    already overdrawn blocks every device of the pool that consumes counters, as in the
+    allocator (it checks every counter of the pool, not only the device's)."""
+    want: dict[str, dict[str, Decimal]] = defaultdict(dict)
+    for c in device.consumes():
+        for name, v in (c.get("counters") or {}).items():
+            want[c.get("counterSet", "")][name] = parse_quantity(v.get("value", "0"))
+    return sorted((s, n) for s, counters in left.items() for n, value in counters.items()
+                  if value < want.get(s, {}).get(n, Decimal(0)))
+
+
+def counter_takers(pool: Pool, state: Held) -> dict[tuple[str, str], list[Device]]:
+    """Per (counter set, counter), the allocated devices of the pool that consume it."""
+    found: dict[tuple[str, str], list[Device]] = defaultdict(list)
+    for d in pool.devices:
+        if state.allocated(d.id):
+            for c in d.consumes():
+                for name in c.get("counters") or {}:
+                    found[(c.get("counterSet", ""), name)].append(d)
+    return found

@@ -31,7 +31,17 @@ from dra_driver.explain.allocator import (
     value_set,
 )
 from dra_driver.explain.celenv import format_quantity, parse_quantity
-from dra_driver.explain.state import Device, Held, Pool, counters_left, held, node_selector_matches, pools
+from dra_driver.explain.state import (
+    Device,
+    Held,
+    Pool,
+    counter_takers,
+    counters_left,
+    counters_short,
+    held,
+    node_selector_matches,
+    pools,
+)
 from dra_driver.jsontypes import JSON
 
 NOUNS = {"gpu": "GPU", "gpu-share": "memory share", "mig": "MIG slice"}
@@ -174,33 +184,6 @@ def _mig_parents(devices: Sequence[Device]) -> set[int]:
     }
 
 
-def _counter_holders(pool: Pool, state: Held) -> dict[str, list[Device]]:
-    """Per counter set, the allocated devices that consume from it."""
-    found: dict[str, list[Device]] = defaultdict(list)
-    for d in pool.devices:
-        if state.allocated(d.id):
-            for c in d.consumes():
-                found[c.get("counterSet", "")].append(d)
-    return found
-
-
-def _counters_short(device: Device, left: Mapping[str, Mapping[str, Decimal]]) -> list[str]:
-    """The pool's counters the device alone would overdraw (a counter already overdrawn
-    blocks every device of the pool that consumes counters, as in the allocator)."""
-    want: dict[str, dict[str, Decimal]] = defaultdict(dict)
-    for c in device.consumes():
-        for name, v in (c.get("counters") or {}).items():
-            want[c.get("counterSet", "")][name] = parse_quantity(v.get("value", "0"))
-    return sorted(
-        {
-            s
-            for s, counters in left.items()
-            for n, value in counters.items()
-            if value < want.get(s, {}).get(n, Decimal(0))
-        }
-    )
-
-
 def _asked(request: Request, nouns: Sequence[str], linked: bool) -> str:
     noun = Counter(nouns).most_common(1)[0][0] if nouns else f"device of class {request.class_name}"
     count = request.count
@@ -233,7 +216,7 @@ def request_report(
         elif outcome.matches:
             matched.append((p, d))
     lefts = {p.name: counters_left(p, state) for p in node_pools}
-    holders = {p.name: _counter_holders(p, state) for p in node_pools}
+    takers_of = {p.name: counter_takers(p, state) for p in node_pools}
     held_, tainted, counters, capacity, mig_mode, free = [], [], [], [], [], []
     free_devices: list[Device] = []
     most: tuple[Decimal, str] | None = None
@@ -248,11 +231,11 @@ def request_report(
             tainted.append(f"{d.name} ({taint.get('key')}={taint.get('value', '')}:{taint.get('effect')})")
             continue
         skip = d.multi and d.id in state.capacity
-        short = [] if skip or not d.consumes() else _counters_short(d, lefts[p.name])
+        short = [] if skip or not d.consumes() else counters_short(d, lefts[p.name])
         if short:
-            takers = sorted({_who(state, h) for s in short for h in holders[p.name].get(s, [])})
+            takers = sorted({_who(state, h) for pair in short for h in takers_of[p.name].get(pair, [])})
             counters.append(
-                f"{d.name} (counters of {', '.join(short)} taken by "
+                f"{d.name} (counters of {', '.join(sorted({s for s, _ in short}))} taken by "
                 f"{'; '.join(takers) or 'nothing allocated: the counters are overdrawn'})"
             )
             continue

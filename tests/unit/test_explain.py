@@ -21,19 +21,30 @@ from dra_driver.jsontypes import JSON
 D = "gpu.dra-driver.dev"
 A = f'device.attributes["{D}"]'
 CLASSES = {
-    "gpu": {"metadata": {"name": "gpu"}, "spec": {"selectors": [{"cel": {"expression": f'{A}.type == "gpu"'}}]}},
-    "share": {"metadata": {"name": "share"},
-              "spec": {"selectors": [{"cel": {"expression": f'{A}.type == "gpu-share"'}}]}},
-    "mig": {"metadata": {"name": "mig"},
-            "spec": {"selectors": [{"cel": {"expression": f'{A}.type == "mig" && !("uuid" in {A})'}}]}},
+    "gpu": {
+        "metadata": {"name": "gpu"},
+        "spec": {"selectors": [{"cel": {"expression": f'{A}.type == "gpu"'}}]},
+    },
+    "share": {
+        "metadata": {"name": "share"},
+        "spec": {"selectors": [{"cel": {"expression": f'{A}.type == "gpu-share"'}}]},
+    },
+    "mig": {
+        "metadata": {"name": "mig"},
+        "spec": {"selectors": [{"cel": {"expression": f'{A}.type == "mig" && !("uuid" in {A})'}}]},
+    },
 }
 
 
-def _slices(node: str, profile: str, features: SliceFeatures = SliceFeatures()) -> list[JSON]:
-    specs = desired_slices(discover(profile), node, D, features)
-    return [{"metadata": {"name": f"{node}-{n}"},
-             "spec": {**s, "pool": {**s["pool"], "generation": 1, "resourceSliceCount": len(specs)}}}
-            for n, s in enumerate(specs)]
+def _slices(node: str, profile: str, features: SliceFeatures | None = None) -> list[JSON]:
+    specs = desired_slices(discover(profile), node, D, features or SliceFeatures())
+    return [
+        {
+            "metadata": {"name": f"{node}-{n}"},
+            "spec": {**s, "pool": {**s["pool"], "generation": 1, "resourceSliceCount": len(specs)}},
+        }
+        for n, s in enumerate(specs)
+    ]
 
 
 def _node(name: str) -> JSON:
@@ -45,16 +56,25 @@ def _held(node: str, *devices: str, name: str = "busy", share: str | None = None
     for d in devices:
         result: JSON = {"request": "r", "driver": D, "pool": node, "device": d}
         if share:
-            result |= {"shareID": "8d7c9a30-1b2c-4d5e-8f90-a1b2c3d4e5f6", "consumedCapacity": {"memory": share}}
+            result |= {
+                "shareID": "8d7c9a30-1b2c-4d5e-8f90-a1b2c3d4e5f6",
+                "consumedCapacity": {"memory": share},
+            }
         results.append(result)
-    return {"metadata": {"namespace": "ns", "name": name, "uid": name},
-            "status": {"allocation": {"devices": {"results": results}},
-                       "reservedFor": [{"resource": "pods", "name": f"{name}-pod", "uid": "x"}]}}
+    return {
+        "metadata": {"namespace": "ns", "name": name, "uid": name},
+        "status": {
+            "allocation": {"devices": {"results": results}},
+            "reservedFor": [{"resource": "pods", "name": f"{name}-pod", "uid": "x"}],
+        },
+    }
 
 
 def _explain(slices: list[JSON], nodes: list[str], devices: JSON, held: list[JSON]) -> PodReport:
-    pod = {"metadata": {"namespace": "ns", "name": "p"},
-           "spec": {"resourceClaims": [{"name": "gpus", "resourceClaimName": "c"}]}}
+    pod = {
+        "metadata": {"namespace": "ns", "name": "p"},
+        "spec": {"resourceClaims": [{"name": "gpus", "resourceClaimName": "c"}]},
+    }
     claim = {"metadata": {"namespace": "ns", "name": "c", "uid": "c"}, "spec": {"devices": devices}}
     return explain_pod(pod, [PodClaim("gpus", claim)], [_node(n) for n in nodes], slices, CLASSES, held)
 
@@ -67,19 +87,22 @@ def _line(report: PodReport, node: str) -> str:
 # --------------------------------------------------------------------------- CEL
 
 
-@pytest.mark.parametrize(("expression", "matches"), [
-    (f'{A}.type == "gpu" && device.driver == "{D}"', True),
-    (f'device.capacity["{D}"].memory.compareTo(quantity("140Gi")) >= 0', True),
-    (f'device.capacity["{D}"].memory.isGreaterThan(quantity("141Gi"))', False),
-    (f'{A}.driverVersion.isGreaterThan(semver("550.0.0")) && {A}.driverVersion.major() == 570', True),
-    (f'{A}.cudaComputeCapability.isLessThan(semver("9.0", true))', False),
-    ('"x" in device.attributes["other.example.com"]', True is False),  # an unknown domain is an empty map
-    (f'{A}.productName.lowerAscii().contains("h200")', True),
-    (f'{A}.?migMode.orValue(false) == false', True),
-    (f'cel.bind(a, {A}, a.index == 0)', True),
-    ('quantity("1Gi").add(quantity("1Gi")).compareTo(quantity("2048Mi")) == 0', True),
-    ('semver("1.0.0-rc.1").isLessThan(semver("1.0.0"))', True),
-])
+@pytest.mark.parametrize(
+    ("expression", "matches"),
+    [
+        (f'{A}.type == "gpu" && device.driver == "{D}"', True),
+        (f'device.capacity["{D}"].memory.compareTo(quantity("140Gi")) >= 0', True),
+        (f'device.capacity["{D}"].memory.isGreaterThan(quantity("141Gi"))', False),
+        (f'{A}.driverVersion.isGreaterThan(semver("550.0.0")) && {A}.driverVersion.major() == 570', True),
+        (f'{A}.cudaComputeCapability.isLessThan(semver("9.0", true))', False),
+        ('"x" in device.attributes["other.example.com"]', True is False),  # an unknown domain is an empty map
+        (f'{A}.productName.lowerAscii().contains("h200")', True),
+        (f"{A}.?migMode.orValue(false) == false", True),
+        (f"cel.bind(a, {A}, a.index == 0)", True),
+        ('quantity("1Gi").add(quantity("1Gi")).compareTo(quantity("2048Mi")) == 0', True),
+        ('semver("1.0.0-rc.1").isLessThan(semver("1.0.0"))', True),
+    ],
+)
 def test_selectors_evaluate_as_the_scheduler_does(expression: str, matches: bool) -> None:
     device = _slices("n", "hgx-h200")[0]["spec"]["devices"][0]
     outcome = evaluate(compile_selector(expression), device_variable(D, device))
@@ -97,15 +120,23 @@ def test_a_missing_attribute_is_a_runtime_error_as_in_the_scheduler() -> None:
 
 def test_fragmented_ring_pair_found_on_the_second_layer() -> None:
     # test_nvlink_claims: 0, 3-7 busy; the scheduler gives 1-2 from layer 1
-    report = _explain(_slices("ring", "ring8-v100"), ["ring"], linked_gpus_ga(2, driver=D, device_class="gpu"),
-                      [_held("ring", "gpu-0", "gpu-3", "gpu-4", "gpu-5", "gpu-6", "gpu-7")])
+    report = _explain(
+        _slices("ring", "ring8-v100"),
+        ["ring"],
+        linked_gpus_ga(2, driver=D, device_class="gpu"),
+        [_held("ring", "gpu-0", "gpu-3", "gpu-4", "gpu-5", "gpu-6", "gpu-7")],
+    )
     assert report.fitting == ("ring",)
     assert _line(report, "ring") == "ring: fits: gpus/layer1 gets gpu-1, gpu-2"
 
 
 def test_ring_with_no_linked_free_pair_says_so() -> None:
-    report = _explain(_slices("ring", "ring8-v100"), ["ring"], linked_gpus_ga(2, driver=D, device_class="gpu"),
-                      [_held("ring", "gpu-0", "gpu-2", "gpu-4", "gpu-6")])
+    report = _explain(
+        _slices("ring", "ring8-v100"),
+        ["ring"],
+        linked_gpus_ga(2, driver=D, device_class="gpu"),
+        [_held("ring", "gpu-0", "gpu-2", "gpu-4", "gpu-6")],
+    )
     assert report.fitting == ()
     line = _line(report, "ring")
     assert line.startswith("ring: 2 linked GPUs asked; 8 match (4 held by ns/busy for ns/busy-pod"), line
@@ -125,8 +156,11 @@ def test_triangles_list_shape() -> None:
 
 def _mig(profile: str, count: int = 1) -> JSON:
     selectors = [{"cel": {"expression": f'{A}.profile == "{profile}" && {A}.parentIndex == 0'}}]
-    return {"requests": [{"name": "mig", "exactly": {"deviceClassName": "mig", "count": count,
-                                                     "selectors": selectors}}]}
+    return {
+        "requests": [
+            {"name": "mig", "exactly": {"deviceClassName": "mig", "count": count, "selectors": selectors}}
+        ]
+    }
 
 
 def test_a_3g_waits_for_its_four_memory_slices() -> None:
@@ -145,8 +179,17 @@ def test_a_3g_waits_for_its_four_memory_slices() -> None:
 
 def test_whole_gpu_in_mig_mode_with_a_held_slice_is_blocked() -> None:
     slices = _slices("mig", "hgx-h200-mig", SliceFeatures(dynamic_mig=True))
-    whole = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu", "selectors": [
-        {"cel": {"expression": f"{A}.index == 0"}}]}}]}
+    whole = {
+        "requests": [
+            {
+                "name": "gpu",
+                "exactly": {
+                    "deviceClassName": "gpu",
+                    "selectors": [{"cel": {"expression": f"{A}.index == 0"}}],
+                },
+            }
+        ]
+    }
     report = _explain(slices, ["mig"], whole, [_held("mig", "gpu-0-mig-2g-35gb-14-0")])
     (node,) = report.nodes
     (request,) = node.requests
@@ -156,12 +199,19 @@ def test_whole_gpu_in_mig_mode_with_a_held_slice_is_blocked() -> None:
 
 def test_a_share_bigger_than_what_is_left() -> None:
     slices = _slices("one", "h200-single", SliceFeatures(memory_shares=True))
-    share = {"requests": [{"name": "mem", "exactly": {"deviceClassName": "share",
-                                                     "capacity": {"requests": {"memory": "100Gi"}}}}]}
+    share = {
+        "requests": [
+            {
+                "name": "mem",
+                "exactly": {"deviceClassName": "share", "capacity": {"requests": {"memory": "100Gi"}}},
+            }
+        ]
+    }
     report = _explain(slices, ["one"], share, [_held("one", "gpu-0-share", share="64Gi")])
     assert report.fitting == ()
     assert "short of capacity" in _line(report, "one") and "most left: 76.4Gi memory left on gpu-0-share" in (
-        _line(report, "one")), _line(report, "one")
+        _line(report, "one")
+    ), _line(report, "one")
     share["requests"][0]["exactly"]["capacity"]["requests"]["memory"] = "76Gi"
     assert _explain(slices, ["one"], share, [_held("one", "gpu-0-share", share="64Gi")]).fitting == ("one",)
 
@@ -170,11 +220,16 @@ def test_a_share_bigger_than_what_is_left() -> None:
 
 
 def test_a_bound_pod_says_where_its_claims_are() -> None:
-    pod = {"metadata": {"namespace": "ns", "name": "p"},
-           "spec": {"nodeName": "ring", "resourceClaims": [{"name": "gpus", "resourceClaimName": "busy"}]}}
+    pod = {
+        "metadata": {"namespace": "ns", "name": "p"},
+        "spec": {"nodeName": "ring", "resourceClaims": [{"name": "gpus", "resourceClaimName": "busy"}]},
+    }
     claim = _held("ring", "gpu-1")
-    claim["status"]["allocation"]["nodeSelector"] = {"nodeSelectorTerms": [{"matchFields": [
-        {"key": "metadata.name", "operator": "In", "values": ["ring"]}]}]}
+    claim["status"]["allocation"]["nodeSelector"] = {
+        "nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["ring"]}]}
+        ]
+    }
     report = explain_pod(pod, [PodClaim("gpus", claim)], [_node("ring")], [], CLASSES, [claim])
     text = render(report)
     assert "pod ns/p is bound to node ring" in text and "gpus (ns/busy): allocated on ring: gpu-1 (r)" in text
@@ -182,8 +237,10 @@ def test_a_bound_pod_says_where_its_claims_are() -> None:
 
 def test_nodes_the_pod_cannot_use_are_not_considered_and_closest_come_first() -> None:
     slices = _slices("ring", "ring8-v100") + _slices("nvs", "hgx-h200")
-    held = [_held("ring", "gpu-0", "gpu-2", "gpu-4", "gpu-6"),
-            _held("nvs", *[f"gpu-{i}" for i in range(8)], name="all")]
+    held = [
+        _held("ring", "gpu-0", "gpu-2", "gpu-4", "gpu-6"),
+        _held("nvs", *[f"gpu-{i}" for i in range(8)], name="all"),
+    ]
     report = _explain(slices, ["nvs", "ring"], linked_gpus_ga(2, driver=D, device_class="gpu"), held)
     assert [n.node for n in report.nodes] == ["ring", "nvs"]  # ring has free GPUs, nvs none
     assert "none free" in _line(report, "nvs")

@@ -149,3 +149,44 @@ def test_a_paged_read_shows_progress(monkeypatch: pytest.MonkeyPatch) -> None:
     view = asyncio.run(read_node(object(), NODE, DRIVER, lines.append))  # type: ignore[arg-type]
     assert len(view.gpus) == 4
     assert lines == [f"reading ResourceClaims: {n} so far" for n in (1, 2, 3)]
+
+
+def test_dynamic_mig_gpus_show_their_slices_held_placements_with_uuids_and_what_is_blocked() -> None:
+    node = "mig-node"
+    specs = desired_slices(discover("hgx-h200-mig"), node, DRIVER, SliceFeatures(dynamic_mig=True))
+    mig_slices = [{"metadata": {"name": f"s{i}"},
+                   "spec": {**s, "pool": {**s["pool"], "generation": 1, "resourceSliceCount": len(specs)}}}
+                  for i, s in enumerate(specs)]
+
+    def held(name: str, device: str, uuid: str | None) -> dict[str, Any]:
+        c = claim(name, name, [{"device": device, "pool": node}], [(f"{name}-pod", f"p-{name}")])
+        if uuid:
+            c["status"]["devices"] = [
+                {"driver": DRIVER, "pool": node, "device": device, "data": {"uuid": uuid}}]
+        return c
+
+    claims = [held("one", "gpu-0-mig-1g-18gb-19-0", "MIG-11111111-2222-3333-4444-555555555555"),
+              held("three", "gpu-0-mig-3g-71gb-9-4", None)]
+    view = node_view(node, DRIVER, mig_slices, claims, [pod("one-pod", "p-one", "Running")])
+    gpus = {g.name: g for g in view.gpus}
+    gpu0 = gpus["gpu-0"]
+    assert gpu0.mig_mode and gpu0.memory == "MIG mode"  # published whole too, yet in MIG mode
+    three = "gpu-0-mig-3g-71gb-9-4"
+    assert gpu0.memory_slices == ("gpu-0-mig-1g-18gb-19-0", "free", "free", "free", three, three, three, three)
+    assert "1g.18gb x3" in gpu0.can_carve and "7g.141gb x1" in gpu0.blocked
+    devices = {d.name: d for d in gpu0.devices}
+    assert devices["gpu-0-mig-1g-18gb-19-0"].uuid == "MIG-11111111-2222-3333-4444-555555555555"
+    assert devices["gpu-0-mig-3g-71gb-9-4"].uuid == "(made at Prepare)"
+    assert devices["gpu-0-mig-1g-18gb-19-4"].state == "blocked by gpu-0-mig-3g-71gb-9-4"
+    assert devices["gpu-0"].state.startswith("blocked by gpu-0-mig-1g-18gb-19-0")
+    assert gpus["gpu-1"].memory_slices[4:] == ("gpu-1-mig-3g71gb-4",) * 4  # the static instance
+    # symmetric: GPU 1 publishes no whole device (its static instance), its peers still list it
+    for g in view.gpus:
+        for peer in g.nvlink_peers:
+            assert g.index in gpus[f"gpu-{peer}"].nvlink_peers
+    text = render(view)
+    assert ("gpu-0 is in MIG mode; memory slices: 0: gpu-0-mig-1g-18gb-19-0; 1-3: free; "
+            "4-7: gpu-0-mig-3g-71gb-9-4") in text
+    assert not any(line.startswith("gpu-0-mig-1g-18gb-19-4 ") for line in text.splitlines())
+    as_json = json.loads(json.dumps(asdict(view)))
+    assert as_json["gpus"][0]["blocked"] == list(gpu0.blocked)
