@@ -627,19 +627,23 @@ def demo_on(cp: ControlPlane, nodes: Nodes, base: Path, progress: Progress, keep
     )
     progress("report:")
     print(render(report), flush=True)
-    print_kubectl_gpu(cp, DEMO_NODES[-1].name, progress)
+    print_kubectl_gpu(cp, [DEMO_NODES[-1].name], progress)
+    print_kubectl_gpu(cp, [MIG_NODE.name], progress)
+    # why the deliberately pending pod waits, node by node (kubectl finds kubectl-gpu for `gpu why`)
+    print_kubectl_gpu(cp, ["why", f"{DEMO_NAMESPACE}/{too_big_pod()[1]['metadata']['name']}"], progress)
     if keep:
         _wait_for_interrupt(cp, nodes, base)
     return counts(report).ok
 
 
-def print_kubectl_gpu(cp: ControlPlane, node: str, progress: Progress) -> None:
-    """`kubectl gpu <node>`: the real kubectl finding the driver's kubectl-gpu plugin on PATH."""
+def print_kubectl_gpu(cp: ControlPlane, args: Sequence[str], progress: Progress) -> None:
+    """`kubectl gpu <node>`, `kubectl gpu why <pod>`: the real kubectl finding the driver's
+    kubectl-gpu plugin on PATH."""
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig), "PATH": path}
     env.pop("KUBERNETES_SERVICE_HOST", None)
-    progress(f"kubectl gpu {node}:")
-    shown = subprocess.run([str(cp.bin_dir / "kubectl"), "gpu", node], capture_output=True, text=True,
+    progress(f"kubectl gpu {' '.join(args)}:")
+    shown = subprocess.run([str(cp.bin_dir / "kubectl"), "gpu", *args], capture_output=True, text=True,
                            env=env, timeout=60, check=False)
     failed = f"kubectl gpu failed: {shown.stderr.strip()}"
     print(shown.stdout if shown.returncode == 0 else failed, flush=True)

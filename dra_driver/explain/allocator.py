@@ -149,13 +149,17 @@ class Matcher:
             self._cache[key] = found
         return found
 
-    def _match(self, request: Request, device: Device) -> Outcome:
+    def class_match(self, request: Request, device: Device) -> Outcome:
+        """The class's selectors alone (what a claim's own selectors narrow down)."""
+        return self._match(request, device, claim_selectors=False)
+
+    def _match(self, request: Request, device: Device, claim_selectors: bool = True) -> Outcome:
         variable = self._variables.get(device.id)
         if variable is None:
             variable = self._variables[device.id] = device_variable(device.driver, device.raw)
         for where, expressions in (
             ("class " + request.class_name, self.class_selectors(request.class_name)),
-            ("claim", request.selectors),
+            ("claim", request.selectors if claim_selectors else ()),
         ):
             for expression in expressions:
                 try:

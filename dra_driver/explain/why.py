@@ -64,6 +64,8 @@ class RequestReport:
     group_attribute: str | None = None  # the matchAttribute constraint on the request
     largest_group: tuple[str, ...] = ()  # the largest set of free devices it allows
     most_left: str | None = None  # for shares: the most capacity left, and where
+    class_only: int = 0  # when none matches: how many the class alone matches
+    selectors: tuple[str, ...] = ()  # the claim's own selectors
 
     @property
     def available(self) -> int:
@@ -208,6 +210,7 @@ def request_report(
     devices = [(p, d) for p in node_pools for d in p.devices]
     mig_parents = _mig_parents([d for _, d in devices])
     matched: list[tuple[Pool, Device]] = []
+    of_class: list[Device] = []
     errors: list[str] = []
     for p, d in devices:
         outcome = matcher.match(request, d)
@@ -215,6 +218,8 @@ def request_report(
             errors.append(outcome.error)
         elif outcome.matches:
             matched.append((p, d))
+        if not outcome.matches and request.selectors and matcher.class_match(request, d).matches:
+            of_class.append(d)
     lefts = {p.name: counters_left(p, state) for p in node_pools}
     takers_of = {p.name: counter_takers(p, state) for p in node_pools}
     held_, tainted, counters, capacity, mig_mode, free = [], [], [], [], [], []
@@ -273,7 +278,8 @@ def request_report(
             if len(members) > len(largest):
                 largest = tuple(members)
     linked = bool(group_attr and "nvlink" in group_attr.lower())
-    nouns = [NOUNS.get(str(d.plain("type")), str(d.plain("type"))) for _, d in matched if d.plain("type")]
+    typed = [d for _, d in matched] or of_class
+    nouns = [NOUNS.get(str(d.plain("type")), str(d.plain("type"))) for d in typed if d.plain("type")]
     return RequestReport(
         request=request.name,
         asked=_asked(request, nouns, linked),
@@ -289,6 +295,8 @@ def request_report(
         group_attribute=group_attr,
         largest_group=largest,
         most_left=most[1] if most else None,
+        class_only=len(of_class) if not matched else 0,
+        selectors=request.selectors,
     )
 
 
@@ -314,8 +322,12 @@ def request_line(r: RequestReport) -> str:
     parts = [f"{r.asked} asked"]
     if r.errors:
         parts.append(f"selector errors: {r.errors[0]}")
+    if not r.matched and r.class_only:
+        selectors = " && ".join(r.selectors)
+        parts.append(f"{r.class_only} of the class, none passes the claim's selector {selectors}")
+        return "; ".join(parts)
     if not r.matched:
-        parts.append("no device matches the class and selectors")
+        parts.append("no device of this node matches the class")
         return "; ".join(parts)
     out = []
     if r.held:
@@ -529,4 +541,10 @@ def explain_pod(
         headline = f"pod {name}: no node is considered for it (see why per node)"
     else:
         headline = f"pod {name}: its claims fit on none of {len(considered)} nodes considered"
+        names = {r.request for r in considered[0].requests if r.matched == 0}
+        for n in considered[1:]:
+            names &= {r.request for r in n.requests if r.matched == 0}
+        if names:
+            headline += (f"; no node has a device that matches request {', '.join(sorted(names))} "
+                         "(its class and selectors)")
     return PodReport(name, None, headline, tuple(claims), tuple(reports))
