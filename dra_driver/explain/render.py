@@ -24,7 +24,7 @@ def _detail(r: RequestReport) -> list[str]:
         ("free", r.free),
     ):
         if items:
-            lines.append(f"      {label}: {', '.join(items)}")
+            lines.append(f"      {label}: {'; '.join(items)}")
     if r.group_attribute:
         lines.append(
             f"      largest free set with one {r.group_attribute}: "

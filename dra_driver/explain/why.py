@@ -238,11 +238,16 @@ def request_report(
         skip = d.multi and d.id in state.capacity
         short = [] if skip or not d.consumes() else counters_short(d, lefts[p.name])
         if short:
-            takers = sorted({_who(state, h) for pair in short for h in takers_of[p.name].get(pair, [])})
-            counters.append(
-                f"{d.name} (counters of {', '.join(sorted({s for s, _ in short}))} taken by "
-                f"{'; '.join(takers) or 'nothing allocated: the counters are overdrawn'})"
-            )
+            taking = {h.name: h for pair in short for h in takers_of[p.name].get(pair, [])}
+            claims = sorted({h.claim for t in taking.values() for h in state.holders.get(t.id, ())})
+            # the memory slices first: they say which placements overlap
+            names = sorted((n for _, n in short), key=lambda n: (not n.startswith("memory-slice"), n))
+            counted = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            by = "overdrawn, and nothing allocated takes them"
+            if taking:
+                by = (f"held by {_short_list(sorted(taking), 3)} ({len(claims)} "
+                      f"claim{'s' if len(claims) != 1 else ''}: {_short_list(claims, 3)})")
+            counters.append(f"{d.name} ({counted} of {short[0][0]} {by})")
             continue
         used = state.capacity.get(d.id, {})
         if d.multi:

@@ -194,7 +194,7 @@ def test_whole_gpu_in_mig_mode_with_a_held_slice_is_blocked() -> None:
     (node,) = report.nodes
     (request,) = node.requests
     assert request.mig_mode == ("gpu-0",) and len(request.counters) == 1
-    assert "gpu-0-mig-2g-35gb-14-0 (ns/busy for ns/busy-pod)" in request.counters[0]
+    assert "held by gpu-0-mig-2g-35gb-14-0 (1 claim: ns/busy)" in request.counters[0]
 
 
 def test_a_share_bigger_than_what_is_left() -> None:
