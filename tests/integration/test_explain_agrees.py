@@ -487,7 +487,8 @@ def test_the_explanation_agrees_with_the_scheduler(
     with capsys.disabled():  # shown by `make test` (pytest -q) too
         print(
             f"\n[why-agreement] profile {profile}: {TRIALS} trials, "
-            f"seeds {first_seed}..{first_seed + TRIALS - 1}, {elapsed:.0f} s; verdicts: {dict(sorted(verdicts.items()))}"
+            f"seeds {first_seed}..{first_seed + TRIALS - 1}, {elapsed:.0f} s; "
+            f"verdicts: {dict(sorted(verdicts.items()))}"
         )
     assert not disagreements, "\n\n".join(disagreements[:3])
     # A check that only ever sees one answer could not fail on the other.
