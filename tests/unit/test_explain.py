@@ -244,3 +244,57 @@ def test_nodes_the_pod_cannot_use_are_not_considered_and_closest_come_first() ->
     report = _explain(slices, ["nvs", "ring"], linked_gpus_ga(2, driver=D, device_class="gpu"), held)
     assert [n.node for n in report.nodes] == ["ring", "nvs"]  # ring has free GPUs, nvs none
     assert "none free" in _line(report, "nvs")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_kubectl_gpu_why_reads_the_cluster_and_prints_the_explanation(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+    from typing import Any
+
+    from dra_driver import kube
+    from dra_driver.commands import status
+
+    slices = _slices("ring", "ring8-v100")
+    busy = _held("ring", "gpu-0", "gpu-2", "gpu-4", "gpu-6")
+    claim = {
+        "metadata": {"namespace": "ns", "name": "c", "uid": "c"},
+        "spec": {"devices": linked_gpus_ga(2, driver=D, device_class="gpu")},
+    }
+    pod = {
+        "metadata": {"namespace": "ns", "name": "p"},
+        "spec": {"resourceClaims": [{"name": "gpus", "resourceClaimName": "c"}]},
+    }
+    objects = {
+        "/api/v1/namespaces/ns/pods/p": pod,
+        "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c": claim,
+        "/api/v1/nodes": {"items": [_node("ring")]},
+        "/apis/resource.k8s.io/v1/resourceslices": {"items": slices},
+        "/apis/resource.k8s.io/v1/deviceclasses": {"items": list(CLASSES.values())},
+        "/apis/resource.k8s.io/v1/resourceclaims": {"items": [busy, claim]},
+    }
+
+    class Api:
+        async def close(self) -> None:
+            pass
+
+    async def load_client(kubeconfig: str | None = None) -> Api:
+        return Api()
+
+    async def request(api: object, method: str, path: str, **_: Any) -> JSON:
+        assert method == "GET"
+        return objects[path]
+
+    monkeypatch.setattr(kube, "load_client", load_client)
+    monkeypatch.setattr(kube, "request", request)
+    monkeypatch.setattr(sys, "argv", ["kubectl-gpu", "why", "ns/p"])
+    capsys.readouterr()  # discovery's log lines
+    with pytest.raises(SystemExit) as done:
+        status.main()
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pod ns/p: its claims fit on none of 1 nodes considered"), out
+    assert "largest linked free set 1" in out
