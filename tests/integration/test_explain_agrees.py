@@ -17,6 +17,7 @@ it (dra_driver.commands.why.read_report), the gate is lifted, and the scheduler 
 the pod is bound, or its PodScheduled condition says Unschedulable. Whenever the
 explanation says a node can hold the claim, the scheduler must bind it, on such a node;
 whenever it says none can, the pod must stay pending. Every disagreement is a failure.
+Some probes are pinned to one node, so that the verdict on each single node is checked too.
 
 The probe claim is created after the fills, and the scheduler reads both from one claim
 watch, so by the time it can schedule the pod (it waits for the claim) it has seen every
@@ -362,14 +363,6 @@ def _json_patch(api: client.ApiClient, path: str, ops: list[JSON]) -> None:
 
 def _clear(api: client.ApiClient, ns: str) -> None:
     sync_request(api, "DELETE", f"/api/v1/namespaces/{ns}/pods", query={"gracePeriodSeconds": "0"})
-    for claim in sync_request(api, "GET", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims")["items"]:
-        if claim["metadata"].get("finalizers"):
-            # no kubelet: nothing else would release the claim of a bound pod at once
-            _json_patch(
-                api,
-                f"{RESOURCE_API}/namespaces/{ns}/resourceclaims/{claim['metadata']['name']}",
-                [{"op": "remove", "path": "/metadata/finalizers"}],
-            )
     sync_request(api, "DELETE", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims")
 
     def gone() -> bool:
@@ -428,12 +421,17 @@ def test_the_explanation_agrees_with_the_scheduler(
         rng = random.Random(seed)
         filler = Filler(fleet, fleet.nodes[profile], rng)
         fills = 0
-        for attempt in range(rng.randint(0, 14)):
+        for attempt in range(rng.randint(0, 24)):
             found = filler.claim()
             if found:
                 _fill(api, namespace, f"fill{attempt}", *found)
                 fills += 1
         what, devices = _probe(profile, rng)
+        # Some probes are pinned to one node: then the verdict on that very node is checked.
+        selector = {LABEL: profile}
+        if rng.random() < 0.4:
+            selector["kubernetes.io/hostname"] = rng.choice(fleet.nodes[profile])
+            what += f" on {selector['kubernetes.io/hostname']}"
         sync_request(
             api,
             "POST",
@@ -450,7 +448,7 @@ def test_the_explanation_agrees_with_the_scheduler(
                 "metadata": {"name": "probe"},
                 "spec": {
                     "schedulingGates": [{"name": "why-test/explain-first"}],
-                    "nodeSelector": {LABEL: profile},
+                    "nodeSelector": selector,
                     "automountServiceAccountToken": False,
                     "resourceClaims": [{"name": "c", "resourceClaimName": "probe"}],
                     "containers": [
