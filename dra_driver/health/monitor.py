@@ -374,7 +374,8 @@ class NvmlHealthMonitor:
         ]
         # The XIDs of one window share the GPU's recovery action: the one the table rates
         # most severe goes first, so that it, not a lesser XID of the window, names the taint.
-        batch.sort(key=lambda e: -XID_TABLE.get(e.data, UNKNOWN_XID_SEVERITY) if e.kind is EventKind.XID else 0)
+        batch.sort(key=lambda e: -XID_TABLE.get(e.data, UNKNOWN_XID_SEVERITY) if e.kind is EventKind.XID
+                   else 0)
         self._deliver_safely(batch)
 
     def _deliver_safely(self, batch: Batch) -> None:

@@ -64,10 +64,10 @@ _SUFFIX: Final = {
 MIN_MEMORY: Final = 2**20
 MAX_MEMORY: Final = 2**40
 LIMIT_REASON: Final = (
-    'must be a quantity from 1Mi to 1Ti, e.g. "10Gi" (an MPS limit is counted in whole MiB, '
+    "must be a quantity from 1Mi to 1Ti, e.g. 10Gi (an MPS limit is counted in whole MiB, "
     "and no GPU has more than 1Ti of memory for it to limit)"
 )
-SHM_REASON: Final = 'must be a quantity from 1Mi to 1Ti, e.g. "1Gi": the size of the claim\'s /dev/shm tmpfs'
+SHM_REASON: Final = "must be a quantity from 1Mi to 1Ti, e.g. 1Gi: the size of the claim's /dev/shm tmpfs"
 
 
 ParametersParser = Callable[[object, str, str], "GpuConfig"]  # (parameters, driver, where)

@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from dra_driver.sharing.config import (
     DEFAULT_GROUP,
+    LIMIT_REASON,
     NVIDIA_API_VERSION,
     ConfigError,
-    LIMIT_REASON,
     GpuConfig,
     MpsConfig,
     SharingConfig,
@@ -82,7 +82,7 @@ ZERO_PERCENTAGE_REASON: Final = (
 )
 PER_DEVICE_REASON: Final = (
     "keys must be a device index (0, 1, ...) among the devices this config applies to, or a "
-    'device UUID (GPU-... or MIG-...); values a quantity from 1Mi to 1Ti, e.g. "10Gi"'
+    'device UUID (GPU-... or MIG-...); values a quantity from 1Mi to 1Ti, e.g. 10Gi'
 )
 MULTI_USER_REASON: Final = (
     "true is not supported: this driver's MPS daemon runs in single-user mode, where a client "

@@ -30,8 +30,8 @@ from dra_driver.gpu.simulated import FakeNvml
 from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.node import nvml_for, start_node_health
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing import mps as mps_module
+from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.mps import MpsControl, MpsSettings
 from dra_driver.sharing.policy import Sharing
 from tests.harness.objects import wait_for_async
@@ -68,7 +68,9 @@ def configured(node: MigNode, ref: ClaimRef, parameters: dict[str, Any]) -> None
     ]
 
 
-def prepare_with(tmp_path: Path, device: str, parameters: dict[str, Any]) -> tuple[Any, MigNode, RecordingMps]:
+def prepare_with(
+    tmp_path: Path, device: str, parameters: dict[str, Any]
+) -> tuple[Any, MigNode, RecordingMps]:
     async def run() -> tuple[Any, MigNode, RecordingMps]:
         node = MigNode(tmp_path)
         p = await node.restart()
@@ -114,7 +116,9 @@ def test_gpu_config_on_a_mig_slice_is_refused_with_what_to_change(tmp_path: Path
     parameters = {"apiVersion": NV, "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing"}}
     result, node, _ = prepare_with(tmp_path, device, parameters)
     assert result.error is not None
-    assert f"cannot apply GpuConfig to device {device}, a MIG device: use kind MigDeviceConfig" in result.error
+    assert (
+        f"cannot apply GpuConfig to device {device}, a MIG device: use kind MigDeviceConfig" in result.error
+    )
     assert [x for x in node.live() if x.gpu == 0] == [], "nothing made for a refused claim"
 
 
@@ -201,8 +205,11 @@ def test_an_mps_root_of_another_driver_is_refused_and_left_untouched(tmp_path: P
     (root / "uid-of-a" / "pipe").mkdir(parents=True)  # a claim of A's, with its daemon's pipes
     before = sorted(str(p) for p in root.rglob("*"))
     b = MpsControl(root, "/nonexistent")
-    with pytest.raises(mps_module.MpsRootOfAnotherDriver, match=r"belongs to driver gpu.dra-driver.dev, and this plugin is "
-                       r"driver other.example.com: two drivers must not share an MPS root"):
+    with pytest.raises(
+        mps_module.MpsRootOfAnotherDriver,
+        match=r"belongs to driver gpu.dra-driver.dev, and this plugin is "
+        r"driver other.example.com: two drivers must not share an MPS root",
+    ):
         b.claim_root("other.example.com")
     assert sorted(str(p) for p in root.rglob("*")) == before
     a.claim_root("gpu.dra-driver.dev")  # a restart (or the next instance of a rolling update) of A
@@ -224,10 +231,14 @@ def test_a_gpu_in_mig_mode_says_so_and_the_whole_gpu_class_selects_on_it() -> No
     assert in_mig_mode and {n for n, v in whole.items() if v == {"bool": True}} == in_mig_mode & set(whole)
     assert all(v is None for n, v in whole.items() if n not in in_mig_mode)
     plain = node_devices(discover("hgx-h200"))["gpu-0"]
-    assert MIG_ENABLED not in device_attributes(plain, discover("hgx-h200"), None, list_attributes=False).attributes
+    assert (
+        MIG_ENABLED
+        not in device_attributes(plain, discover("hgx-h200"), None, list_attributes=False).attributes
+    )
     for path in ("gpu.yaml", "gpu-extended-resource.yaml"):
         (cls,) = yaml.safe_load_all((DEPLOY / "deviceclasses" / path).read_text())
         expression = " ".join(cls["spec"]["selectors"][0]["cel"]["expression"].split())
-        assert f'!("migEnabled" in device.attributes["{DRIVER}"] && device.attributes["{DRIVER}"].migEnabled)' in (
-            expression
+        assert (
+            f'!("migEnabled" in device.attributes["{DRIVER}"] && device.attributes["{DRIVER}"].migEnabled)'
+            in (expression)
         ), path

@@ -461,7 +461,8 @@ def test_an_invalid_config_is_refused_before_anything_is_touched(make_preparer: 
     preparer = make_preparer(mps_claim(bad))
     asyncio.run(preparer.recover())
     assert re.search(
-        r"invalid configuration for driver gpu.dra-driver.dev: .*defaultPinnedDeviceMemoryLimit: must be a quantity",
+        r"invalid configuration for driver gpu.dra-driver.dev: "
+        r".*defaultPinnedDeviceMemoryLimit: must be a quantity",
         str(prepare(preparer)),
     )
     assert UID not in preparer.read_checkpoint().claims

@@ -96,7 +96,11 @@ def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
     ("parameters", "where", "reason"),
     [
         (nvidia("VfioDeviceConfig"), "kind", f"VfioDeviceConfig {nv.NO_COUNTERPART_REASON}"),
-        (nvidia("ComputeDomainChannelConfig"), "kind", f"ComputeDomainChannelConfig {nv.NO_COUNTERPART_REASON}"),
+        (
+            nvidia("ComputeDomainChannelConfig"),
+            "kind",
+            f"ComputeDomainChannelConfig {nv.NO_COUNTERPART_REASON}",
+        ),
         (nvidia("GPUConfig"), "kind", nv.KIND_REASON),
         (
             nvidia(sharing=mps(defaultActiveThreadPercentage=1000)),
@@ -187,7 +191,8 @@ def test_a_missing_or_misspelled_kind_is_answered_with_the_kinds_that_exist() ->
 def test_a_thread_percentage_of_1000_is_answered_with_the_bound_not_a_remark_about_0() -> None:
     with pytest.raises(ConfigError) as refused:
         nv.parse_claim_config(nvidia(sharing=mps(defaultActiveThreadPercentage=1000)), DRIVER, "p")
-    assert str(refused.value) == "p.sharing.mpsConfig.defaultActiveThreadPercentage: must be a whole number from 1 to 100"
+    expected = "p.sharing.mpsConfig.defaultActiveThreadPercentage: must be a whole number from 1 to 100"
+    assert str(refused.value) == expected
 
 
 def test_unknown_fields_are_refused_as_nvidia_decodes_strictly() -> None:
