@@ -154,6 +154,12 @@ def format_mps_memory(limit_bytes: int) -> str:
 # --------------------------------------------------------------------------- the object
 
 
+def _one_line(text: str) -> str:
+    """Line breaks written as repr() writes them (the API server drops a policy message
+    that holds one)."""
+    return text.replace("\n", "\\n").replace("\r", "\\r")
+
+
 def check_fields(obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
     """Refuses unknown fields, naming the first in code-point order and how many more (the
     admission policy says the same: its CEL has no sort in Kubernetes 1.34)."""
@@ -161,7 +167,8 @@ def check_fields(obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> 
     if unknown:
         more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
         raise ConfigError(
-            f"{where}: unknown field{'s' if more else ''} '{unknown[0]}'{more}; allowed: {', '.join(allowed)}"
+            f"{where}: unknown field{'s' if more else ''} '{_one_line(unknown[0])}'{more}; "
+            f"allowed: {', '.join(allowed)}"
         )
 
 

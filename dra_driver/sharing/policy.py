@@ -155,8 +155,8 @@ def _share_mps(share: Share, config: GpuConfig, named: bool, percentage: int | N
     if named and not config.uses_mps:
         raise ConfigError(
             f"{share.device} is a memory share, which is always served by MPS (that is what holds it to its "
-            f"memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: remove the "
-            "sharing section, or set strategy MPS, or ask for a whole GPU (class gpu.<driver>) to time-slice"
+            f"memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: set strategy MPS, "
+            "or remove this config from the request, or ask for a whole GPU (class gpu.<driver>) to time-slice"
         )
     limit = share.memory
     configured = config.sharing.mps.default_pinned_device_memory_limit if config.sharing.mps else None
