@@ -154,9 +154,10 @@ def _share_mps(share: Share, config: GpuConfig, named: bool, percentage: int | N
     less) and the claim's thread percentage. `named`: a config entry applies to the share."""
     if named and not config.uses_mps:
         raise ConfigError(
-            f"{share.device} is a memory share, which is always served by MPS (that is what holds it to its "
-            f"memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: set strategy MPS, "
-            "or remove this config from the request, or ask for a whole GPU (class gpu.<driver>) to time-slice"
+            f"{share.device} is a memory share, which is always served by MPS (that is what holds it to "
+            f"its memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: set strategy "
+            "MPS, or remove this config from the request, or ask for a whole GPU (class gpu.<driver>) to "
+            "time-slice"
         )
     limit = share.memory
     configured = config.sharing.mps.default_pinned_device_memory_limit if config.sharing.mps else None
