@@ -248,7 +248,7 @@ def _outcome(bench: Bench, ns: str, kind: str, config_name: str) -> tuple[str, s
             },
         )
     except ApiException as e:
-        return "refused", api_error(e)
+        return "refused", api_error(e).split("denied request: ", 1)[-1]
     sync_request(
         api,
         "POST",
@@ -351,3 +351,54 @@ def test_every_cell_runs_or_is_refused_at_creation(
         ("dynamic MIG slice", "NVIDIA MigDeviceConfig MPS"),
         ("memory share", "ours MPS"),
     } <= runs
+
+
+def test_the_whole_gpu_class_never_hands_out_a_gpu_in_mig_mode(bench: Bench, namespace: str) -> None:
+    """All whole GPUs of the node (allocationMode All) are the one not in MIG mode; on
+    d20fbb0 the class also gave out the MIG-mode GPUs, where CUDA sees no usable device."""
+    api = bench.api
+    exactly = {
+        "deviceClassName": DRIVER,
+        "allocationMode": "All",
+        "selectors": [{"cel": {"expression": f'device.attributes["{DRIVER}"].?index.hasValue()'}}],
+    }
+    sync_request(
+        api,
+        "POST",
+        f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "all"},
+            "spec": {"devices": {"requests": [{"name": "all", "exactly": exactly}]}},
+        },
+    )
+    sync_request(
+        api,
+        "POST",
+        f"/api/v1/namespaces/{namespace}/pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "all"},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": NODE},
+                "automountServiceAccountToken": False,
+                "resourceClaims": [{"name": "c", "resourceClaimName": "all"}],
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "busybox:1.37",
+                        "command": ["sleep", "1"],
+                        "resources": {"claims": [{"name": "c"}]},
+                    }
+                ],
+            },
+        },
+    )
+    try:
+        wait_for("the pod bound", lambda: get_pod(api, namespace, "all")["spec"].get("nodeName"), timeout=30)
+        results = get_claim(api, namespace, "all")["status"]["allocation"]["devices"]["results"]
+        assert sorted(r["device"] for r in results) == ["gpu-2"]
+    finally:
+        _clear(api, namespace)
