@@ -60,6 +60,7 @@ NVLINK_CLIQUES = "nvlinkCliques"
 NVLINK_LAYER_PREFIX = "nvlinkClique"
 NVLINK_DOMAIN = "nvlinkDomain"
 FABRIC_CLIQUE_ID = "cliqueId"
+MIG_ENABLED = "migEnabled"  # whole GPUs: in MIG mode (NVIDIA's name and type, from its earlier releases)
 ISOLATION = "isolation"  # share views only (dra_driver.sharing.shares.ISOLATION_ATTRIBUTE)
 
 # Group sizes published as nvlinkGroup<N>; bounded so that a device stays under the
@@ -72,7 +73,7 @@ WHOLE_GPU_BASE: tuple[str, ...] = (
     TYPE, UUID, PRODUCT_NAME, BRAND, ARCHITECTURE, CUDA_COMPUTE_CAPABILITY, DRIVER_VERSION,
     CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, INDEX, MINOR, NUMA_NODE,
     NVLINK_PEER_COUNT, NVLINK_PEERS, NVLINK_ISLAND, NVLINK_CLIQUES, NVLINK_DOMAIN, FABRIC_CLIQUE_ID,
-    "memory", "multiprocessors",
+    MIG_ENABLED, "memory", "multiprocessors",
 )
 # How many nvlinkClique<L> layers a node may publish: one claim tries them through
 # firstAvailable (at most MAX_LAYERS subrequests), and they must fit the 32 entries of a
@@ -182,6 +183,10 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
     AttributeDoc(FABRIC_CLIQUE_ID, "string", '"8c1f…-…-….7"',
                  "multi-node NVLink fabric clique `<clusterUUID>.<cliqueId>` (NVIDIA's node label "
                  "`nvidia.com/gpu.clique`), only in a fabric", "label only", "gpu"),
+    AttributeDoc(MIG_ENABLED, "bool", "true",
+                 "only on a whole GPU in MIG mode (published with `--dynamic-mig`): CUDA sees no usable "
+                 "device in it as a whole, so the whole-GPU class never selects it; absent otherwise",
+                 "before v25.3 (always, true or false)", "gpu"),
     AttributeDoc(ISOLATION, "string", '"cooperative"',
                  "on memory-share views only: the share's memory limit holds for processes that use its MPS "
                  "daemon, not for one that steps around MPS (docs/sharing.md, \"What a share isolates\"); "
@@ -433,6 +438,7 @@ def _gpu_device(gpu: GpuInfo, inventory: Inventory, facts: NvlinkFacts | None,
         INDEX: _int(gpu.index),
         MINOR: _int(gpu.minor),
         **_nvlink(facts, gpu, list_attributes),
+        MIG_ENABLED: {"bool": True} if gpu.mig_enabled else None,  # absent: not in MIG mode
     }
     capacity: dict[str, JSON | None] = {
         MEMORY: _quantity(gpu.memory_bytes, binary_quantity),

@@ -63,7 +63,7 @@ from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.sockets import PluginPaths, plugin_paths
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.probes import Heartbeat, plugin_probes
-from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps import MpsControl, MpsRootRefused
 from dra_driver.sharing.mps import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
@@ -222,7 +222,7 @@ def kubelet_plugin(
     )
     try:
         run_until_signalled(run_plugin(opts))
-    except ckpt.CheckpointRefused as e:
+    except (ckpt.CheckpointRefused, MpsRootRefused) as e:
         log.error("refusing to start", error=str(e))
         raise click.ClickException(str(e)) from None
 
@@ -352,6 +352,7 @@ async def run_plugin(opts: PluginOptions) -> None:
         host_cgroup=opts.mps_host_cgroup,
         compute=compute_modes(opts.simulate) if opts.mps_exclusive_compute_mode else None,
     )
+    mps.claim_root(opts.driver)  # before recovery reads it: never another driver's daemons
     preparer = NodePreparer(
         driver=opts.driver,
         pool=opts.node_name,

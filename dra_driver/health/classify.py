@@ -164,7 +164,10 @@ def _classify_xid(xid: int, action: int | None, policy: HealthPolicy) -> Verdict
     message = f"XID {xid}" + (f" ({what})" if what else "") + " reported by NVML"
     if xid in policy.xid_overrides:
         return Verdict(policy.xid_overrides[xid], "xid", str(xid), message, "config")
-    if action is not None:
+    # NVML's recovery action is the GPU's, read after the event, not the event's own: an XID
+    # the table calls an application error (13, 43, ...) never asks for one, so in a storm of
+    # them the action belongs to the fatal XID among them, which must name the taint.
+    if action is not None and XID_TABLE.get(xid) is not Severity.INFO:
         name, severity = recovery_action(action)
         return Verdict(severity, "xid", str(xid), f"{message}; recovery action: {name}", "recovery-action")
     if xid in XID_TABLE:

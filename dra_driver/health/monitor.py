@@ -37,6 +37,7 @@ from typing import Any, Final, Protocol
 import pynvml
 import structlog
 
+from dra_driver.health.classify import UNKNOWN_XID_SEVERITY, XID_TABLE
 from dra_driver.health.events import WHOLE_GPU, EventKind, HealthEvent, MonitorFacts, Probe
 
 log = structlog.get_logger(__name__)
@@ -371,6 +372,10 @@ class NvmlHealthMonitor:
             )
             for (gpu, event_type, data, gi, ci), n in pending.items()
         ]
+        # The XIDs of one window share the GPU's recovery action: the one the table rates
+        # most severe goes first, so that it, not a lesser XID of the window, names the taint.
+        batch.sort(key=lambda e: -XID_TABLE.get(e.data, UNKNOWN_XID_SEVERITY) if e.kind is EventKind.XID
+                   else 0)
         self._deliver_safely(batch)
 
     def _deliver_safely(self, batch: Batch) -> None:

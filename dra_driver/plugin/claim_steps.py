@@ -70,6 +70,8 @@ class ClaimPlan:
     hardware: tuple[NodeDevice, ...]  # each device once, for the CDI spec
     sharing: SharingPlan | None
     mig: tuple[Placement, ...] = ()  # dynamic MIG instances to create, in allocation order
+    # the claim as read, for sharing on dynamic MIG slices: planned again once the instances exist
+    claim: JSON | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -114,16 +116,13 @@ class ClaimSteps:
                 f"claim {ref} was allocated dynamic MIG slice {mig[0].name}, but this plugin runs without "
                 "--dynamic-mig (Helm dynamicMig.enabled); turn it on or delete the claim"
             )
+        slices = frozenset(p.name for p in mig)
         try:
-            sharing = self.sharing.plan(ref.uid, claim, hardware)
+            sharing = self.sharing.plan(ref.uid, claim, hardware, slices)
         except ConfigError as e:
             raise ClaimRejected(f"claim {ref}: invalid configuration for driver {self.driver}: {e}") from e
-        if mig and sharing is not None:
-            raise ClaimRejected(
-                f"claim {ref}: GPU sharing (MPS, time-slicing) of a dynamic MIG slice is not supported; "
-                "remove the sharing config from the claim (a MIG slice is already isolated by hardware)"
-            )
-        return ClaimPlan(ref, tuple(self._prepared(ref, a) for a in allocated), hardware, sharing, mig)
+        prepared = tuple(self._prepared(ref, a) for a in allocated)
+        return ClaimPlan(ref, prepared, hardware, sharing, mig, claim if mig and sharing else None)
 
     def _prepared(self, ref: ClaimRef, a: AllocatedDevice) -> PreparedDevice:
         return PreparedDevice(
@@ -235,12 +234,19 @@ class ClaimSteps:
         whose entry the caller holds; the error text for the kubelet if that failed (the
         caller rolls back)."""
         ref = plan.ref
+        sharing = plan.sharing
+        if plan.claim is not None:
+            # MPS on a dynamic MIG slice: its daemon serves the instance's MIG UUID, known only now
+            try:
+                sharing = self.sharing.plan(ref.uid, plan.claim, self.hardware(plan.hardware, made))
+            except ConfigError as e:
+                return f"claim {ref}: invalid configuration for driver {self.driver}: {e}"
         try:
-            self.sharing.apply(plan.sharing)
+            self.sharing.apply(sharing)
         except SharingError as e:
             return f"claim {ref}: GPU sharing could not be set up on this node: {e}"
         try:
-            self.write_spec(ref.uid, self.hardware(plan.hardware, made), plan.sharing)
+            self.write_spec(ref.uid, self.hardware(plan.hardware, made), sharing)
         except OSError as e:
             log.exception("writing the CDI spec failed", **ref.log_fields())
             return f"internal error preparing claim {ref}: writing its CDI spec failed: {describe(e)}"

@@ -44,18 +44,30 @@ DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
 DEFAULT_SHM_SIZE: Final = 64 * 2**20
 NVIDIA_API_VERSION: Final = "resource.nvidia.com/v1beta1"  # read by nvidia_config.py
 
-# The syntax of a Kubernetes resource.Quantity without the sub-unit suffixes (m, u, n):
-# what this project reads are byte counts. Parsed here rather than with the client's
+# The syntax of a Kubernetes resource.Quantity. Parsed here rather than with the client's
 # `parse_quantity`, which is lenient ("NaN", "1e3Gi") and whose import pulls the whole
 # generated client into the daemon's memory.
 _QUANTITY = re.compile(
     r"([+-]?(?:[0-9]*\.?[0-9]+|[0-9]+\.))"  # the number
-    r"(?:(Ki|Mi|Gi|Ti|Pi|Ei|[kMGTPE])|[eE]([+-]?[0-9]+))?"  # a binary or decimal suffix, or an exponent
+    r"(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?[0-9]+))?"  # a binary or decimal suffix, or an exponent
 )
 _SUFFIX: Final = {
     **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
     **{s: Decimal(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
+    **{s: Decimal(1000) ** -(i + 1) for i, s in enumerate("mun")},
 }
+# The bounds of every memory quantity a claim config sets (a pinned-memory limit, the
+# /dev/shm size): the admission policy checks the same numbers. 1Ti is more memory than
+# any GPU has, so a larger limit could never limit anything (MPS would take 1Ei as
+# "1073741824G" and run without one); the plugin also refuses a limit above the allocated
+# GPU's own memory (dra_driver.sharing.policy).
+MIN_MEMORY: Final = 2**20
+MAX_MEMORY: Final = 2**40
+LIMIT_REASON: Final = (
+    "must be a quantity from 1Mi to 1Ti, e.g. 10Gi (an MPS limit is counted in whole MiB, "
+    "and no GPU has more than 1Ti of memory for it to limit)"
+)
+SHM_REASON: Final = "must be a quantity from 1Mi to 1Ti, e.g. 1Gi: the size of the claim's /dev/shm tmpfs"
 
 
 ParametersParser = Callable[[object, str, str], "GpuConfig"]  # (parameters, driver, where)
@@ -107,9 +119,10 @@ DEFAULT_CONFIG: Final = GpuConfig()
 
 
 def quantity_value(text: str) -> Decimal | None:
-    """The value of a Kubernetes quantity ("10Gi", "143771Mi", "40G", "1e9"); None if `text`
-    is not one, or has a sub-unit suffix (m, u, n). The one quantity parser of the project."""
-    match = _QUANTITY.fullmatch(text.strip())
+    """The value of a Kubernetes quantity ("10Gi", "143771Mi", "40G", "1e9", "1500m"); None
+    if `text` is not one (by the API server's grammar: no spaces, so that a value the
+    admission policy refuses is never read here). The one quantity parser of the project."""
+    match = _QUANTITY.fullmatch(text)
     if match is None:
         return None
     number, suffix, exponent = match.groups()
@@ -118,20 +131,14 @@ def quantity_value(text: str) -> Decimal | None:
     return Decimal(number).scaleb(int(exponent or 0))
 
 
-def parse_quantity(value: object, where: str) -> int:
-    """A Kubernetes quantity of bytes ("10Gi", "512Mi", "1e9", 1073741824) as a positive int."""
+def memory_quantity(value: object, where: str, reason: str = LIMIT_REASON) -> int:
+    """Bytes of a memory quantity (a string quantity or a whole number) from MIN_MEMORY to
+    MAX_MEMORY, fractions of a byte dropped; the admission policy applies the same rule."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f'{where}: {value!r} is not a quantity; write a string such as "10Gi" or "512Mi"')
+        raise ConfigError(f"{where}: {reason}")
     total = Decimal(value) if isinstance(value, int) else quantity_value(value)
-    if total is None:
-        raise ConfigError(
-            f"{where}: {value!r} is not a Kubernetes quantity; write a number with an optional suffix "
-            '(Ki, Mi, Gi, Ti or k, M, G, T), e.g. "10Gi"'
-        )
-    if total <= 0:
-        raise ConfigError(f"{where}: {value!r} must be greater than zero")
-    if total != total.to_integral_value():
-        raise ConfigError(f"{where}: {value!r} is not a whole number of bytes")
+    if total is None or not MIN_MEMORY <= total <= MAX_MEMORY:
+        raise ConfigError(f"{where}: {reason}")
     return int(total)
 
 
@@ -147,11 +154,20 @@ def format_mps_memory(limit_bytes: int) -> str:
 # --------------------------------------------------------------------------- the object
 
 
+def _one_line(text: str) -> str:
+    """Line breaks written as repr() writes them (the API server drops a policy message
+    that holds one)."""
+    return text.replace("\n", "\\n").replace("\r", "\\r")
+
+
 def check_fields(obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> None:
-    unknown = sorted(set(obj) - set(allowed))
+    """Refuses unknown fields, naming the first in code-point order and how many more (the
+    admission policy says the same: its CEL has no sort in Kubernetes 1.34)."""
+    unknown = sorted(str(k) for k in set(obj) - set(allowed))
     if unknown:
+        more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
         raise ConfigError(
-            f"{where}: unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"{where}: unknown field{'s' if more else ''} '{_one_line(unknown[0])}'{more}; "
             f"allowed: {', '.join(allowed)}"
         )
 
@@ -171,16 +187,9 @@ def _parse_mps(value: object, where: str) -> MpsConfig:
             f"{where}.defaultActiveThreadPercentage: {pct!r} must be a whole number from 1 to 100"
         )
     limit = obj.get("defaultPinnedDeviceMemoryLimit")
-    limit_bytes = None
-    if limit is not None:
-        limit_bytes = parse_quantity(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
-        if limit_bytes < 2**20:  # what format_mps_memory can write
-            raise ConfigError(
-                f"{where}.defaultPinnedDeviceMemoryLimit: an MPS memory limit must be at least 1Mi, "
-                f"not {limit_bytes} bytes"
-            )
+    limit_bytes = None if limit is None else memory_quantity(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
     shm = obj.get("shmSize")
-    shm_size = None if shm is None else parse_quantity(shm, f"{where}.shmSize")  # a quantity, above 0
+    shm_size = None if shm is None else memory_quantity(shm, f"{where}.shmSize", SHM_REASON)
     return MpsConfig(
         default_active_thread_percentage=pct,
         default_pinned_device_memory_limit=limit_bytes,
@@ -225,6 +234,8 @@ def parse_gpu_config(parameters: object, driver: str = DEFAULT_GROUP, where: str
         raise ConfigError(
             f"{where}.apiVersion: {obj.get('apiVersion')!r} is not supported; use {' or '.join(accepted)}"
         )
+    if obj.get("kind") is None:
+        raise ConfigError(f"{where}.kind is missing; set it to {KIND}")
     if obj.get("kind") != KIND:
         raise ConfigError(f"{where}.kind: {obj.get('kind')!r} is not supported; use {KIND}")
     if "sharing" not in obj:

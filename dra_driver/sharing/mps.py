@@ -72,6 +72,7 @@ CONTAINER_SHM_DIR: Final = "/dev/shm"
 CLAIM_MARKER_ENV: Final = "GPU_DRA_MPS_CLAIM"
 SETTINGS_FILE: Final = "settings.json"
 PID_FILE: Final = "daemon.pid"
+OWNER_FILE: Final = "owner.json"  # in the root: the driver whose daemons live under it
 COMPUTE_MODE_FILE: Final = "compute-mode.json"  # the modes found before exclusive-process was set
 MOUNT_OPTIONS: Final = ("rw", "nosuid", "nodev", "bind")
 # Modes, no wider than MPS needs. The claim's directory: others may pass through it by name
@@ -88,6 +89,27 @@ _MNT_DETACH: Final = 2
 
 class MpsError(Exception):
     """An MPS daemon could not be started or stopped; the message says what happened."""
+
+
+class MpsRootRefused(MpsError):
+    """The plugin must not start on this MPS root; the message says what to change."""
+
+
+class MpsRootOfAnotherDriver(MpsRootRefused):
+    """The MPS root is another driver's (two releases given one mpsRoot): a plugin must
+    neither adopt nor stop daemons it did not start, nor delete their directories."""
+
+    def __init__(self, root: Path, owner: str, driver: str) -> None:
+        super().__init__(
+            f"MPS root {root} belongs to driver {owner}, and this plugin is driver {driver}: two "
+            "drivers must not share an MPS root (this plugin would stop the other's MPS daemons and "
+            "remove their pipe directories under its running pods). Give each release its own "
+            "(--mps-root; the chart's mpsRoot; both default to /run/<driver name>/mps) and restart "
+            f"this plugin; nothing under {root} was changed"
+        )
+        self.root = root
+        self.owner = owner
+        self.driver = driver
 
 
 @dataclass(frozen=True)
@@ -351,6 +373,25 @@ class MpsControl:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(d.uuid for d in settings.devices)
             env[CLAIM_MARKER_ENV] = settings.claim_uid
         return env
+
+    def claim_root(self, driver: str) -> None:
+        """Make the MPS root this driver's, at start and before anything under it is read:
+        raises MpsRootOfAnotherDriver if another driver's owner file is there (as the
+        checkpoint refuses a state dir of another driver). A root without one (new, or
+        kept by a build before owner files) is taken."""
+        path = self.root / OWNER_FILE
+        try:
+            owner = json.loads(path.read_text()).get("driver")
+        except FileNotFoundError:
+            owner = None
+        except (OSError, ValueError, AttributeError) as e:
+            raise MpsRootRefused(f"MPS root owner file {path} cannot be read ({e}); remove it if no other "
+                           "driver uses this MPS root, and restart this plugin") from None
+        if owner is not None and owner != driver:
+            raise MpsRootOfAnotherDriver(self.root, str(owner), driver)
+        if owner is None:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o755)
+            write_file_atomic(path, json.dumps({"driver": driver}).encode())
 
     # -- state on disk and in /proc ----------------------------------------------------
 

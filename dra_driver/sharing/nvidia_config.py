@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from dra_driver.sharing.config import (
     DEFAULT_GROUP,
+    LIMIT_REASON,
     NVIDIA_API_VERSION,
     ConfigError,
     GpuConfig,
@@ -43,8 +44,8 @@ from dra_driver.sharing.config import (
     SharingConfig,
     SharingStrategy,
     check_fields,
+    memory_quantity,
     parse_gpu_config,
-    quantity_value,
 )
 
 if TYPE_CHECKING:
@@ -57,9 +58,15 @@ KINDS: Final = (GPU_KIND, MIG_KIND)
 
 # The refusals, word for word what the admission policy says (after the field's path).
 KIND_REASON: Final = (
-    "must be GpuConfig or MigDeviceConfig: NVIDIA's VfioDeviceConfig and ComputeDomain configs "
-    "have no counterpart on this driver (it offers no VFIO passthrough and no IMEX compute domains)"
+    "must be GpuConfig (whole GPUs) or MigDeviceConfig (MIG devices), the kinds of this API "
+    "version this driver reads"
 )
+NO_COUNTERPART_REASON: Final = (
+    "has no counterpart on this driver: it offers no VFIO passthrough and no IMEX compute "
+    "domains; ask for a GPU (kind GpuConfig) or a MIG device (kind MigDeviceConfig)"
+)
+# NVIDIA's kinds with no counterpart here, answered with NO_COUNTERPART_REASON
+NVIDIA_ONLY_KINDS: Final = ("VfioDeviceConfig", "ComputeDomainChannelConfig", "ComputeDomainDaemonConfig")
 STRATEGY_REASON: Final = "must be TimeSlicing or MPS"
 MPS_ONLY_REASON: Final = "is only allowed with strategy MPS"
 TIME_SLICING_ONLY_REASON: Final = "is only allowed with strategy TimeSlicing (and only in a GpuConfig)"
@@ -68,14 +75,14 @@ INTERVAL_REASON: Final = (
     "the whole GPU, outside any one claim, so this driver leaves every GPU at its default; remove "
     "interval or write Default"
 )
-PERCENTAGE_REASON: Final = (
+PERCENTAGE_REASON: Final = "must be a whole number from 1 to 100"
+ZERO_PERCENTAGE_REASON: Final = (
     "must be a whole number from 1 to 100 (0, which NVIDIA's driver accepts, would leave the "
     "claim's MPS clients no streaming multiprocessors)"
 )
-LIMIT_REASON: Final = 'must be a quantity of at least 1Mi, e.g. "10Gi"'
 PER_DEVICE_REASON: Final = (
     "keys must be a device index (0, 1, ...) among the devices this config applies to, or a "
-    'device UUID (GPU-... or MIG-...); values a quantity of at least 1Mi, e.g. "10Gi"'
+    'device UUID (GPU-... or MIG-...); values a quantity from 1Mi to 1Ti, e.g. 10Gi'
 )
 MULTI_USER_REASON: Final = (
     "true is not supported: this driver's MPS daemon runs in single-user mode, where a client "
@@ -83,14 +90,19 @@ MULTI_USER_REASON: Final = (
     "containers as one user and remove multiUser (or set it to false)"
 )
 BOOL_REASON: Final = "must be true or false"
+# What to change besides the kind, when the kind does not fit the device allocated.
+MIG_CLASS_HINT: Final = " (or ask for a whole GPU with class gpu.<driver> to keep GpuConfig)"
+GPU_CLASS_HINT: Final = " (or ask for a MIG device with class mig.<driver> to keep MigDeviceConfig)"
 
 _ALL_REASONS: Final = (
     KIND_REASON,
+    NO_COUNTERPART_REASON,
     STRATEGY_REASON,
     MPS_ONLY_REASON,
     TIME_SLICING_ONLY_REASON,
     INTERVAL_REASON,
     PERCENTAGE_REASON,
+    ZERO_PERCENTAGE_REASON,
     LIMIT_REASON,
     PER_DEVICE_REASON,
     MULTI_USER_REASON,
@@ -98,7 +110,6 @@ _ALL_REASONS: Final = (
 )
 _UUID_KEY = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
 _INDEX_KEY = re.compile(r"[0-9]+")
-_MIB: Final = 2**20
 
 
 def reasons() -> tuple[str, ...]:
@@ -117,13 +128,12 @@ def _mapping(value: object, where: str) -> Mapping[str, Any]:
 
 
 def _limit(value: object, where: str, reason: str = LIMIT_REASON) -> int:
-    """Bytes of a quantity, at least 1Mi (NVIDIA's driver refuses less: it counts whole MiB)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise _refuse(where, reason)
-    total = quantity_value(str(value))
-    if total is None or total < _MIB:
-        raise _refuse(where, reason)
-    return int(total)
+    """Bytes of a quantity from 1Mi to 1Ti (NVIDIA's driver refuses less than 1Mi: it counts
+    whole MiB; more than 1Ti is more than any GPU has, and MPS would run it as no limit)."""
+    try:
+        return memory_quantity(value, where, reason)
+    except ConfigError:
+        raise _refuse(where, reason) from None
 
 
 def _parse_mps(value: object, where: str) -> MpsConfig:
@@ -140,7 +150,8 @@ def _parse_mps(value: object, where: str) -> MpsConfig:
     )
     pct = obj.get("defaultActiveThreadPercentage")
     if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100):
-        raise _refuse(f"{where}.defaultActiveThreadPercentage", PERCENTAGE_REASON)
+        reason = ZERO_PERCENTAGE_REASON if type(pct) is int and pct == 0 else PERCENTAGE_REASON
+        raise _refuse(f"{where}.defaultActiveThreadPercentage", reason)
     limit = obj.get("defaultPinnedDeviceMemoryLimit")
     default = None if limit is None else _limit(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
     per_device: list[tuple[str, int]] = []
@@ -180,7 +191,8 @@ def _parse_sharing(value: object, kind: str, where: str) -> SharingConfig:
     if strategy is SharingStrategy.MPS:
         if "timeSlicingConfig" in obj:
             raise _refuse(f"{where}.timeSlicingConfig", TIME_SLICING_ONLY_REASON)
-        return SharingConfig(strategy, _parse_mps(obj.get("mpsConfig") or {}, f"{where}.mpsConfig"))
+        raw_mps = obj.get("mpsConfig")
+        return SharingConfig(strategy, _parse_mps({} if raw_mps is None else raw_mps, f"{where}.mpsConfig"))
     if "mpsConfig" in obj:
         raise _refuse(f"{where}.mpsConfig", MPS_ONLY_REASON)
     if "timeSlicingConfig" in obj:
@@ -196,6 +208,10 @@ def parse_nvidia_config(obj: Mapping[str, Any], where: str) -> GpuConfig:
     Raises ConfigError naming the field and the reason."""
     check_fields(obj, ("apiVersion", "kind", "sharing"), where)
     kind = obj.get("kind")
+    if kind is None:
+        raise ConfigError(f"{where}.kind is missing; {KIND_REASON.replace('must be', 'set it to')}")
+    if kind in NVIDIA_ONLY_KINDS:
+        raise _refuse(f"{where}.kind", f"{kind} {NO_COUNTERPART_REASON}")
     if kind not in KINDS:
         raise _refuse(f"{where}.kind", KIND_REASON)
     if obj.get("sharing") is None:
@@ -214,22 +230,26 @@ def parse_claim_config(
     return parse_gpu_config(parameters, driver, where)
 
 
-def per_device(configs: Mapping[str, GpuConfig], devices: Sequence[NodeDevice]) -> dict[str, GpuConfig]:
+def per_device(
+    configs: Mapping[str, GpuConfig], devices: Sequence[NodeDevice], slices: frozenset[str] = frozenset()
+) -> dict[str, GpuConfig]:
     """Each device's config with NVIDIA's per-device settings resolved for it: the kind
     checked against the device (GpuConfig for a GPU, MigDeviceConfig for a MIG device, as
-    NVIDIA's driver checks) and `defaultPerDevicePinnedMemoryLimit` turned into the
+    NVIDIA's driver checks; `slices` names the dynamic MIG slices, MIG devices whose
+    instance is not made yet) and `defaultPerDevicePinnedMemoryLimit` turned into the
     device's own limit. Devices sharing one config are counted in the order given (the
     allocation's), which is what an index key means."""
     groups: dict[GpuConfig, list[NodeDevice]] = {}
     for d in devices:
         config = configs[d.name]
         if config.nvidia_kind is not None:
-            wanted = MIG_KIND if d.mig is not None else GPU_KIND
+            is_mig = d.mig is not None or d.name in slices
+            wanted = MIG_KIND if is_mig else GPU_KIND
             if config.nvidia_kind != wanted:
                 raise ConfigError(
                     f"cannot apply {config.nvidia_kind} to device {d.name}, a "
-                    f"{'MIG device' if d.mig is not None else 'whole GPU'}: use kind {wanted} in the "
-                    "config for its request"
+                    f"{'MIG device' if is_mig else 'whole GPU'}: use kind {wanted} in the "
+                    f"config for its request{MIG_CLASS_HINT if is_mig else GPU_CLASS_HINT}"
                 )
         groups.setdefault(config, []).append(d)
     out = dict(configs)

@@ -51,11 +51,18 @@ class Sharing:
     # -- pure --------------------------------------------------------------------------
 
     def plan(
-        self, claim_uid: str, claim: Mapping[str, Any], devices: Sequence[NodeDevice]
+        self,
+        claim_uid: str,
+        claim: Mapping[str, Any],
+        devices: Sequence[NodeDevice],
+        slices: frozenset[str] = frozenset(),
     ) -> SharingPlan | None:
-        """What `claim` asks for on `devices` (each once); None if it shares nothing.
+        """What `claim` asks for on `devices` (each once; `slices`: the names of those that
+        are dynamic MIG slices); None if it shares nothing.
         Raises ConfigError, whose message says what to fix in the claim or class."""
-        configs = per_device(device_configs(claim, self.driver, self.pool, parse_claim_config), devices)
+        configs = per_device(
+            device_configs(claim, self.driver, self.pool, parse_claim_config), devices, slices
+        )
         shares = allocated_shares(claim, self.driver, self.pool, devices)
         mps = [d for d in devices if d.name in shares or configs[d.name].uses_mps]
         if not mps:
@@ -84,6 +91,7 @@ class Sharing:
                 entries.append((d.uuid, _share_mps(share, config, named, percentage)))
             else:
                 base = config.sharing.mps or MpsConfig()
+                _check_limit_fits(d, base.default_pinned_device_memory_limit)
                 entries.append((d.uuid, replace(base, default_active_thread_percentage=percentage)))
         settings = settings_for_claim(claim_uid, entries)
         if not shares and all(d.mig is None for d in mps):
@@ -129,14 +137,27 @@ class Sharing:
             self.mps.start(plan)
 
 
+def _check_limit_fits(device: NodeDevice, limit: int | None) -> None:
+    """A pinned-memory limit above the device's own memory would limit nothing."""
+    memory = device.mig.memory_bytes if device.mig is not None else device.gpu.memory_bytes
+    if limit is not None and limit > memory:
+        raise ConfigError(
+            f"the MPS pinned-memory limit for {device.name} ({limit} bytes, {limit / 2**30:.2f}Gi) is more "
+            f"than its memory ({memory} bytes, {memory / 2**30:.2f}Gi), so it would limit nothing: "
+            "write a limit of at most that in defaultPinnedDeviceMemoryLimit (or in "
+            "defaultPerDevicePinnedMemoryLimit for this device), or remove it"
+        )
+
+
 def _share_mps(share: Share, config: GpuConfig, named: bool, percentage: int | None) -> MpsConfig:
     """The MPS limits of one share: its consumed memory (or less, if the config asks for
     less) and the claim's thread percentage. `named`: a config entry applies to the share."""
     if named and not config.uses_mps:
         raise ConfigError(
-            f"{share.device} is a memory share, which is always served by MPS (that is what holds it to its "
-            f"memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: remove the "
-            "sharing section, or set strategy MPS, or ask for a whole GPU (class gpu.<driver>) to time-slice"
+            f"{share.device} is a memory share, which is always served by MPS (that is what holds it to "
+            f"its memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: set strategy "
+            "MPS, or remove this config from the request, or ask for a whole GPU (class gpu.<driver>) to "
+            "time-slice"
         )
     limit = share.memory
     configured = config.sharing.mps.default_pinned_device_memory_limit if config.sharing.mps else None

@@ -17,8 +17,8 @@ from dra_driver.sharing.config import (
     config_for_request,
     device_configs,
     format_mps_memory,
+    memory_quantity,
     parse_gpu_config,
-    parse_quantity,
     quantity_value,
 )
 
@@ -52,35 +52,27 @@ MPS_10GI = params(
         ("2E3", 2000),
         ("1073741824", GI),
         (1073741824, GI),
-        ("1k", 1000),
-        (" 3Ti ", 3 * 2**40),
+        ("1048576000m", 2**20),  # the API server's grammar: sub-units too
+        ("1Ti", 2**40),
+        ("1048576.5", 2**20),  # fractions of a byte dropped (MPS counts whole MiB)
     ],
 )
 def test_quantities(text: Any, expected: int) -> None:
-    assert parse_quantity(text, "x") == expected
+    if expected < 2**20:
+        assert quantity_value(str(text)) == expected
+    else:
+        assert memory_quantity(text, "x") == expected
 
 
 @pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("10GB", "not a Kubernetes quantity"),
-        ("ten", "not a Kubernetes quantity"),
-        ("10gi", "not a Kubernetes quantity"),
-        ("500m", "not a Kubernetes quantity"),
-        ("NaN", "not a Kubernetes quantity"),  # the client's parser alone would take these two
-        ("1e3Gi", "not a Kubernetes quantity"),
-        ("0", "greater than zero"),
-        ("-1Gi", "greater than zero"),
-        ("0.5", "whole number of bytes"),
-        (True, "not a quantity"),
-        (1.5, "not a quantity"),
-        (None, "not a quantity"),
-    ],
+    "text",
+    ["10GB", "ten", "10gi", "NaN", "1e3Gi", " 3Ti ", "0", "-1Gi", "0.5", "512Ki", "1Ei", "1025Gi", 2**63,
+     2**64, True, 1.5, None, [], {}],
 )
-def test_bad_quantities_say_what_to_write(text: Any, message: str) -> None:
-    with pytest.raises(ConfigError, match=message) as err:
-        parse_quantity(text, "sharing.mps.defaultPinnedDeviceMemoryLimit")
-    assert "sharing.mps.defaultPinnedDeviceMemoryLimit" in str(err.value)
+def test_bad_quantities_say_what_to_write(text: Any) -> None:
+    with pytest.raises(ConfigError, match=r"from 1Mi to 1Ti, e\.g\. 10Gi") as err:
+        memory_quantity(text, "sharing.mps.defaultPinnedDeviceMemoryLimit")
+    assert str(err.value).startswith("sharing.mps.defaultPinnedDeviceMemoryLimit: must be")
 
 
 @pytest.mark.parametrize(
@@ -142,9 +134,13 @@ def test_a_renamed_driver_accepts_its_own_group_and_the_default() -> None:
         (params(strategy="MPS", mps={"defaultActiveThreadPercentage": True}), r"from 1 to 100"),
         (
             params(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "10 GiB"}),
-            r"not a Kubernetes quantity",
+            r"defaultPinnedDeviceMemoryLimit: must be a quantity from 1Mi to 1Ti, e\.g\. 10Gi",
         ),
-        (params(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "1Ki"}), r"at least 1Mi"),
+        (params(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "1Ki"}), r"from 1Mi to 1Ti"),
+        (params(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "1Ei"}), r"from 1Mi to 1Ti"),
+        (params(strategy="MPS", mps={"shmSize": "lots"}), r"shmSize: must be a quantity from 1Mi to 1Ti"),
+        (params(strategy="MPS", mps={"shmSize": "-64Mi"}), r"shmSize: must be a quantity from 1Mi to 1Ti"),
+        ({"apiVersion": f"{DRIVER}/v1alpha1"}, r"parameters.kind is missing; set it to GpuConfig"),
         (params(strategy="MPS", mps="yes"), r"parameters.sharing.mps must be an object"),
         ("MPS", r"parameters must be an object"),
     ],

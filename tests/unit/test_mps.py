@@ -322,9 +322,11 @@ def test_an_shm_size_above_the_free_space_is_refused_before_anything_changes(
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("lots", "is not a Kubernetes quantity"),
-        ("0", "must be greater than zero"),
-        (0, "must be greater than zero"),
+        ("lots", "must be a quantity from 1Mi to 1Ti"),
+        ("0", "must be a quantity from 1Mi to 1Ti"),
+        (0, "must be a quantity from 1Mi to 1Ti"),
+        ("-64Mi", "must be a quantity from 1Mi to 1Ti"),
+        ("2Ti", "must be a quantity from 1Mi to 1Ti"),
     ],
 )
 def test_shm_size_must_be_a_positive_quantity(value: object, message: str) -> None:
@@ -458,7 +460,11 @@ def test_an_invalid_config_is_refused_before_anything_is_touched(make_preparer: 
     bad = {**MPS_PARAMS, "sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "10GB"}}}
     preparer = make_preparer(mps_claim(bad))
     asyncio.run(preparer.recover())
-    assert re.search(r"invalid configuration for driver gpu.dra-driver.dev: .*10GB", str(prepare(preparer)))
+    assert re.search(
+        r"invalid configuration for driver gpu.dra-driver.dev: "
+        r".*defaultPinnedDeviceMemoryLimit: must be a quantity",
+        str(prepare(preparer)),
+    )
     assert UID not in preparer.read_checkpoint().claims
     assert not mps.claim_uids()
 

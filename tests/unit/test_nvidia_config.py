@@ -95,8 +95,23 @@ def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("parameters", "where", "reason"),
     [
-        (nvidia("VfioDeviceConfig"), "kind", nv.KIND_REASON),
-        (nvidia("ComputeDomainChannelConfig"), "kind", nv.KIND_REASON),
+        (nvidia("VfioDeviceConfig"), "kind", f"VfioDeviceConfig {nv.NO_COUNTERPART_REASON}"),
+        (
+            nvidia("ComputeDomainChannelConfig"),
+            "kind",
+            f"ComputeDomainChannelConfig {nv.NO_COUNTERPART_REASON}",
+        ),
+        (nvidia("GPUConfig"), "kind", nv.KIND_REASON),
+        (
+            nvidia(sharing=mps(defaultActiveThreadPercentage=1000)),
+            "sharing.mpsConfig.defaultActiveThreadPercentage",
+            nv.PERCENTAGE_REASON,
+        ),
+        (
+            nvidia(sharing=mps(defaultPinnedDeviceMemoryLimit="1Ei")),
+            "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
+            nv.LIMIT_REASON,
+        ),
         (nvidia(sharing={"strategy": "Fabric"}), "sharing.strategy", nv.STRATEGY_REASON),
         (nvidia(sharing={}), "sharing.strategy", nv.STRATEGY_REASON),
         (
@@ -127,7 +142,7 @@ def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
         (
             nvidia(sharing=mps(defaultActiveThreadPercentage=0)),
             "sharing.mpsConfig.defaultActiveThreadPercentage",
-            nv.PERCENTAGE_REASON,
+            nv.ZERO_PERCENTAGE_REASON,
         ),
         (
             nvidia(sharing=mps(defaultActiveThreadPercentage=101)),
@@ -162,6 +177,22 @@ def test_what_cannot_be_honoured_is_refused_with_the_reason(parameters: Any, whe
     with pytest.raises(ConfigError) as refused:
         nv.parse_claim_config(parameters, DRIVER, "opaque.parameters")
     assert str(refused.value) == f"opaque.parameters.{where}: {reason}"
+
+
+def test_a_missing_or_misspelled_kind_is_answered_with_the_kinds_that_exist() -> None:
+    """Issue 38: both were answered with a remark about VFIO and ComputeDomain."""
+    for params in ({"apiVersion": "resource.nvidia.com/v1beta1"}, nvidia("GpuConfg")):
+        with pytest.raises(ConfigError) as refused:
+            nv.parse_claim_config(params, DRIVER, "opaque.parameters")
+        assert "GpuConfig (whole GPUs) or MigDeviceConfig (MIG devices)" in str(refused.value)
+        assert "VFIO" not in str(refused.value)
+
+
+def test_a_thread_percentage_of_1000_is_answered_with_the_bound_not_a_remark_about_0() -> None:
+    with pytest.raises(ConfigError) as refused:
+        nv.parse_claim_config(nvidia(sharing=mps(defaultActiveThreadPercentage=1000)), DRIVER, "p")
+    expected = "p.sharing.mpsConfig.defaultActiveThreadPercentage: must be a whole number from 1 to 100"
+    assert str(refused.value) == expected
 
 
 def test_unknown_fields_are_refused_as_nvidia_decodes_strictly() -> None:

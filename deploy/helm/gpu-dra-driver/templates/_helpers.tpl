@@ -49,4 +49,8 @@ app.kubernetes.io/component: kubelet-plugin
     expression: >-
       device.driver == {{ .root.Values.driverName | quote }} &&
       device.attributes[{{ .root.Values.driverName | quote }}].type == {{ .type | quote }}
+{{- if eq .type "gpu" }} &&
+      !("migEnabled" in device.attributes[{{ .root.Values.driverName | quote }}] &&
+        device.attributes[{{ .root.Values.driverName | quote }}].migEnabled)
+{{- end }}
 {{- end -}}
