@@ -36,7 +36,7 @@ import structlog
 import yaml
 
 from controller import attributes as A
-from controller.claim_shapes import linked_gpus_ga, linked_gpus_list
+from controller.claim_shapes import fits_selector, linked_gpus_ga, linked_gpus_list
 from controller.publisher import warn_uncovered_cliques
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
@@ -192,17 +192,29 @@ def value_set(device: Device, qualified: str, list_semantics: bool) -> frozenset
     return frozenset([inner])
 
 
-def alternatives(claim: dict[str, Any]) -> list[tuple[str, int, list[str]]]:
-    """(full request name, count, matchAttribute names that apply), in the order the allocator tries them."""
+def fits(device: Device, sub: dict[str, Any]) -> bool:
+    """The subrequest's selectors on the device: the documented shapes carry fits_selector alone,
+    evaluated as CEL's `.?nvlinkCliqueSize.orValue(k) >= k` does."""
+    for selector in sub.get("selectors", []):
+        assert selector["cel"]["expression"] == fits_selector(sub["count"], DRIVER), selector
+        size = device.attributes.get(A.NVLINK_CLIQUE_SIZE, {"int": sub["count"]})["int"]
+        if size < sub["count"]:
+            return False
+    return True
+
+
+def alternatives(claim: dict[str, Any]) -> list[tuple[str, int, list[str], dict[str, Any]]]:
+    """(full request name, count, matchAttribute names that apply, the subrequest), in the order the
+    allocator tries them."""
     (request,) = claim["requests"]
     subs = ([(f"{request['name']}/{s['name']}", s) for s in request["firstAvailable"]]
             if "firstAvailable" in request else [(request["name"], request["exactly"])])
     out = []
     for full, sub in subs:
-        assert sub.get("allocationMode", "ExactCount") == "ExactCount" and not sub.get("selectors")
+        assert sub.get("allocationMode", "ExactCount") == "ExactCount"
         names = [c["matchAttribute"] for c in claim.get("constraints", [])
                  if request["name"] in c["requests"] or full in c["requests"]]
-        out.append((full, sub["count"], names))
+        out.append((full, sub["count"], names, sub))
     return out
 
 
@@ -210,8 +222,8 @@ def allocate_brute(devices: list[Device], busy: frozenset[int], claim: dict[str,
                    list_semantics: bool) -> tuple[str, tuple[int, ...]] | None:
     """The allocator by exhaustion: first k-subset in device order whose value sets intersect."""
     free = [d for d in devices if d.index not in busy]
-    for full, count, names in alternatives(claim):
-        for chosen in itertools.combinations(free, count):
+    for full, count, names, sub in alternatives(claim):
+        for chosen in itertools.combinations([d for d in free if fits(d, sub)], count):
             ok = True
             for name in names:
                 sets = [value_set(d, name, list_semantics) for d in chosen]
@@ -232,10 +244,10 @@ class FastModel:
     @classmethod
     def build(cls, devices: list[Device], claim: dict[str, Any], list_semantics: bool) -> FastModel:
         alts = []
-        for full, count, names in alternatives(claim):
+        for full, count, names, sub in alternatives(claim):
             assert len(names) == 1, "the documented shapes have one constraint per alternative"
             groups: dict[Any, list[int]] = {}
-            for d in devices:
+            for d in (d for d in devices if fits(d, sub)):
                 for v in sorted(value_set(d, names[0], list_semantics) or (), key=str):
                     groups.setdefault(v, []).append(d.index)
             alts.append((full, count, tuple(tuple(g) for g in groups.values())))
