@@ -310,4 +310,9 @@ def kubectl_gpu(node: str, driver_name: str, kubeconfig: str | None, output: str
 
 def main() -> None:
     """The `kubectl-gpu` entry point (kubectl finds it on PATH as the `gpu` plugin)."""
+    if sys.argv[1:2] == ["claim"]:  # kubectl gpu claim --linked K (dra_driver.commands.claim)
+        from dra_driver.commands.claim import kubectl_claim
+
+        kubectl_claim(prog_name="kubectl gpu claim", auto_envvar_prefix="DRA_DRIVER", args=sys.argv[2:])
+        return
     kubectl_gpu(prog_name="kubectl gpu", auto_envvar_prefix="DRA_DRIVER", args=sys.argv[1:])

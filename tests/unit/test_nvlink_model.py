@@ -36,6 +36,7 @@ import structlog
 import yaml
 
 from controller import attributes as A
+from controller.claim_fit import fit_linked_claim
 from controller.claim_shapes import fits_selector, linked_gpus_ga, linked_gpus_list
 from controller.publisher import warn_uncovered_cliques
 from controller.slices import SliceFeatures, desired_slices, published_topology
@@ -519,3 +520,29 @@ def test_inventory_names_the_attribute_of_every_clique() -> None:
     doc = inventory_document(h200, published_topology(h200), A.nvlink_layer_attribute)
     assert doc["nvlink"]["cliqueLayers"]["domains"] == [list(range(8))]
     assert {g["nvlinkDomain"] for g in doc["gpus"]} == {"island-0"}
+
+
+# ------------------------------------------------------------------ the generated claim (dra-driver claim)
+
+
+def fitted(inv: Inventory, features: SliceFeatures) -> Callable[[int], dict[str, Any]]:
+    """`dra-driver claim --linked k` on a fleet of this one node, as the model reads it."""
+    specs = [{"spec": s} for s in desired_slices(inv, "node-1", DRIVER, features)]
+    return lambda k: fit_linked_claim(k, specs, DRIVER).devices
+
+
+@pytest.mark.parametrize("features", [OFF, ON], ids=["ga", "list-attrs"])
+@pytest.mark.parametrize("name", sorted(profile_names()))
+def test_generated_claim_is_complete_on_every_profile(name: str, features: SliceFeatures) -> None:
+    inv = profile_inventory(name)
+    check(name, inv, fitted(inv, features), features)
+
+
+@pytest.mark.parametrize("features", [OFF, ON], ids=["ga", "list-attrs"])
+@pytest.mark.parametrize("name", [n for n in sorted(GENERATED) if n.startswith(("random", "apex", "ring"))])
+def test_generated_claim_is_complete_on_generated_graphs(name: str, features: SliceFeatures) -> None:
+    n, edges = GENERATED[name]
+    inv = graph_inventory(n, edges)
+    checked = check(name, inv, fitted(inv, features), features)
+    if features.list_attributes:
+        assert not checked.misses  # the generator falls back on the list form where layers leave some out

@@ -677,7 +677,8 @@ def test_over_the_limit_the_legacy_groups_go_before_any_layer() -> None:
 @pytest.mark.parametrize("list_attributes", [False, True], ids=["ga", "list-attrs"])
 def test_default_publishes_no_legacy_attribute(list_attributes: bool) -> None:
     for name in profiles():
-        specs = desired_slices(profile_inventory(name), NODE, DRIVER, SliceFeatures(list_attributes=list_attributes))
+        features = SliceFeatures(list_attributes=list_attributes)
+        specs = desired_slices(profile_inventory(name), NODE, DRIVER, features)
         for dev in devices_of(specs):
             assert not A.LEGACY_ATTRIBUTES & set(dev.get("attributes", {})), (name, dev["name"])
 
@@ -695,6 +696,7 @@ def test_default_clique_size_is_the_largest_clique_of_each_gpu(name: str, sizes:
 
 def test_clique_size_is_per_gpu_where_cliques_differ() -> None:
     # a triangle 0-1-2 with a tail 2-3 and a lone GPU 4
-    inv = inventory(gpu(0, links=[1, 2]), gpu(1, links=[0, 2]), gpu(2, links=[0, 1, 3]), gpu(3, links=[2]), gpu(4))
+    inv = inventory(gpu(0, links=[1, 2]), gpu(1, links=[0, 2]), gpu(2, links=[0, 1, 3]), gpu(3, links=[2]),
+                    gpu(4))
     devs = by_name(desired_slices(inv, NODE, DRIVER, SliceFeatures()))
     assert [attr(devs[f"gpu-{i}"], "nvlinkCliqueSize") for i in range(5)] == [3, 3, 3, 2, 1]
