@@ -566,7 +566,9 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
             bound, last_bound, last_change = seen, now, now
         elif now - last_change > stall_s and not creator.is_alive():
             break
-        if profiler and profiler.ident is None and created_at and count // 4 <= bound < count:
+        # (a claim that can never fit binds nothing: its profile starts 3 s after the last pod exists)
+        if profiler and profiler.ident is None and created_at and (
+                count // 4 <= bound < count or (not bound and now - created_at > 3)):
             # steady state: every pod and claim exists, the queue's burst of claim-add events
             # is over, and the scheduler alone has work
             profiler.start()
