@@ -36,8 +36,8 @@ def test_nvswitch_fleet_gets_one_layer(features: SliceFeatures, k: int) -> None:
     fitted = fit_linked_claim(k, fleet(features, "hgx-h200", "hgx-h200"))
     assert (fitted.form, fitted.layers, fitted.nodes, fitted.nodes_that_fit) == ("layers", (0,), 2, 2)
     assert subrequests(fitted.devices) == ["layer0"]
-    sub = fitted.devices["requests"][0]["firstAvailable"][0]
-    assert sub["selectors"] == [{"cel": {"expression": fits_selector(k)}}]
+    # every node holds k linked GPUs: the fail-fast selector would drop nothing, only cost
+    assert "selectors" not in fitted.devices["requests"][0]["firstAvailable"][0]
 
 
 def test_cube_mesh_pairs_take_the_list_form_where_served_else_two_layers() -> None:
@@ -54,9 +54,16 @@ def test_cube_mesh_pairs_take_the_list_form_where_served_else_two_layers() -> No
 def test_a_fleet_without_k_linked_gpus_says_the_claim_stays_pending() -> None:
     fitted = fit_linked_claim(3, fleet(GA, "ring8-v100", "dgx1-v100"))
     assert fitted.nodes_that_fit == 1 and fitted.layers == (0,)
+    sub = fitted.devices["requests"][0]["firstAvailable"][0]
+    assert sub["selectors"] == [{"cel": {"expression": fits_selector(3)}}]  # the ring fails fast
     none = fit_linked_claim(5, fleet(GA, "ring8-v100", "dgx1-v100"))
     assert none.nodes_that_fit == 0 and "stays Pending" in none.note
     assert subrequests(none.devices) == ["layer0"]
+    assert none.devices["requests"][0]["firstAvailable"][0]["selectors"]
+    listed = fit_linked_claim(3, fleet(LISTS, "ring8-v100", "dgx1-v100"))
+    assert listed.form == "layers"  # one layer: no need for the list form
+    assert fit_linked_claim(2, fleet(LISTS, "ring8-v100", "dgx1-v100")).devices["requests"][0]["exactly"].get(
+        "selectors") is None  # every node has a linked pair
 
 
 def test_a_mixed_fleet_lists_the_layers_of_every_node(tmp_path: Any) -> None:
