@@ -44,7 +44,8 @@ share view, kept apart by a counter set), `share-only` (the same claim on slices
 `--memory-shares-only`: each GPU as its share view alone, no counters); `linked2`, `linked3`,
 `linked4`: the claim `dra-driver claim --linked K` prints for the fleet (controller.claim_fit,
 read from the fleet's slices), the shape the docs lead with; `impossible`: the same for K one
-more than the largest clique of the fleet (100 pods, none can ever bind: CPU per attempt).
+more than the largest clique of the fleet (100 pods, none can ever bind: CPU per attempt);
+`impossible-8`: that K in the documented 8-layer fallback (`pair`, `quad`).
 The NVLink shapes carry the fail-fast selector (claim_shapes.fits_selector). `*-before` shapes
 are the claims and slices of d20fbb0, for a before/after in one run: no fail-fast selector, and
 `before` slices (legacy nvlinkGroup<N> and numaNode published, no nvlinkCliqueSize);
@@ -173,6 +174,7 @@ SHAPES: tuple[Shape, ...] = (
     Shape("linked3", "ours", 3, {}, build="generated"),
     Shape("linked4", "ours", 4, {}, build="generated"),
     Shape("impossible", "ours", 0, {}, build="impossible"),
+    Shape("impossible-8", "ours", 0, {}, build="impossible-8"),  # the 8-layer fallback
     Shape("pair", "ours", 2, linked_gpus_ga(2)),
     Shape("quad", "ours", 4, linked_gpus_ga(4)),
     Shape("pair-fit", "ours", 2, linked_gpus_ga(2), fit=True),
@@ -508,7 +510,7 @@ def _pod(shape: Shape, i: int) -> JSON:
 def capacity(shape: Shape, fleet: dict[str, Inventory]) -> int:
     """How many pods of `shape` the fleet holds (whole GPUs per node // GPUs per pod, or shares;
     for linked GPUs the disjoint k-cliques a first-found packing leaves room for)."""
-    if shape.build in ("impossible", "never"):
+    if shape.build.startswith("impossible") or shape.build == "never":
         return IMPOSSIBLE_PODS
     total = 0
     for inv in fleet.values():
@@ -686,9 +688,9 @@ def device_classes(api: Any) -> None:
 
 def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     """`shape` with its claim built for the fleet (fitted layers, generated, impossible), else as it is."""
-    k = largest_clique(fleet) + 1 if shape.build == "impossible" else shape.gpus
-    if shape.build == "impossible" and not shape.fail_fast and not shape.fit:
-        return dataclasses.replace(shape, gpus=k, claim=linked_gpus_ga(k, fail_fast=False))
+    k = largest_clique(fleet) + 1 if shape.build.startswith("impossible") else shape.gpus
+    if shape.build == "impossible-8" or (shape.build == "impossible" and not shape.fail_fast and not shape.fit):
+        return dataclasses.replace(shape, gpus=k, claim=linked_gpus_ga(k, fail_fast=shape.fail_fast))
     if shape.fit:
         topologies = [published_topology(inv) for inv in set(fleet.values())]
         claim = linked_gpus_ga(k, layers=fleet_layers(k, topologies), fail_fast=shape.fail_fast)
