@@ -689,7 +689,8 @@ def device_classes(api: Any) -> None:
 def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     """`shape` with its claim built for the fleet (fitted layers, generated, impossible), else as it is."""
     k = largest_clique(fleet) + 1 if shape.build.startswith("impossible") else shape.gpus
-    if shape.build == "impossible-8" or (shape.build == "impossible" and not shape.fail_fast and not shape.fit):
+    eight_layers = shape.build == "impossible" and not shape.fail_fast and not shape.fit
+    if shape.build == "impossible-8" or eight_layers:
         return dataclasses.replace(shape, gpus=k, claim=linked_gpus_ga(k, fail_fast=shape.fail_fast))
     if shape.fit:
         topologies = [published_topology(inv) for inv in set(fleet.values())]
