@@ -11,11 +11,12 @@ one with the fewest subrequests that still finds k linked GPUs wherever the flee
   any node; it is also taken when some node's layers leave a maximal clique out (a
   topology with more cliques than 8 layers can hold), as the GA shape would miss it there.
 The fail-fast selector (`claim_shapes.fits_selector`) goes in only where some node of the
-fleet has no set of k linked GPUs: there it stops the search before any `matchAttribute`
-(a claim no node can hold: 99 -> 52 ms of scheduler CPU per attempt at 100 DGX-1 nodes),
-but where every node has one it drops nothing and costs one more CEL evaluation per device
-looked at (the scheduler rebuilds a device's attribute map for every expression: a quad
-claim 18 -> 25 ms per pod). Every subrequest the scheduler cannot satisfy on a node is one
+fleet has no set of k linked GPUs and the claim has one subrequest: there it stops the
+search before any `matchAttribute` (a claim no node can hold: 99 -> 52 ms of scheduler CPU
+per attempt at 100 DGX-1 nodes), but where every node has one it drops nothing and costs one
+more CEL evaluation per device looked at (the scheduler rebuilds a device's attribute map
+for every expression: a quad claim 18 -> 25 ms per pod), and over several subrequests it is
+evaluated again in each (claim_shapes). Every subrequest the scheduler cannot satisfy on a node is one
 more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
 
 Pure: slices in, a claim out; reading the cluster is `dra_driver.commands.claim`'s.
@@ -119,14 +120,14 @@ def fit_linked_claim(
     lists = bool(nodes) and all(n.cliques is not None for n in nodes.values())
     # a maximal clique that no layer holds: the GA shape cannot give it on that node
     uncovered = lists and any(not (n.cliques or frozenset()) <= n.layer_groups for n in nodes.values())
-    fail_fast = fit < len(nodes)
+    fail_fast = fit < len(nodes) and len(layers) == 1
     ga = linked_gpus_ga(k, driver=driver, device_class=device_class, selectors=selectors, layers=layers,
                         request=request, fail_fast=fail_fast)
     if lists and (len(layers) > 1 or uncovered):
         why = ("some node has more cliques than its layers hold" if uncovered
                else f"the layers would need {len(layers)} subrequests")
         devices = linked_gpus_list(k, driver=driver, device_class=device_class, selectors=selectors,
-                                   request=request, fail_fast=fail_fast)
+                                   request=request, fail_fast=fit < len(nodes))
         return FittedClaim(devices, "list", layers, len(nodes), fit,
                            f"list form (one request): the server keeps list-type attributes and {why}")
     note = f"clique layers {', '.join(map(str, layers))} ({len(layers)} subrequest{'s' * (len(layers) > 1)})"

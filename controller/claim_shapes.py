@@ -22,11 +22,16 @@ tries it on every node where the ones before it failed: with 8 subrequests, the 
 spent 60% of the scheduler's time in the DRA filter. `linked_gpus_ga(k, layers=...)` with
 those layers finds the same GPUs as with all 8.
 
-Both shapes carry, in every subrequest, `fits_selector(k)`: the device's `nvlinkCliqueSize`
-(the largest clique it is in) is at least k. A GPU that fails it is in no k-clique, so the
-claim finds the same GPUs; but on a node where no GPU passes, the allocator gives up on the
-selector alone, before any `matchAttribute` search: a claim no node can hold fails fast.
-Devices of an older driver without the attribute pass it (`orValue(k)`): nothing is lost.
+A one-subrequest shape (the list form, or the GA form over one layer) carries by default
+`fits_selector(k)`: the device's `nvlinkCliqueSize` (the largest clique it is in) is at least
+k. A GPU that fails it is in no k-clique, so the claim finds the same GPUs; but on a node
+where no GPU passes, the allocator gives up on the selector alone, before any
+`matchAttribute` search: a claim no node can hold fails fast (98.7 -> 51.7 ms of scheduler
+CPU per attempt at 100 DGX-1 nodes). With several subrequests it is left out: the scheduler
+evaluates every subrequest's selectors on every device again (an impossible claim over 8
+layers cost 416 ms per attempt without it and 520 with it), and on a node that has k linked
+GPUs it drops nothing and costs one more CEL evaluation per device. Devices of an older
+driver without the attribute pass it (`orValue(k)`): nothing is lost.
 """
 
 from __future__ import annotations
@@ -65,11 +70,11 @@ def linked_gpus_ga(
     selectors: Sequence[str] = (),
     layers: int | Sequence[int] = NVLINK_LAYERS,
     request: str = REQUEST,
-    fail_fast: bool = True,
+    fail_fast: bool | None = None,
 ) -> JSON:
     """k mutually linked GPUs through the clique layers (GA API: firstAvailable + matchAttribute).
     `layers`: how many (layer 0 up), or which (`fleet_layers`), in order. `fail_fast`: with
-    `fits_selector(k)` in every subrequest."""
+    `fits_selector(k)` in every subrequest; None: when there is one subrequest (module doc)."""
     chosen = list(range(layers)) if isinstance(layers, int) else list(layers)
     if not chosen or len(chosen) > NVLINK_LAYERS or len(set(chosen)) != len(chosen) or not all(
         0 <= n < NVLINK_LAYERS for n in chosen
@@ -77,7 +82,7 @@ def linked_gpus_ga(
         raise ValueError(
             f"layers {layers!r}: give 1 to {NVLINK_LAYERS} distinct layers of 0..{NVLINK_LAYERS - 1}"
         )
-    selectors = _with_fits(k, driver, selectors, fail_fast)
+    selectors = _with_fits(k, driver, selectors, len(chosen) == 1 if fail_fast is None else fail_fast)
     subrequests: list[JSON] = []
     for layer in chosen:
         sub: JSON = {"name": layer_subrequest(layer), "deviceClassName": device_class, "count": k}
