@@ -26,15 +26,35 @@ that shape (an 8-GPU node holds 8 one-GPU pods, 4 pairs, 2 quads). Figures:
 After each shape its pods are deleted (grace 0) and the benchmark waits until their claims
 are gone, so the next shape starts on a free fleet.
 
+Per shape also the scheduler's CPU per bound pod (`scheduler_cpu_ms_per_bound_pod`: its CPU
+during the shape / pods bound) and per unschedulable attempt (`..._per_unschedulable_attempt`,
+for claims that can never fit), and at the end of a profile each shape's CPU per pod as a
+multiple of the `reference` shape's (`cpu_vs_reference`, the mean of its two runs); the
+impossible shapes per attempt against `reference-impossible`'s (`cpu_per_attempt_vs_reference`).
+CPU is read from /proc, which a busy machine distorts far less than pods/s.
+
 Shapes: `reference` (devices with index, uuid, productName and capacity memory only; one GPU
-per pod: upstream's shape), and ours: `one-gpu`, `cel-memory` (one GPU, memory >= 24Gi), `pair`
+per pod: upstream's shape), `reference-impossible` (the same with a selector no device passes:
+what one unschedulable plain pod costs), and ours: `one-gpu`, `cel-memory` (one GPU, memory >= 24Gi), `pair`
 and `quad` (the documented 8-layer firstAvailable shape of controller/claim_shapes.py,
 deploy/examples/05), `pair-fit` and `quad-fit` (the same with only the layers where some node
 of the fleet has a group of 2 or 4: `claim_shapes.fleet_layers`; it finds the same GPUs),
 `share` (an 8Gi memory share, on slices published with memory shares: each GPU whole and as a
 share view, kept apart by a counter set), `share-only` (the same claim on slices published with
-`--memory-shares-only`: each GPU as its share view alone, no counters).
-Profiles: hgx-h200, dgx1-v100, mixed (the two alternating).
+`--memory-shares-only`: each GPU as its share view alone, no counters); `linked2`, `linked3`,
+`linked4`: the claim `dra-driver claim --linked K` prints for the fleet (controller.claim_fit,
+read from the fleet's slices), the shape the docs lead with; `impossible`: the same for K one
+more than the largest clique of the fleet (100 pods, none can ever bind: CPU per attempt);
+`impossible-8`: that K in the documented 8-layer fallback (`pair`, `quad`).
+The NVLink shapes carry the fail-fast selector (claim_shapes.fits_selector). `*-before` shapes
+are the claims and slices of d20fbb0, for a before/after in one run: no fail-fast selector, and
+`before` slices (legacy nvlinkGroup<N> and numaNode published, no nvlinkCliqueSize);
+`one-gpu-before` against `one-gpu` is what the attributes no claim needs cost.
+For the linked shapes the pod count is capped at what a first-found packing leaves room for
+(per node, disjoint k-cliques taken lowest GPUs first), so that none stays pending for lack of GPUs.
+Profiles: hgx-h200, dgx1-v100, mixed (the two alternating), and `random-<seed>`: every node an
+8-GPU NVLink graph drawn from the seed (tests/harness/topologies.py: a density from the seed,
+then each pair linked with it), not hand-picked.
 
 `--pprof-seconds S` takes a CPU profile of kube-scheduler over S seconds of each shape, from
 the moment all its pods exist and a quarter of them are bound (its /debug/pprof/profile: the
@@ -55,6 +75,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import http.client
 import itertools
 import json
@@ -62,6 +83,7 @@ import os
 import re
 import ssl
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +92,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import fresh_control_plane, report
+from controller.attributes import NVLINK_CLIQUE_SIZE
+from controller.claim_fit import fit_linked_claim
 from controller.claim_shapes import fleet_layers, linked_gpus_ga
 from controller.plan import MANAGED_BY_LABEL, SLICES, PoolSpec, desired_objects
 from controller.slices import SliceFeatures, desired_slices, published_topology
@@ -88,6 +112,7 @@ from tests.harness.objects import (
     sync_request,
     wait_for,
 )
+from tests.harness.topologies import random_profile
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = DEFAULT_DRIVER_NAME
@@ -103,7 +128,9 @@ PROFILES: dict[str, tuple[str, ...]] = {
     "mixed": ("hgx-h200", "dgx1-v100"),
 }
 SHARE_REQUEST = 8 * 2**30
-SLICE_KINDS = ("reference", "ours", "shares", "shares-only")
+SLICE_KINDS = ("reference", "ours", "before", "shares", "shares-only")
+RANDOM_PREFIX = "random-"
+IMPOSSIBLE_PODS = 100
 CEL_MEMORY = 'device.capacity["gpu.dra-driver.dev"].memory.compareTo(quantity("24Gi")) >= 0'
 COMPONENTS = ("kube-scheduler", "kube-apiserver", "kube-controller-manager", "etcd")
 
@@ -119,6 +146,10 @@ class Shape:
     # the GA linked shape with only the layers the fleet can use (claim_shapes.fleet_layers),
     # built per fleet in run_profile
     fit: bool = False
+    # built per fleet in run_profile: "generated" (controller.claim_fit, gpus = K), "impossible"
+    # (K = the fleet's largest clique + 1; as generated, or as `claim` says for -before shapes)
+    build: str = ""
+    fail_fast: bool = True  # the NVLink claims' fits_selector (False: as d20fbb0)
 
 
 def _one(device_class: str, selectors: Sequence[str] = ()) -> JSON:
@@ -131,16 +162,34 @@ def _one(device_class: str, selectors: Sequence[str] = ()) -> JSON:
 _SHARE: JSON = {"requests": [{"name": "mem", "exactly": {
     "deviceClassName": SHARE_CLASS, "capacity": {"requests": {"memory": "8Gi"}}}}]}
 
+_NOTHING = f'device.attributes["{DRIVER}"].index > 1000'  # no device passes
+_OLD = {"fail_fast": False}
+
 SHAPES: tuple[Shape, ...] = (
     Shape("reference", "reference", 1, _one(REFERENCE_CLASS)),
+    Shape("reference-impossible", "reference", 1, _one(REFERENCE_CLASS, [_NOTHING]), build="never"),
     Shape("one-gpu", "ours", 1, _one(GPU_CLASS)),
     Shape("cel-memory", "ours", 1, _one(GPU_CLASS, [CEL_MEMORY])),
+    Shape("linked2", "ours", 2, {}, build="generated"),
+    Shape("linked3", "ours", 3, {}, build="generated"),
+    Shape("linked4", "ours", 4, {}, build="generated"),
+    Shape("impossible", "ours", 0, {}, build="impossible"),
+    Shape("impossible-8", "ours", 0, {}, build="impossible-8"),  # the 8-layer fallback
     Shape("pair", "ours", 2, linked_gpus_ga(2)),
     Shape("quad", "ours", 4, linked_gpus_ga(4)),
     Shape("pair-fit", "ours", 2, linked_gpus_ga(2), fit=True),
     Shape("quad-fit", "ours", 4, linked_gpus_ga(4), fit=True),
     Shape("share", "shares", 0, _SHARE),
     Shape("share-only", "shares-only", 0, _SHARE),
+    # d20fbb0's slices and claims
+    Shape("one-gpu-before", "before", 1, _one(GPU_CLASS)),
+    Shape("pair-before", "before", 2, linked_gpus_ga(2, fail_fast=False), fail_fast=False),
+    Shape("quad-before", "before", 4, linked_gpus_ga(4, fail_fast=False), fail_fast=False),
+    Shape("pair-fit-before", "before", 2, {}, fit=True, fail_fast=False),
+    Shape("quad-fit-before", "before", 4, {}, fit=True, fail_fast=False),
+    Shape("triple-fit-before", "before", 3, {}, fit=True, fail_fast=False),
+    Shape("impossible-before", "before", 0, {}, build="impossible", fail_fast=False),
+    Shape("impossible-fit-before", "before", 0, {}, build="impossible", fit=True, fail_fast=False),
 )
 
 
@@ -169,13 +218,29 @@ def node_specs(kind: str, inventory: Inventory, node: str) -> tuple[JSON, ...]:
     if kind == "reference":
         return reference_specs(inventory, node)
     features = SliceFeatures(list_attributes=True, memory_shares=kind.startswith("shares"),
-                             shares_only=kind == "shares-only")
-    return desired_slices(inventory, node, DRIVER, features)
+                             shares_only=kind == "shares-only", legacy_attributes=kind == "before")
+    specs = desired_slices(inventory, node, DRIVER, features)
+    return tuple(_without_clique_size(s) for s in specs) if kind == "before" else specs
+
+
+def _without_clique_size(spec: JSON) -> JSON:
+    """d20fbb0's slices had no nvlinkCliqueSize."""
+    devices = [{**d, "attributes": {k: v for k, v in d["attributes"].items() if k != NVLINK_CLIQUE_SIZE}}
+               if "attributes" in d else d for d in spec.get("devices", [])]
+    return {**spec, "devices": devices} if devices else spec
 
 
 def node_objects(kind: str, inventory: Inventory, node: str) -> list[JSON]:
     pool = PoolSpec(node, node, node_specs(kind, inventory, node))
     return list(desired_objects(DRIVER, pool, 1, None).values())
+
+
+def entries_per_gpu(kind: str, inventory: Inventory) -> int:
+    """Attributes + capacities of the node's first whole GPU (what CEL builds its map from)."""
+    for spec in node_specs(kind, inventory, "node-0000"):
+        for d in spec.get("devices", []):
+            return len(d.get("attributes", {})) + len(d.get("capacity", {}))
+    return 0
 
 
 def slice_bytes(kind: str, inventory: Inventory) -> int:
@@ -443,14 +508,37 @@ def _pod(shape: Shape, i: int) -> JSON:
 
 
 def capacity(shape: Shape, fleet: dict[str, Inventory]) -> int:
-    """How many pods of `shape` the fleet holds (whole GPUs per node // GPUs per pod, or shares)."""
+    """How many pods of `shape` the fleet holds (whole GPUs per node // GPUs per pod, or shares;
+    for linked GPUs the disjoint k-cliques a first-found packing leaves room for)."""
+    if shape.build.startswith("impossible") or shape.build == "never":
+        return IMPOSSIBLE_PODS
     total = 0
     for inv in fleet.values():
-        if shape.gpus:
+        if shape.gpus >= 2 and shape.slices != "reference":
+            total += first_found_packing(inv, shape.gpus)
+        elif shape.gpus:
             total += len(inv.gpus) // shape.gpus
         else:
             total += sum(g.memory_bytes // SHARE_REQUEST for g in inv.gpus)
     return total
+
+
+@functools.cache
+def first_found_packing(inventory: Inventory, k: int) -> int:
+    """Disjoint sets of k mutually linked GPUs, each the lowest-numbered free one first."""
+    adjacency = published_topology(inventory).adjacency
+    free, taken = set(adjacency), 0
+    while True:
+        found = next((c for c in itertools.combinations(sorted(free), k)
+                      if all(b in adjacency[a] for a, b in itertools.combinations(c, 2))), None)
+        if found is None:
+            return taken
+        free -= set(found)
+        taken += 1
+
+
+def largest_clique(fleet: dict[str, Inventory]) -> int:
+    return max((len(c) for inv in set(fleet.values()) for c in published_topology(inv).cliques), default=1)
 
 
 def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Inventory], pods: int,
@@ -480,7 +568,9 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
             bound, last_bound, last_change = seen, now, now
         elif now - last_change > stall_s and not creator.is_alive():
             break
-        if profiler and profiler.ident is None and created_at and count // 4 <= bound < count:
+        # (a claim that can never fit binds nothing: its profile starts 3 s after the last pod exists)
+        if profiler and profiler.ident is None and created_at and (
+                count // 4 <= bound < count or (not bound and now - created_at > 3)):
             # steady state: every pod and claim exists, the queue's burst of claim-add events
             # is over, and the scheduler alone has work
             profiler.start()
@@ -493,8 +583,11 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
     delta = _delta(after, before)
     elapsed = last_bound - t0
     pending = "" if bound >= count else _why_pending(api, ns)
+    sched_cpu = cpu1["kube-scheduler"] - cpu0["kube-scheduler"]
+    tries = attempts(delta)
     result: JSON = {
         "shape": shape.name,
+        "k": shape.gpus,
         "subrequests": len(shape.claim["requests"][0].get("firstAvailable", ())),
         "pods": count,
         "bound": bound,
@@ -502,8 +595,11 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
         "pods_per_s": round(bound / elapsed, 1) if elapsed > 0 else None,
         "create_s": round(created_at - t0, 2),
         "sli": sli_summary(delta),
-        "attempts": attempts(delta),
+        "attempts": tries,
         "cpu_s": {c: round(cpu1[c] - cpu0[c], 1) for c in COMPONENTS},
+        "scheduler_cpu_ms_per_bound_pod": round(1000 * sched_cpu / bound, 1) if bound else None,
+        "scheduler_cpu_ms_per_unschedulable_attempt": round(1000 * sched_cpu / tries["unschedulable"], 1)
+        if not bound and tries.get("unschedulable") else None,
         # below 1.0 the scheduler was waiting (on the API server, or for a core: 2 are shared here)
         "scheduler_cores_used": round((cpu1["kube-scheduler"] - cpu0["kube-scheduler"]) / elapsed, 2)
         if elapsed > 0 else None,
@@ -591,16 +687,34 @@ def device_classes(api: Any) -> None:
 
 
 def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
-    """`shape` with its claim fitted to the fleet's layers (a `fit` shape), else as it is."""
-    if not shape.fit:
-        return shape
-    topologies = [published_topology(inv) for inv in set(fleet.values())]
-    layers = fleet_layers(shape.gpus, topologies)
-    return dataclasses.replace(shape, claim=linked_gpus_ga(shape.gpus, layers=layers))
+    """`shape` with its claim built for the fleet (fitted layers, generated, impossible), else as it is."""
+    k = largest_clique(fleet) + 1 if shape.build.startswith("impossible") else shape.gpus
+    eight_layers = shape.build == "impossible" and not shape.fail_fast and not shape.fit
+    if shape.build == "impossible-8" or eight_layers:
+        return dataclasses.replace(shape, gpus=k, claim=linked_gpus_ga(k, fail_fast=shape.fail_fast))
+    if shape.fit:
+        topologies = [published_topology(inv) for inv in set(fleet.values())]
+        claim = linked_gpus_ga(k, layers=fleet_layers(k, topologies), fail_fast=shape.fail_fast)
+        return dataclasses.replace(shape, gpus=k, claim=claim)
+    if shape.build in ("generated", "impossible"):
+        slices = [{"spec": s} for i, inv in enumerate(set(fleet.values()))
+                  for s in node_specs("ours", inv, f"n{i}")]
+        return dataclasses.replace(shape, gpus=k, claim=fit_linked_claim(k, slices, DRIVER).devices)
+    return shape
+
+
+@functools.cache
+def profile_inventories(profile: str) -> tuple[Inventory, ...]:
+    """A shipped profile's inventories, or `random-<seed>`'s one (tests/harness/topologies.py)."""
+    if profile.startswith(RANDOM_PREFIX):
+        where = Path(tempfile.gettempdir()) / "dra-bench-topologies"
+        where.mkdir(exist_ok=True)
+        return (discover(str(random_profile(int(profile.removeprefix(RANDOM_PREFIX)), where))),)
+    return tuple(discover(p) for p in PROFILES[profile])
 
 
 def fleet_of(profile: str, nodes: int) -> dict[str, Inventory]:
-    inventories = [discover(p) for p in PROFILES[profile]]
+    inventories = profile_inventories(profile)
     return {f"{profile}-{i:04d}": inventories[i % len(inventories)] for i in range(nodes)}
 
 
@@ -609,6 +723,9 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
                 pprof_dir: Path | None = None, scheduler_gates: Sequence[str] = ()) -> JSON:
     fleet = fleet_of(profile, nodes)
     shapes = [for_fleet(s, fleet) for s in shapes]
+    for s in [s for s in shapes if not capacity(s, fleet)]:
+        log(f"{profile}: no node has {s.gpus} linked GPUs; {s.name} left out (see `impossible`)")
+    shapes = [s for s in shapes if capacity(s, fleet)]
     with fresh_control_plane("dra-bench-sched-") as (cp, work):
         if raised:
             raise_limits(cp, scheduler_gates)
@@ -645,18 +762,36 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
                 f"{r['pods_per_s']} pods/s (created in {r['create_s']}s)")
             results.append(r)
             log("so far: " + json.dumps(r, separators=(",", ":")))  # a long run interrupted keeps these
-        refs = [r["pods_per_s"] for r in results if r["shape"].startswith("reference") and r["pods_per_s"]]
+        plain = [r for r in results if r["shape"] in ("reference", "reference-again")]
+        refs = [r["pods_per_s"] for r in plain if r["pods_per_s"]]
         ref = sum(refs) / len(refs) if refs else None
+        ref_cpus = [r["scheduler_cpu_ms_per_bound_pod"] for r in plain if r["scheduler_cpu_ms_per_bound_pod"]]
+        ref_cpu = sum(ref_cpus) / len(ref_cpus) if ref_cpus else None
+        ref_attempt = next((r["scheduler_cpu_ms_per_unschedulable_attempt"] for r in results
+                            if r["shape"] == "reference-impossible"), None)
         for r in results:
             if ref and r["pods_per_s"]:
                 r["vs_reference"] = round(r["pods_per_s"] / ref, 2)
-        inventories = {p: discover(p) for p in PROFILES[profile]}
+            if ref_cpu and r["scheduler_cpu_ms_per_bound_pod"]:
+                r["cpu_vs_reference"] = round(r["scheduler_cpu_ms_per_bound_pod"] / ref_cpu, 2)
+            per_attempt = r["scheduler_cpu_ms_per_unschedulable_attempt"]
+            if per_attempt and ref_attempt:
+                r["cpu_per_attempt_vs_reference"] = round(per_attempt / ref_attempt, 2)
+            if per_attempt and ref_cpu:
+                r["cpu_per_attempt_vs_reference_bound_pod"] = round(per_attempt / ref_cpu, 2)
+        inventories = {p: discover(p) for p in PROFILES[profile]} if profile in PROFILES else {
+            profile: profile_inventories(profile)[0]}
         return {
             "profile": profile,
             "nodes": nodes,
             "client_limits": "raised" if raised else "default",
             "scheduler_feature_gates_added": list(scheduler_gates),
             "reference_pods_per_s_mean": round(ref, 1) if ref else None,
+            "reference_scheduler_cpu_ms_per_bound_pod_mean": round(ref_cpu, 1) if ref_cpu else None,
+            "largest_clique": largest_clique(fleet),
+            "claims": {s.name: s.claim for s in shapes if s.slices != "reference"},
+            "entries_per_gpu": {p: {k: entries_per_gpu(k, inv) for k in SLICE_KINDS}
+                                for p, inv in inventories.items()},
             "slices_publish_s": published,
             "slice_bytes_per_node": {p: {k: slice_bytes(k, inv) for k in SLICE_KINDS}
                                      for p, inv in inventories.items()},
@@ -694,6 +829,13 @@ def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
             "method": "benchmarks/scheduler.py docstring", "cases": cases}
 
 
+def _profile(text: str) -> str:
+    if text in PROFILES or (text.startswith(RANDOM_PREFIX) and text.removeprefix(RANDOM_PREFIX).isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"--profile {text!r}: one of {', '.join(sorted(PROFILES))} or "
+                                     f"{RANDOM_PREFIX}<seed>")
+
+
 def _size(text: str) -> tuple[int, int]:
     nodes, _, pods = text.partition(":")
     try:
@@ -707,7 +849,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                      description="Pods/s through the real kube-scheduler, per claim shape.")
     parser.add_argument("--full", action="store_true", help="100, 500 and 1,000 nodes, 5,000 pods")
     parser.add_argument("--size", action="append", type=_size, metavar="NODES:PODS")
-    parser.add_argument("--profile", action="append", choices=sorted(PROFILES))
+    parser.add_argument("--profile", action="append", type=_profile,
+                        help=f"one of {', '.join(sorted(PROFILES))}, or {RANDOM_PREFIX}<seed>")
     parser.add_argument("--shape", action="append", choices=[s.name for s in SHAPES])
     parser.add_argument("--no-defaults", action="store_true", help="skip the default-rate-limit case")
     parser.add_argument("--stall", type=float, default=30.0,

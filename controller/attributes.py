@@ -59,6 +59,7 @@ NVLINK_GROUP_PREFIX = "nvlinkGroup"
 NVLINK_CLIQUES = "nvlinkCliques"
 NVLINK_LAYER_PREFIX = "nvlinkClique"
 NVLINK_DOMAIN = "nvlinkDomain"
+NVLINK_CLIQUE_SIZE = "nvlinkCliqueSize"
 FABRIC_CLIQUE_ID = "cliqueId"
 MIG_ENABLED = "migEnabled"  # whole GPUs: in MIG mode (NVIDIA's name and type, from its earlier releases)
 ISOLATION = "isolation"  # share views only (dra_driver.sharing.shares.ISOLATION_ATTRIBUTE)
@@ -67,11 +68,12 @@ ISOLATION = "isolation"  # share views only (dra_driver.sharing.shares.ISOLATION
 # 32 attributes+capacities limit whatever the topology module reports.
 NVLINK_GROUP_SIZES = (2, 4, 8, 16, 32, 64)
 
-# Everything a whole GPU may publish apart from the clique layers and the legacy
-# nvlinkGroup<N>: the layers get what is left of the per-device budget.
+# Everything a whole GPU publishes by default apart from the clique layers: the layers get
+# what is left of the per-device budget. The opt-in legacy attributes (LEGACY_ATTRIBUTES) are
+# dropped before the layers when a device would go over it.
 WHOLE_GPU_BASE: tuple[str, ...] = (
     TYPE, UUID, PRODUCT_NAME, BRAND, ARCHITECTURE, CUDA_COMPUTE_CAPABILITY, DRIVER_VERSION,
-    CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, INDEX, MINOR, NUMA_NODE,
+    CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, INDEX, MINOR, NVLINK_CLIQUE_SIZE,
     NVLINK_PEER_COUNT, NVLINK_PEERS, NVLINK_ISLAND, NVLINK_CLIQUES, NVLINK_DOMAIN, FABRIC_CLIQUE_ID,
     MIG_ENABLED, "memory", "multiprocessors",
 )
@@ -96,6 +98,16 @@ DEVICE_TYPE_MIG = "mig"
 
 def nvlink_group_attribute(size: int) -> str:
     return f"{NVLINK_GROUP_PREFIX}{size}"
+
+
+# Published only with `--legacy-attributes` (chart `legacyAttributes`): no claim or doc of
+# this driver needs them, and every attribute a device carries costs the scheduler CPU on
+# every CEL selector it evaluates on that device (docs/attributes.md, "Cost"). numaNode
+# repeats resource.kubernetes.io/numaNode; nvlinkGroup<N> are fixed partitions that the
+# clique layers supersede.
+LEGACY_ATTRIBUTES: frozenset[str] = frozenset(
+    {NUMA_NODE, *(nvlink_group_attribute(s) for s in NVLINK_GROUP_SIZES)}
+)
 
 
 def nvlink_layer_attribute(layer: int) -> str:
@@ -146,7 +158,8 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
     AttributeDoc(INDEX, "int", "3", "NVML index of the GPU", "v25.3 only", "gpu"),
     AttributeDoc(MINOR, "int", "3", "device minor: `/dev/nvidia<minor>`", "v25.3 only", "gpu"),
     AttributeDoc(PARENT_INDEX, "int", "3", "NVML index of the MIG instance's GPU", "v25.3 only", "mig"),
-    AttributeDoc(NUMA_NODE, "int", "0", "NUMA node, only when known (scalar even with list attributes)",
+    AttributeDoc(NUMA_NODE, "int", "0", "legacy, opt-in (`--legacy-attributes`): NUMA node, only when "
+                 "known (scalar even with list attributes); repeats resource.kubernetes.io/numaNode",
                  "no", _BOTH),
     AttributeDoc(NVLINK_PEER_COUNT, "int", "4",
                  "how many other GPUs of the node this GPU has NVLink to (GPUs in MIG mode included)",
@@ -166,13 +179,18 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
     AttributeDoc(NVLINK_DOMAIN, "string", '"island-0"',
                  "the GPU's NVLink island, only where every whole GPU of the island is linked to every "
                  "other (NVSwitch): `matchAttribute` on it gives any k of them", "no", "gpu"),
+    AttributeDoc(NVLINK_CLIQUE_SIZE, "int", "4",
+                 "size of the largest set of mutually linked whole GPUs this GPU is in (1 with no "
+                 "peer): the selector `>= k` of the NVLink claims drops a GPU, and a node, that can "
+                 "never give k linked GPUs before any `matchAttribute` search", "no", "gpu"),
     AttributeDoc(NVLINK_CLIQUES, "strings (list attributes only)", '["0-1-2-3", "0-4"]',
                  "ids of the maximal sets of mutually linked GPUs this GPU belongs to; `matchAttribute` "
                  "on it (list semantics: the chosen GPUs share one value) gives k linked GPUs",
                  "no", "gpu"),
     AttributeDoc(nvlink_group_attribute(2), "string", '"nvl2-0-1"',
-                 "legacy, fragments: ONE fixed partition into mutually linked pairs (a GPU may have "
-                 "none, and linked pairs across two groups are never offered); kept for older claims",
+                 "legacy, opt-in (`--legacy-attributes`), fragments: ONE fixed partition into mutually "
+                 "linked pairs (a GPU may have none, and linked pairs across two groups are never "
+                 "offered); kept for older claims",
                  "no", "gpu"),
     AttributeDoc(nvlink_group_attribute(4), "string", '"nvl4-0-1-2-3"',
                  "legacy, fragments: same, one fixed partition into groups of 4", "no", "gpu"),
@@ -242,6 +260,7 @@ class NvlinkFacts:
     cliques: tuple[str, ...] = ()  # ids of the maximal cliques this GPU is in
     layers: Mapping[int, str] = dataclasses.field(default_factory=dict)  # layer -> group id
     domain: str | None = None  # island id, where the island's whole GPUs are a clique
+    clique_size: int | None = None  # the largest clique this GPU is in (1: none); None: not a whole GPU
 
 
 @dataclass(frozen=True)
@@ -419,6 +438,7 @@ def _nvlink(facts: NvlinkFacts | None, gpu: GpuInfo, list_attributes: bool) -> d
         attrs[NVLINK_PEERS] = _peer_string(peers)
     attrs[NVLINK_ISLAND] = _id(facts.island)
     attrs[NVLINK_DOMAIN] = _id(facts.domain)
+    attrs[NVLINK_CLIQUE_SIZE] = _int(facts.clique_size)
     for layer in range(NVLINK_LAYERS):
         attrs[nvlink_layer_attribute(layer)] = _id(facts.layers.get(layer))
     for size in NVLINK_GROUP_SIZES:
@@ -490,6 +510,7 @@ _ATTRIBUTE_DROP_ORDER: tuple[str, ...] = (
     NVLINK_ISLAND,
     FABRIC_CLIQUE_ID,
     NVLINK_DOMAIN,
+    NVLINK_CLIQUE_SIZE,
     *(nvlink_layer_attribute(n) for n in reversed(range(NVLINK_LAYERS))),
 )
 
@@ -520,11 +541,11 @@ def _without(entries: JSON, name: str) -> JSON:
 
 
 def device_attributes(device: NodeDevice, inventory: Inventory, nvlink: NvlinkFacts | None,
-                      *, list_attributes: bool) -> DeviceAttributes:
+                      *, list_attributes: bool, legacy: bool = False) -> DeviceAttributes:
     """The attributes and capacities of one device (`nvlink` is ignored for MIG devices).
 
     `list_attributes`: the server keeps list-type attributes (DRAListTypeAttributes);
-    without it only scalar attributes are published.
+    without it only scalar attributes are published. `legacy`: LEGACY_ATTRIBUTES too.
     """
     if device.mig is None:
         attrs, capacity = _gpu_device(device.gpu, inventory, nvlink, list_attributes)
@@ -533,5 +554,5 @@ def device_attributes(device: NodeDevice, inventory: Inventory, nvlink: NvlinkFa
         attrs, capacity = _mig_device(device.gpu, device.mig, inventory, list_attributes)
         optional_capacity = tuple(sorted((k for k in capacity if k.startswith(MEMORY_SLICE_PREFIX)),
                                          key=lambda k: -int(k[len(MEMORY_SLICE_PREFIX):])))
-    return _fit({k: v for k, v in attrs.items() if v is not None},
+    return _fit({k: v for k, v in attrs.items() if v is not None and (legacy or k not in LEGACY_ATTRIBUTES)},
                 {k: v for k, v in capacity.items() if v is not None}, optional_capacity)

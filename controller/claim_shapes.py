@@ -21,13 +21,24 @@ node's layers). A subrequest for any other layer can never be satisfied, yet the
 tries it on every node where the ones before it failed: with 8 subrequests, the DGX-1 quad
 spent 60% of the scheduler's time in the DRA filter. `linked_gpus_ga(k, layers=...)` with
 those layers finds the same GPUs as with all 8.
+
+A one-subrequest shape (the list form, or the GA form over one layer) carries by default
+`fits_selector(k)`: the device's `nvlinkCliqueSize` (the largest clique it is in) is at least
+k. A GPU that fails it is in no k-clique, so the claim finds the same GPUs; but on a node
+where no GPU passes, the allocator gives up on the selector alone, before any
+`matchAttribute` search: a claim no node can hold fails fast (98.7 -> 51.7 ms of scheduler
+CPU per attempt at 100 DGX-1 nodes). With several subrequests it is left out: the scheduler
+evaluates every subrequest's selectors on every device again (an impossible claim over 8
+layers cost 416 ms per attempt without it and 520 with it), and on a node that has k linked
+GPUs it drops nothing and costs one more CEL evaluation per device. Devices of an older
+driver without the attribute pass it (`orValue(k)`): nothing is lost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from controller.attributes import NVLINK_CLIQUES, NVLINK_LAYERS, nvlink_layer_attribute
+from controller.attributes import NVLINK_CLIQUE_SIZE, NVLINK_CLIQUES, NVLINK_LAYERS, nvlink_layer_attribute
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.gpu.topology import NvlinkTopology
 from dra_driver.jsontypes import JSON
@@ -43,6 +54,15 @@ def _selectors(selectors: Sequence[str]) -> list[JSON]:
     return [{"cel": {"expression": s}} for s in selectors]
 
 
+def fits_selector(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str:
+    """CEL: the device is in a clique of k or more GPUs (or does not say: an older driver)."""
+    return f'device.attributes["{driver}"].?{NVLINK_CLIQUE_SIZE}.orValue({k}) >= {k}'
+
+
+def _with_fits(k: int, driver: str, selectors: Sequence[str], fail_fast: bool) -> list[str]:
+    return [fits_selector(k, driver), *selectors] if fail_fast and k >= 2 else list(selectors)
+
+
 def linked_gpus_ga(
     k: int,
     driver: str = DEFAULT_DRIVER_NAME,
@@ -50,9 +70,11 @@ def linked_gpus_ga(
     selectors: Sequence[str] = (),
     layers: int | Sequence[int] = NVLINK_LAYERS,
     request: str = REQUEST,
+    fail_fast: bool | None = None,
 ) -> JSON:
     """k mutually linked GPUs through the clique layers (GA API: firstAvailable + matchAttribute).
-    `layers`: how many (layer 0 up), or which (`fleet_layers`), in order."""
+    `layers`: how many (layer 0 up), or which (`fleet_layers`), in order. `fail_fast`: with
+    `fits_selector(k)` in every subrequest; None: when there is one subrequest (module doc)."""
     chosen = list(range(layers)) if isinstance(layers, int) else list(layers)
     if not chosen or len(chosen) > NVLINK_LAYERS or len(set(chosen)) != len(chosen) or not all(
         0 <= n < NVLINK_LAYERS for n in chosen
@@ -60,6 +82,7 @@ def linked_gpus_ga(
         raise ValueError(
             f"layers {layers!r}: give 1 to {NVLINK_LAYERS} distinct layers of 0..{NVLINK_LAYERS - 1}"
         )
+    selectors = _with_fits(k, driver, selectors, len(chosen) == 1 if fail_fast is None else fail_fast)
     subrequests: list[JSON] = []
     for layer in chosen:
         sub: JSON = {"name": layer_subrequest(layer), "deviceClassName": device_class, "count": k}
@@ -79,12 +102,14 @@ def linked_gpus_ga(
 def fleet_layers(k: int, topologies: Iterable[NvlinkTopology]) -> tuple[int, ...]:
     """The layers where some node's group holds k or more GPUs, ascending; (0,) when none does
     (a claim needs one subrequest; it then fails as the full shape would)."""
-    fit = {
-        n
-        for t in topologies
-        for n, groups in enumerate(t.clique_layers.layers)
-        if any(len(group) >= k for group in groups)
-    }
+    return layers_for(k, ({n: [len(g) for g in groups] for n, groups in enumerate(t.clique_layers.layers)}
+                          for t in topologies))
+
+
+def layers_for(k: int, nodes: Iterable[Mapping[int, Sequence[int]]]) -> tuple[int, ...]:
+    """`fleet_layers` from each node's group sizes per layer (layer -> sizes), as read back
+    from published slices (`controller.claim_fit`)."""
+    fit = {n for node in nodes for n, sizes in node.items() if any(size >= k for size in sizes)}
     return tuple(sorted(fit)) or (0,)
 
 
@@ -94,8 +119,10 @@ def linked_gpus_list(
     device_class: str = DEFAULT_DRIVER_NAME,
     selectors: Sequence[str] = (),
     request: str = REQUEST,
+    fail_fast: bool = True,
 ) -> JSON:
     """k mutually linked GPUs through the list attribute nvlinkCliques (DRAListTypeAttributes)."""
+    selectors = _with_fits(k, driver, selectors, fail_fast)
     exactly: JSON = {"deviceClassName": device_class, "count": k}
     if selectors:
         exactly["selectors"] = _selectors(selectors)

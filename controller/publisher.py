@@ -408,12 +408,14 @@ async def slice_controller(
     memory_shares: bool = False,
     dynamic_mig: bool = False,
     shares_only: bool = False,
+    legacy_attributes: bool = False,
 ) -> SliceController:
     features = replace(
         await resolve_features(api, driver, list_attributes),
         memory_shares=memory_shares,
         shares_only=shares_only,
         dynamic_mig=dynamic_mig,
+        legacy_attributes=legacy_attributes,
     )
     single = next(iter(inventories)) if len(inventories) == 1 else None
     return SliceController(

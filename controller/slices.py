@@ -50,6 +50,8 @@ class SliceFeatures:
     shares_only: bool = False
     # --dynamic-mig: MIG-mode GPUs as partitionable devices (controller.partitions)
     dynamic_mig: bool = False
+    # --legacy-attributes: also controller.attributes.LEGACY_ATTRIBUTES (nvlinkGroup<N>, numaNode)
+    legacy_attributes: bool = False
 
 
 def _device_order(device: NodeDevice) -> tuple[int, int]:
@@ -66,10 +68,12 @@ def published_topology(inventory: Inventory) -> NvlinkTopology:
 
 def nvlink_facts(inventory: Inventory) -> dict[int, NvlinkFacts]:
     """The NVLink facts of every GPU, by index."""
+    topology = published_topology(inventory)
     return {
         g.index: NvlinkFacts(peers=g.peers, island=g.island, groups=g.groups_by_size, cliques=g.cliques,
-                             layers=dict(g.layers), domain=g.domain)
-        for g in published_topology(inventory).gpus
+                             layers=dict(g.layers), domain=g.domain,
+                             clique_size=max((len(c) for c in topology.cliques if g.index in c), default=1))
+        for g in topology.gpus
     }
 
 
@@ -162,7 +166,8 @@ def _described(
         if not is_dns_label(d.name, MAX_DEVICE_NAME_LENGTH):
             raise ValueError(f"device name {d.name!r} is not a DNS label")
     described = tuple(
-        device_attributes(d, inventory, facts.get(d.gpu.index), list_attributes=features.list_attributes)
+        device_attributes(d, inventory, facts.get(d.gpu.index), list_attributes=features.list_attributes,
+                          legacy=features.legacy_attributes)
         for d in devices
     )
     return devices, described

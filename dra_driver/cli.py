@@ -18,6 +18,7 @@ from dra_driver import __version__, log
 SUBCOMMANDS: Final = {
     "inventory": "dra_driver.commands.inventory:inventory",
     "cdi": "dra_driver.commands.cdi:cdi",
+    "claim": "dra_driver.commands.claim:claim",
     "controller": "dra_driver.commands.controller:controller",
     "kubelet-plugin": "dra_driver.commands.kubelet_plugin:kubelet_plugin",
     "status": "dra_driver.commands.status:status",

@@ -33,6 +33,7 @@ from dra_driver.commands.options import (
     driver_files_options,
     dynamic_mig_option,
     health_options,
+    legacy_attributes_option,
     memory_shares_option,
 )
 from dra_driver.devices import NodeDevice, node_devices
@@ -158,6 +159,7 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
 )
 @memory_shares_option
 @dynamic_mig_option
+@legacy_attributes_option
 @health_options
 def kubelet_plugin(
     driver_name: str,
@@ -182,6 +184,7 @@ def kubelet_plugin(
     memory_shares: bool,
     memory_shares_only: bool,
     dynamic_mig: bool,
+    legacy_attributes: bool,
     health_monitor: bool,
     health_taint_effect: TaintEffect,
     health_quiet_period: float,
@@ -215,6 +218,7 @@ def kubelet_plugin(
         memory_shares=memory_shares or memory_shares_only,
         shares_only=memory_shares_only,
         dynamic_mig=dynamic_mig,
+        legacy_attributes=legacy_attributes,
         metrics_port=metrics_port,
         metrics_bind_address=metrics_bind_address,
         health=health,
@@ -306,6 +310,7 @@ class PluginOptions:
     memory_shares: bool = False
     shares_only: bool = False  # each whole GPU as its share view alone (controller.capacity)
     dynamic_mig: bool = False  # MIG-mode GPUs carved by claims (docs/mig.md)
+    legacy_attributes: bool = False  # also nvlinkGroup<N>, numaNode (controller.attributes.LEGACY_ATTRIBUTES)
     metrics_port: int = 0  # 0: no metrics or probe port
     metrics_bind_address: str = "0.0.0.0"
     health: HealthPolicy | None = field(default_factory=HealthPolicy)  # None: --no-health-monitor
@@ -501,7 +506,7 @@ async def _publish(
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
     ctl = await slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares,
-        shares_only=opts.shares_only, dynamic_mig=opts.dynamic_mig,
+        shares_only=opts.shares_only, dynamic_mig=opts.dynamic_mig, legacy_attributes=opts.legacy_attributes,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:

@@ -102,6 +102,20 @@ def memory_shares_option(f: F) -> F:
     )(f)
 
 
+def legacy_attributes_option(f: F) -> F:
+    """`--legacy-attributes`: also publish nvlinkGroup<N> and numaNode (docs/attributes.md)."""
+    return click.option(
+        "--legacy-attributes/--no-legacy-attributes",
+        envvar="LEGACY_ATTRIBUTES",
+        default=False,
+        show_default=True,
+        help="Also publish the legacy attributes nvlinkGroup<N> (fixed NVLink partitions, superseded by "
+        "nvlinkClique<L>) and numaNode (repeats resource.kubernetes.io/numaNode), for claims written "
+        "against them. Off: every attribute costs the scheduler CPU on every device it looks at "
+        "(docs/attributes.md, \"Cost\").",
+    )(f)
+
+
 def dynamic_mig_option(f: F) -> F:
     """`--dynamic-mig`: carve MIG-mode GPUs on demand (docs/mig.md)."""
     return click.option(

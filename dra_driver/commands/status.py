@@ -392,8 +392,14 @@ def kubectl_gpu(node: str, driver_name: str, kubeconfig: str | None, output: str
 def main() -> None:
     """The `kubectl-gpu` entry point (kubectl finds it on PATH as the `gpu` plugin)."""
     args = sys.argv[1:]
-    if args[:1] == ["why"]:  # kubectl gpu why POD
+    if args[:1] == ["why"]:  # kubectl gpu why POD (dra_driver.commands.why)
         from dra_driver.commands.why import kubectl_gpu_why
 
         kubectl_gpu_why(prog_name="kubectl gpu why", auto_envvar_prefix="DRA_DRIVER", args=args[1:])
+        return
+    if args[:1] == ["claim"]:  # kubectl gpu claim --linked K (dra_driver.commands.claim)
+        from dra_driver.commands.claim import kubectl_claim
+
+        kubectl_claim(prog_name="kubectl gpu claim", auto_envvar_prefix="DRA_DRIVER", args=args[1:])
+        return
     kubectl_gpu(prog_name="kubectl gpu", auto_envvar_prefix="DRA_DRIVER", args=args)

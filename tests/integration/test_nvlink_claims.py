@@ -15,12 +15,18 @@ against the simulated hardware's own links) or stays Pending with the scheduler'
 At the end the processes stop and the nodes, slices and DeviceClass are deleted.
 `test_ga_cluster_stable_allocator` repeats the GA cases on a control plane of its own
 whose gates keep the scheduler on its GA ("stable") allocator and serve no list attributes.
+`test_random_topology_*`: three more nodes, each a seeded random 8-GPU NVLink graph
+(tests/harness/topologies.py, not hand-picked), with seeded random busy sets: the claim
+`dra-driver claim --linked k` prints for the node (controller.claim_fit) and the 8-layer
+fallback get a set of mutually linked GPUs whenever brute force finds a free one, and stay
+Pending only when it finds none, for every k up to one past the largest clique.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -31,6 +37,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from controller.claim_fit import fit_linked_claim
 from controller.claim_shapes import linked_gpus_ga, linked_gpus_list
 from dra_driver.gpu import discover
 from dra_driver.gpu.topology import nvlink_topology
@@ -48,6 +55,7 @@ from tests.harness.objects import (
     sync_request,
     wait_for,
 )
+from tests.harness.topologies import free_cliques, largest_clique, random_profile
 
 pytestmark = pytest.mark.integration
 
@@ -66,6 +74,9 @@ class Node:
 
     def linked(self, members: list[int]) -> bool:
         return all(frozenset(p) in self.links for p in itertools.combinations(members, 2))
+
+
+RANDOM_SEEDS = {1: 2, 4: 4, 6: 5}  # seed -> its graph's largest clique (asserted below)
 
 
 def _node(kind: str, profile: str, list_attributes: str) -> Node:
@@ -116,10 +127,15 @@ def published(kubeconfig: Path, api: client.ApiClient, nodes: dict[str, Node], l
 def bench(
     control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Bench]:
+    topologies = tmp_path_factory.mktemp("topologies")
     nodes = {
         "ring": _node("ring", "ring8-v100", "off"),
         "triangles": _node("tri", "bridged-triangles-v100", "auto"),
         "nvswitch": _node("nvs", "hgx-h200", "auto"),
+        # seed 1 without list attributes: the generator's GA form there
+        **{f"random-{seed}": _node(f"r{seed}", str(random_profile(seed, topologies)),
+                                     "off" if seed == 1 else "auto")
+           for seed in RANDOM_SEEDS},
     }
     with published(control_plane.kubeconfig, api, nodes, tmp_path_factory.mktemp("nvlink")) as b:
         yield b
@@ -304,6 +320,32 @@ def test_nvswitch_any_free_gpus_are_linked(case: Case) -> None:
     case.clear()
     case.busy(0, 2, 4, 6)
     case.pending(ga(5))
+
+
+@pytest.mark.parametrize("case", [f"random-{seed}" for seed in RANDOM_SEEDS], indirect=True)
+def test_random_topology_linked_sets_found_exactly_when_free(case: Case) -> None:
+    links = case.node.links
+    seed = int(case.node.name.split("-")[1].removeprefix("r"))
+    largest = largest_clique(links)
+    assert largest == RANDOM_SEEDS[seed]
+    rnd = random.Random(seed)
+    query = {"fieldSelector": f"spec.driver={DRIVER},spec.nodeName={case.node.name}"}
+    slices = sync_request(case.api, "GET", SLICES, query=query)["items"]
+    found = pending = 0
+    for k in range(2, largest + 2):
+        generated = fit_linked_claim(k, slices, DRIVER, CLASS).devices
+        for shape in (generated, ga(k)) if k <= largest else (generated,):
+            busy = sorted(rnd.sample(range(8), rnd.randint(0, 8 - k)))
+            case.busy(*busy)
+            if free_cliques(k, busy, links):
+                _, members = case.gets(shape)
+                assert not set(members) & set(busy) and len(members) == k
+                found += 1
+            else:
+                case.pending(shape)
+                pending += 1
+            case.clear()
+    assert found and pending  # both outcomes were put to the test
 
 
 # A GA cluster as far as DRA goes: no list-type attributes, and none of the beta features

@@ -70,7 +70,7 @@ def test_every_profile_is_published_and_accepted(control_plane: ControlPlane, ap
     for readable in (
         "Product Name:",
         "Tesla V100",
-        "nvlinkGroup4",
+        "nvlinkClique0",
         "Memory:",
         "Cuda Compute Capability:",
         "7.0.0",

@@ -81,3 +81,24 @@ def test_linked_shapes_are_the_documented_eight_layers() -> None:
         (request,) = SHAPE[name].claim["requests"]
         assert [s["count"] for s in request["firstAvailable"]] == [k] * 8
         assert len(SHAPE[name].claim["constraints"]) == 8
+
+
+def test_linked_shapes_are_built_for_the_fleet_and_sized_to_a_first_found_packing() -> None:
+    from benchmarks.scheduler import first_found_packing, for_fleet, largest_clique, node_specs
+    from controller.attributes import LEGACY_ATTRIBUTES, NVLINK_CLIQUE_SIZE
+
+    dgx1 = fleet_of("dgx1-v100", 3)
+    assert largest_clique(dgx1) == 4 and first_found_packing(discover("dgx1-v100"), 4) == 2
+    impossible = for_fleet(SHAPE["impossible"], dgx1)
+    assert impossible.gpus == 5 and capacity(impossible, dgx1) == 100
+    (sub,) = impossible.claim["requests"][0]["firstAvailable"]
+    assert "nvlinkCliqueSize" in sub["selectors"][0]["cel"]["expression"]
+    before = for_fleet(SHAPE["impossible-before"], dgx1)
+    assert len(before.claim["requests"][0]["firstAvailable"]) == 8
+    assert not any("selectors" in s for s in before.claim["requests"][0]["firstAvailable"])
+    random1 = fleet_of("random-1", 2)  # largest clique 2: no triple, pairs in 4 layers
+    assert largest_clique(random1) == 2 and capacity(for_fleet(SHAPE["linked3"], random1), random1) == 0
+    old = node_specs("before", discover("hgx-h200"), "n")[0]["devices"][0]["attributes"]
+    new = node_specs("ours", discover("hgx-h200"), "n")[0]["devices"][0]["attributes"]
+    assert NVLINK_CLIQUE_SIZE in new and NVLINK_CLIQUE_SIZE not in old
+    assert LEGACY_ATTRIBUTES & set(old) and not LEGACY_ATTRIBUTES & set(new)

@@ -36,7 +36,8 @@ import structlog
 import yaml
 
 from controller import attributes as A
-from controller.claim_shapes import linked_gpus_ga, linked_gpus_list
+from controller.claim_fit import fit_linked_claim
+from controller.claim_shapes import fits_selector, linked_gpus_ga, linked_gpus_list
 from controller.publisher import warn_uncovered_cliques
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
@@ -192,17 +193,29 @@ def value_set(device: Device, qualified: str, list_semantics: bool) -> frozenset
     return frozenset([inner])
 
 
-def alternatives(claim: dict[str, Any]) -> list[tuple[str, int, list[str]]]:
-    """(full request name, count, matchAttribute names that apply), in the order the allocator tries them."""
+def fits(device: Device, sub: dict[str, Any]) -> bool:
+    """The subrequest's selectors on the device: the documented shapes carry fits_selector alone,
+    evaluated as CEL's `.?nvlinkCliqueSize.orValue(k) >= k` does."""
+    for selector in sub.get("selectors", []):
+        assert selector["cel"]["expression"] == fits_selector(sub["count"], DRIVER), selector
+        size = device.attributes.get(A.NVLINK_CLIQUE_SIZE, {"int": sub["count"]})["int"]
+        if size < sub["count"]:
+            return False
+    return True
+
+
+def alternatives(claim: dict[str, Any]) -> list[tuple[str, int, list[str], dict[str, Any]]]:
+    """(full request name, count, matchAttribute names that apply, the subrequest), in the order the
+    allocator tries them."""
     (request,) = claim["requests"]
     subs = ([(f"{request['name']}/{s['name']}", s) for s in request["firstAvailable"]]
             if "firstAvailable" in request else [(request["name"], request["exactly"])])
     out = []
     for full, sub in subs:
-        assert sub.get("allocationMode", "ExactCount") == "ExactCount" and not sub.get("selectors")
+        assert sub.get("allocationMode", "ExactCount") == "ExactCount"
         names = [c["matchAttribute"] for c in claim.get("constraints", [])
                  if request["name"] in c["requests"] or full in c["requests"]]
-        out.append((full, sub["count"], names))
+        out.append((full, sub["count"], names, sub))
     return out
 
 
@@ -210,8 +223,8 @@ def allocate_brute(devices: list[Device], busy: frozenset[int], claim: dict[str,
                    list_semantics: bool) -> tuple[str, tuple[int, ...]] | None:
     """The allocator by exhaustion: first k-subset in device order whose value sets intersect."""
     free = [d for d in devices if d.index not in busy]
-    for full, count, names in alternatives(claim):
-        for chosen in itertools.combinations(free, count):
+    for full, count, names, sub in alternatives(claim):
+        for chosen in itertools.combinations([d for d in free if fits(d, sub)], count):
             ok = True
             for name in names:
                 sets = [value_set(d, name, list_semantics) for d in chosen]
@@ -232,10 +245,10 @@ class FastModel:
     @classmethod
     def build(cls, devices: list[Device], claim: dict[str, Any], list_semantics: bool) -> FastModel:
         alts = []
-        for full, count, names in alternatives(claim):
+        for full, count, names, sub in alternatives(claim):
             assert len(names) == 1, "the documented shapes have one constraint per alternative"
             groups: dict[Any, list[int]] = {}
-            for d in devices:
+            for d in (d for d in devices if fits(d, sub)):
                 for v in sorted(value_set(d, names[0], list_semantics) or (), key=str):
                     groups.setdefault(v, []).append(d.index)
             alts.append((full, count, tuple(tuple(g) for g in groups.values())))
@@ -507,3 +520,29 @@ def test_inventory_names_the_attribute_of_every_clique() -> None:
     doc = inventory_document(h200, published_topology(h200), A.nvlink_layer_attribute)
     assert doc["nvlink"]["cliqueLayers"]["domains"] == [list(range(8))]
     assert {g["nvlinkDomain"] for g in doc["gpus"]} == {"island-0"}
+
+
+# ------------------------------------------------------------------ the generated claim (dra-driver claim)
+
+
+def fitted(inv: Inventory, features: SliceFeatures) -> Callable[[int], dict[str, Any]]:
+    """`dra-driver claim --linked k` on a fleet of this one node, as the model reads it."""
+    specs = [{"spec": s} for s in desired_slices(inv, "node-1", DRIVER, features)]
+    return lambda k: fit_linked_claim(k, specs, DRIVER).devices
+
+
+@pytest.mark.parametrize("features", [OFF, ON], ids=["ga", "list-attrs"])
+@pytest.mark.parametrize("name", sorted(profile_names()))
+def test_generated_claim_is_complete_on_every_profile(name: str, features: SliceFeatures) -> None:
+    inv = profile_inventory(name)
+    check(name, inv, fitted(inv, features), features)
+
+
+@pytest.mark.parametrize("features", [OFF, ON], ids=["ga", "list-attrs"])
+@pytest.mark.parametrize("name", [n for n in sorted(GENERATED) if n.startswith(("random", "apex", "ring"))])
+def test_generated_claim_is_complete_on_generated_graphs(name: str, features: SliceFeatures) -> None:
+    n, edges = GENERATED[name]
+    inv = graph_inventory(n, edges)
+    checked = check(name, inv, fitted(inv, features), features)
+    if features.list_attributes:
+        assert not checked.misses  # the generator falls back on the list form where layers leave some out

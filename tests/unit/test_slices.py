@@ -43,8 +43,9 @@ from dra_driver.sharing.config import quantity_value
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-1"
-OFF = SliceFeatures(list_attributes=False)
-ON = SliceFeatures(list_attributes=True)
+# legacy on: most tests here check the opt-in legacy attributes too; test_default_* the default
+OFF = SliceFeatures(list_attributes=False, legacy_attributes=True)
+ON = SliceFeatures(list_attributes=True, legacy_attributes=True)
 BOTH = pytest.mark.parametrize("features", [OFF, ON], ids=["ga", "list-attrs"])
 REPO = Path(__file__).resolve().parents[2]
 
@@ -660,10 +661,42 @@ def test_over_the_limit_the_legacy_groups_go_before_any_layer() -> None:
     facts = A.NvlinkFacts(
         peers=(1,), island="island-0", groups={size: f"nvl{size}-x" for size in A.NVLINK_GROUP_SIZES},
         cliques=("0-1",), layers={n: f"0-{n + 1}" for n in range(A.NVLINK_LAYERS)}, domain="island-0",
+        clique_size=2,
     )
-    device = A.device_attributes(node_devices(inv)["gpu-0"], inv, facts, list_attributes=True)
+    device = A.device_attributes(node_devices(inv)["gpu-0"], inv, facts, list_attributes=True, legacy=True)
     assert device.count == A.MAX_ATTRIBUTES_AND_CAPACITIES
     names = set(device.attributes)
     assert {A.nvlink_layer_attribute(n) for n in range(A.NVLINK_LAYERS)} <= names
-    assert {"nvlinkDomain", "nvlinkCliques", "nvlinkIsland"} <= names
-    assert [s for s in A.NVLINK_GROUP_SIZES if A.nvlink_group_attribute(s) in names] == [2, 4]
+    assert {"nvlinkDomain", "nvlinkCliques", "nvlinkIsland", "nvlinkCliqueSize"} <= names
+    assert [s for s in A.NVLINK_GROUP_SIZES if A.nvlink_group_attribute(s) in names] == [2]
+
+
+# ---------------------------------------------------------------- default set, clique size
+
+
+@pytest.mark.parametrize("list_attributes", [False, True], ids=["ga", "list-attrs"])
+def test_default_publishes_no_legacy_attribute(list_attributes: bool) -> None:
+    for name in profiles():
+        features = SliceFeatures(list_attributes=list_attributes)
+        specs = desired_slices(profile_inventory(name), NODE, DRIVER, features)
+        for dev in devices_of(specs):
+            assert not A.LEGACY_ATTRIBUTES & set(dev.get("attributes", {})), (name, dev["name"])
+
+
+@pytest.mark.parametrize(("name", "sizes"), [
+    ("hgx-h200", [8] * 8), ("dgx1-v100", [4] * 8), ("ring8-v100", [2] * 8),
+    ("bridged-triangles-v100", [3] * 6), ("a100-pcie-bridged", [2] * 4), ("l4x4", [1] * 4),
+])
+def test_default_clique_size_is_the_largest_clique_of_each_gpu(name: str, sizes: list[int]) -> None:
+    specs = desired_slices(profile_inventory(name), NODE, DRIVER, SliceFeatures())
+    gpus = sorted((attr(d, "index"), attr(d, "nvlinkCliqueSize")) for d in devices_of(specs)
+                  if attr(d, "type") == "gpu")
+    assert [size for _, size in gpus] == sizes
+
+
+def test_clique_size_is_per_gpu_where_cliques_differ() -> None:
+    # a triangle 0-1-2 with a tail 2-3 and a lone GPU 4
+    inv = inventory(gpu(0, links=[1, 2]), gpu(1, links=[0, 2]), gpu(2, links=[0, 1, 3]), gpu(3, links=[2]),
+                    gpu(4))
+    devs = by_name(desired_slices(inv, NODE, DRIVER, SliceFeatures()))
+    assert [attr(devs[f"gpu-{i}"], "nvlinkCliqueSize") for i in range(5)] == [3, 3, 3, 2, 1]

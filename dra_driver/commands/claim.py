@@ -1,0 +1,100 @@
+"""`dra-driver claim --linked K` and `kubectl gpu claim --linked K`: print the claim for K linked GPUs.
+
+Reads the driver's ResourceSlices from the API server and prints, as YAML, the
+ResourceClaimTemplate for K mutually NVLink-linked GPUs that is cheapest for the scheduler
+and still complete for this fleet (`controller.claim_fit`: fewest subrequests, fail-fast
+selector); what it chose and why goes to stderr, so that stdout pipes into
+`kubectl apply -f -` as it is. Wiring only: the choice is `controller.claim_fit`'s.
+It must NOT write anything to the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+import yaml
+
+from controller.claim_fit import FittedClaim, claim_template, fit_linked_claim
+from dra_driver import DEFAULT_DRIVER_NAME, kube, log
+from dra_driver.jsontypes import JSON
+
+RESOURCE_API = "/apis/resource.k8s.io/v1"
+PAGE = 500
+
+
+async def read_slices(kubeconfig: str | None, driver: str) -> list[JSON]:
+    api = await kube.load_client(kubeconfig)
+    items: list[JSON] = []
+    query = {"fieldSelector": f"spec.driver={driver}", "limit": str(PAGE)}
+    try:
+        while True:
+            page = await kube.request(api, "GET", f"{RESOURCE_API}/resourceslices", query=query)
+            items.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            query = {**query, "continue": token}
+    finally:
+        await api.close()
+
+
+def _fit(linked: int, driver: str, device_class: str | None, selectors: tuple[str, ...],
+         kubeconfig: str | None) -> FittedClaim:
+    try:
+        slices = asyncio.run(read_slices(kubeconfig, driver))
+    except (kube.ApiException, OSError, TimeoutError) as e:
+        raise click.ClickException(f"reading the ResourceSlices of {driver} failed: {e}") from None
+    if not slices:
+        raise click.ClickException(f"no ResourceSlices of driver {driver}: is the driver installed, and is "
+                                   "--driver-name right?")
+    try:
+        return fit_linked_claim(linked, slices, driver, device_class or driver, selectors)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--linked") from None
+
+
+def emit(linked: int, driver: str, device_class: str | None, selectors: tuple[str, ...], name: str | None,
+         namespace: str | None, kubeconfig: str | None) -> None:
+    fitted = _fit(linked, driver, device_class, selectors, kubeconfig)
+    click.echo(f"# {fitted.nodes_that_fit} of {fitted.nodes} nodes can hold {linked} linked GPUs; "
+               f"{fitted.note}", err=True)
+    template = claim_template(name or f"linked-{linked}-gpus", fitted, namespace)
+    click.echo(yaml.safe_dump(template, sort_keys=False, width=120), nl=False)
+
+
+_OPTIONS = [
+    click.option("--linked", "linked", type=int, required=True, metavar="K",
+                 help="How many GPUs, all directly NVLink-linked with each other."),
+    click.option("--name", default=None, help="The template's name [default: linked-K-gpus]."),
+    click.option("--namespace", "-n", default=None, help="Put this namespace in the template's metadata."),
+    click.option("--selector", "selectors", multiple=True, metavar="CEL",
+                 help="A CEL selector added to every subrequest (memory, product...); repeatable."),
+    click.option("--device-class", default=None, help="The DeviceClass [default: the driver name]."),
+    click.option("--driver-name", default=DEFAULT_DRIVER_NAME, show_default=True),
+    click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
+                 help="Kubeconfig file; default: in-cluster, then $KUBECONFIG or ~/.kube/config."),
+]
+
+
+def _with_options(f: click.decorators.FC) -> click.decorators.FC:
+    for option in reversed(_OPTIONS):
+        f = option(f)
+    return f
+
+
+@click.command("claim")
+@_with_options
+def claim(linked: int, name: str | None, namespace: str | None, selectors: tuple[str, ...],
+          device_class: str | None, driver_name: str, kubeconfig: str | None) -> None:
+    """Print the cheapest complete ResourceClaimTemplate for K linked GPUs on this cluster's fleet."""
+    emit(linked, driver_name, device_class, selectors, name, namespace, kubeconfig)
+
+
+@click.command("kubectl-gpu-claim", context_settings={"help_option_names": ["-h", "--help"]})
+@_with_options
+def kubectl_claim(linked: int, name: str | None, namespace: str | None, selectors: tuple[str, ...],
+                  device_class: str | None, driver_name: str, kubeconfig: str | None) -> None:
+    """kubectl gpu claim --linked K: as `dra-driver claim --linked K`."""
+    log.configure("warning", "console")
+    emit(linked, driver_name, device_class, selectors, name, namespace, kubeconfig)
