@@ -50,7 +50,7 @@ from dra_driver.sharing.mps_launch import cgroup_targets
 from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
-from tests.harness.fake_mps import install_fake_mps_control, set_mode
+from tests.harness.fake_mps import install_fake_mps_control, kill_daemons, set_mode
 from tests.harness.objects import wait_for
 
 GI = 2**30
@@ -482,8 +482,7 @@ def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec_with_its_edits(
     asyncio.run(preparer.recover())
     prepare(preparer)
     # the plugin's container restarts: the daemon dies with it, the tmpfs spec is gone too
-    for pid in mps.daemon_pids(UID):
-        os.kill(pid, 9)
+    kill_daemons(mps, UID)
     for spec in preparer.steps.cdi_dir.glob("*.json"):
         spec.unlink()
     (mps.dirs(UID).pipe / "control").unlink()

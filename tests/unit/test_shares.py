@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -38,7 +37,7 @@ from dra_driver.sharing.shares import (
 )
 from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
-from tests.harness.fake_mps import install_fake_mps_control, set_mode
+from tests.harness.fake_mps import install_fake_mps_control, kill_daemons, set_mode
 
 DRIVER = "gpu.dra-driver.dev"
 POOL = "node-a"
@@ -448,8 +447,7 @@ def test_a_dead_share_daemon_comes_back_with_its_limit(node: Any, mps: MpsContro
     preparer = node(a)
     asyncio.run(preparer.recover())
     _prepare(preparer, a)
-    for pid in mps.daemon_pids(A):  # the daemon dies (the plugin's container restarts)
-        os.kill(pid, 9)
+    kill_daemons(mps, A)  # the daemon dies (the plugin's container restarts)
     (mps.dirs(A).pipe / "control").unlink()
     restarted = node(a)
     asyncio.run(restarted.recover())
