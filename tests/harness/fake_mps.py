@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 from dra_driver.sharing.mps import CLAIM_MARKER_ENV, CONTROL_BINARY, MpsControl
@@ -88,3 +89,10 @@ def kill_daemons(mps: MpsControl, claim_uid: str, timeout: float = 10.0) -> None
     for pid in mps.daemon_pids(claim_uid):
         os.kill(pid, signal.SIGKILL)
     wait_for("the killed MPS daemon to be gone", lambda: not mps.daemon_pids(claim_uid) or None, timeout)
+
+
+def run_unique_uid(prefix: str) -> str:
+    """A claim UID that starts with `prefix` (8 characters) and that no other test run on this
+    machine uses: the driver finds a claim's MPS processes by their claim marker among all
+    processes, so two runs of one test at once (two checkouts) would stop each other's daemons."""
+    return prefix + str(uuid.uuid4())[len(prefix) :]
