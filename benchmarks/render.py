@@ -71,6 +71,11 @@ def values(data: Any, rows: Sequence[tuple[str, str]]) -> list[str]:
 # -- provenance -------------------------------------------------------------------------
 
 _PROVENANCE = (
+    ("commit", "measured.commit"),
+    ("date", "measured.date"),
+    ("load average (1 min) at the end", "measured.load_average_1m"),
+    ("cores", "measured.cores"),
+    ("command", "measured.command"),
     ("commit", "commit"),
     ("code", "plugin_code"),
     ("code", "code.current"),
@@ -94,7 +99,10 @@ def provenance(data: Any) -> list[str]:
             continue
     missing = [
         word
-        for word, paths in (("commit", ("commit", "plugin_code", "code.current")), ("date", ("date",)))
+        for word, paths in (
+            ("commit", ("measured.commit", "commit", "plugin_code", "code.current")),
+            ("date", ("measured.date", "date")),
+        )
         if not any(_has(data, p) for p in paths)
     ]
     if missing:
@@ -526,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if docs/performance.md is not what the files give"
     )
     args = parser.parse_args(argv)
-    text = render()
+    text = render(RESULTS)
     if args.check:
         if PAGE.read_text() != text:
             print(f"{PAGE} differs from benchmarks/results: run python -m benchmarks.render", file=sys.stderr)

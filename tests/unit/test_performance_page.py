@@ -50,3 +50,18 @@ def test_each_table_says_when_and_where_it_was_measured() -> None:
     assert sections
     for section in sections:
         assert "Measured at: " in section, section.splitlines()[0]
+
+
+def test_a_benchmark_report_is_stamped_and_rendered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import benchmarks
+    from benchmarks import render as render_module
+
+    monkeypatch.setattr(benchmarks, "RESULTS", tmp_path)
+    monkeypatch.setattr(render_module, "RESULTS", tmp_path)
+    monkeypatch.setattr(render_module, "PAGE", tmp_path / "performance.md")
+    benchmarks.report("huge_prepare", json.loads((RESULTS / "huge_prepare.json").read_text()))
+    stamp = json.loads((tmp_path / "huge_prepare.json").read_text())["measured"]
+    assert set(stamp) == {"commit", "date", "load_average_1m", "cores", "command"}
+    page = (tmp_path / "performance.md").read_text()
+    assert f"commit: {stamp['commit']}; date: {stamp['date']}" in page
+    assert "not recorded in the file" not in page
