@@ -10,10 +10,14 @@ and is never shipped.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import uuid
 from pathlib import Path
 
-from dra_driver.sharing.mps import CLAIM_MARKER_ENV, CONTROL_BINARY
+from dra_driver.sharing.mps import CLAIM_MARKER_ENV, CONTROL_BINARY, MpsControl
+from tests.harness.objects import wait_for
 
 FAKE = """#!{python}
 import json, os, sys
@@ -76,3 +80,19 @@ def install_fake_mps_control(driver_root: Path, python: str = sys.executable) ->
 
 def set_mode(fake_bin: Path, **mode: bool) -> None:
     (fake_bin.parent / "fake.json").write_text(json.dumps(mode))
+
+
+def kill_daemons(mps: MpsControl, claim_uid: str, timeout: float = 10.0) -> None:
+    """SIGKILL the claim's MPS processes and wait until they are gone: a killed process runs
+    on until the kernel has ended it, and one still exiting carries the claim's marker, so a
+    check made right after the kill can still find it alive (it did under load)."""
+    for pid in mps.daemon_pids(claim_uid):
+        os.kill(pid, signal.SIGKILL)
+    wait_for("the killed MPS daemon to be gone", lambda: not mps.daemon_pids(claim_uid) or None, timeout)
+
+
+def run_unique_uid(prefix: str) -> str:
+    """A claim UID that starts with `prefix` (8 characters) and that no other test run on this
+    machine uses: the driver finds a claim's MPS processes by their claim marker among all
+    processes, so two runs of one test at once (two checkouts) would stop each other's daemons."""
+    return prefix + str(uuid.uuid4())[len(prefix) :]

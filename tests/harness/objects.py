@@ -75,6 +75,21 @@ async def wait_for_async(
         await asyncio.sleep(interval)  # the poll interval
 
 
+def watch_for(probe: Callable[[], T | None], seconds: float, interval: float = 0.5) -> T | None:
+    """Watch a window of `seconds` in which `probe` must stay falsy (a write, an exit, a
+    binding that must not happen); return its first truthy answer at once, or None when the
+    window passed. The window is what the test asserts on, so it is not a sleep before a
+    check: a violation ends it early, and the check covers all of it, not its last moment."""
+    deadline = time.monotonic() + seconds
+    while True:
+        result = probe()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))  # the poll interval
+
+
 def _timed_out(
     what: str, timeout: float, last: object, detail: Callable[[], object] | None, error: Exception | None
 ) -> str:

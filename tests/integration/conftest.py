@@ -7,8 +7,12 @@ node names so that tests do not see each other's objects.
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -50,3 +54,19 @@ def namespace(api: client.ApiClient) -> Iterator[str]:
 def unique() -> str:
     """A short suffix for cluster-scoped names (nodes, classes, slices) owned by one test."""
     return uuid.uuid4().hex[:6]
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory for one test's plugin files: UNIX socket paths are limited to 107 bytes and
+    pytest's tmp_path is too deep for them. KEEP_TMP=1 keeps it for a look afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
+    yield path
+    if not os.environ.get("KEEP_TMP"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node_root(short_tmp: Path) -> Path:
+    """One plugin's state, CDI and socket directories go under it (a `short_tmp`)."""
+    return short_tmp

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,13 +28,6 @@ from tests.harness.objects import create_device_class, create_node, sync_request
 
 PROFILE = "l4x4"
 NO_SLICES = ("--no-publish-slices",)  # claims are allocated by hand; other tests' must not land here
-
-
-@pytest.fixture
-def node_root() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="drabad-", dir="/tmp"))  # socket paths must stay short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

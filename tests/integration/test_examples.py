@@ -13,7 +13,6 @@ free GPUs.
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +55,7 @@ from tests.harness.objects import (
     sync_client,
     sync_request,
     wait_for,
+    watch_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -593,7 +593,8 @@ def test_unsatisfiable_claim_stays_pending_and_nothing_else_breaks(scope: Scope,
     pod = scope.bound("fine")
     (claim,) = scope.claims(pod)
     assert len(scope.prepare(pod, claim)) == 1
-    time.sleep(1)  # not a wait: 'fine' bound above is the signal; a second on, too-big stays unbound
+    # 'fine' bound above is the signal; for a second on, watched, too-big stays unbound
+    watch_for(lambda: get_pod(scope.api, scope.namespace, "too-big")["spec"].get("nodeName"), 1.0, 0.2)
     assert not get_pod(scope.api, scope.namespace, "too-big")["spec"].get("nodeName")
     for driver in cluster.drivers.values():
         driver.check_alive()

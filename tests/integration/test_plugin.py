@@ -9,11 +9,9 @@ that containerd and CRI-O use.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,15 +45,6 @@ def driver_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "bin").mkdir()
     shutil.copy(elf, root / "bin" / "nvidia-smi")
     return root
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """Unix socket paths are limited to 107 bytes; pytest's tmp_path is too deep for them."""
-    path = Path(tempfile.mkdtemp(prefix="dra-", dir="/tmp"))
-    yield path
-    if not os.environ.get("KEEP_TMP"):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,14 @@ from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, profile_names
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, spawn_dra_driver
-from tests.harness.objects import create_node, create_object, load_yaml_documents, sync_request, wait_for
+from tests.harness.objects import (
+    create_node,
+    create_object,
+    load_yaml_documents,
+    sync_request,
+    wait_for,
+    watch_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -168,7 +175,8 @@ def test_deleted_or_edited_slice_is_repaired_and_no_change_means_no_write(
     print(f"repair after delete {repaired_delete:.2f}s, after edit {repaired_edit:.2f}s")
 
     before = _settled_slice_writes(control_plane)
-    time.sleep(60)  # not a wait: the 60 quiet seconds are what the test asserts on
+    # the 60 quiet seconds are what the test asserts on: watched, so a write ends them at once
+    watch_for(lambda: _slice_writes(control_plane) != before, 60, interval=1.0)
     after = _slice_writes(control_plane)
     assert after == before, f"{after - before} slice writes in 60 s with nothing changed"
 
@@ -184,8 +192,9 @@ def test_api_server_outage_is_survived(
     try:
         wait_for("the controller to notice the outage", lambda: "API server unreachable" in log.read_text(),
                  timeout=60, detail=lambda: log.read_text()[-3000:])
-        # not a wait: the outage lasts 30 s in all, the controller retrying throughout
-        time.sleep(max(0.0, 30 - (time.monotonic() - stopped)))
+        # the outage lasts 30 s in all, the controller retrying throughout: watched, so an exit
+        # ends it at once
+        watch_for(lambda: proc.poll() is not None, max(0.0, 30 - (time.monotonic() - stopped)))
         assert proc.poll() is None, "the controller must not exit while the API server is down"
     finally:
         control_plane.start_component("kube-apiserver")

@@ -6,9 +6,6 @@ was; the first driver's plugin then starts on it and still knows its claim.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,13 +23,6 @@ pytestmark = pytest.mark.integration
 PROFILE = "l4x4"
 OTHER_DRIVER = "gpu-b.dra-driver.dev"
 NO_SLICES = ("--no-publish-slices",)  # the claim is allocated by hand
-
-
-@pytest.fixture
-def node_root() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dradrv-", dir="/tmp"))  # socket paths must stay short
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _files(root: Path) -> dict[str, tuple[bytes, int]]:

@@ -11,12 +11,10 @@ import pytest
 
 from controller.claim_shapes import fleet_layers, linked_gpus_ga
 from controller.slices import desired_slices, published_topology
-from dra_driver import DEFAULT_DRIVER_NAME
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.gpu import discover, profile_names
 from dra_driver.gpu.model import Inventory
 from tests.unit.test_nvlink_model import GENERATED, OFF, FastModel, busy_sets, class_devices, graph_inventory
-
-DRIVER = DEFAULT_DRIVER_NAME
 
 CASES = [*sorted(profile_names()), "ring-5", "bridged-triangles", "mesh-2x3", "apex-over-K3,2,2"]
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver import kube, metrics
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover
@@ -27,7 +28,6 @@ from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.plugin.state import ClaimResult
 from dra_driver.sharing.shares import share_views
 
-DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
 REF = ClaimRef("team", "train", "11111111-2222-3333-4444-555555555555")
 

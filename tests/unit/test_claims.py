@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import NodeDevice
 from dra_driver.gpu.model import GpuInfo
 from dra_driver.plugin.claims import (
@@ -17,7 +18,6 @@ from dra_driver.plugin.claims import (
     check_ref,
 )
 
-DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.sharing.config import (
     DEFAULT_CONFIG,
     ConfigError,
@@ -22,7 +23,6 @@ from dra_driver.sharing.config import (
     quantity_value,
 )
 
-DRIVER = "gpu.dra-driver.dev"
 GI = 2**30
 
 

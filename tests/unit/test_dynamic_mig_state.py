@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.cdi.files import claim_spec_path
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import simulated_driver_files
@@ -36,7 +37,6 @@ from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
 
-DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
 BOOT = "boot-1"
 PROFILE = "hgx-h200-mig"  # GPU 0: MIG mode, empty; GPU 1: MIG mode, static 3g.71gb at 4-7; GPU 2: whole

@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from controller.plan import PoolSpec
 from controller.publisher import SliceController
 from controller.slices import SliceFeatures, desired_slices
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver import log
 from dra_driver.commands.inventory import inventory as inventory_command
 from dra_driver.devices import node_devices
@@ -28,7 +29,6 @@ from dra_driver.plugin.health import DeviceHealth, DeviceHealthBoard, keep_fresh
 from dra_driver.sharing.shares import share_views
 from tests.harness.objects import wait_for_async
 
-DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
 XID79 = HealthEvent(gpu=2, kind=EventKind.XID, data=79, recovery_action=1, at=1.0)
 

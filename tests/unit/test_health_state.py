@@ -5,13 +5,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.health.classify import HealthPolicy, Severity, Verdict, classify, classify_probe
 from dra_driver.health.effects import device_view
 from dra_driver.health.events import EventKind, HealthEvent, Probe
 from dra_driver.health.state import HISTORY_LENGTH, DeviceState, on_event, on_probe, settle
 
 POLICY = HealthPolicy(quiet_period=60.0)
-DRIVER = "gpu.dra-driver.dev"
 
 
 def event(state: DeviceState, e: HealthEvent, now: float) -> DeviceState:

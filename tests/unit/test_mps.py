@@ -12,9 +12,7 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +21,7 @@ from typing import Any
 import pynvml
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import compute_mode, discover, load_profile
@@ -50,39 +49,12 @@ from dra_driver.sharing.mps_launch import cgroup_targets
 from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
-from tests.harness.fake_mps import install_fake_mps_control, set_mode
+from tests.harness.fake_mps import kill_daemons, run_unique_uid, set_mode
 from tests.harness.objects import wait_for
 
 GI = 2**30
-UID = "1c9e7d3a-1111-4222-8333-444455556666"
-DRIVER = "gpu.dra-driver.dev"
+UID = run_unique_uid("1c9e7d3a")
 POOL = "node-a"
-
-
-@pytest.fixture
-def fake_bin(tmp_path: Path) -> Path:
-    return install_fake_mps_control(tmp_path / "driver")
-
-
-@pytest.fixture
-def short_root() -> Iterator[Path]:
-    """A root as the driver needs one: short (UNIX socket paths) and searchable by everyone
-    (pytest's tmp_path is neither: long, and under a 0700 directory)."""
-    root = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
-    root.chmod(0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def mps(short_root: Path, fake_bin: Path) -> Iterator[MpsControl]:
-    control = MpsControl(
-        short_root / "mps", fake_bin.parent.parent, private_shm=False, start_timeout=5, stop_timeout=2
-    )
-    yield control
-    set_mode(fake_bin)
-    for uid in control.claim_uids():
-        control.stop(uid)
 
 
 def settings(uid: str = UID, limit: int | None = 10 * GI, pct: int | None = None) -> MpsSettings:
@@ -488,8 +460,7 @@ def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec_with_its_edits(
     asyncio.run(preparer.recover())
     prepare(preparer)
     # the plugin's container restarts: the daemon dies with it, the tmpfs spec is gone too
-    for pid in mps.daemon_pids(UID):
-        os.kill(pid, 9)
+    kill_daemons(mps, UID)
     for spec in preparer.steps.cdi_dir.glob("*.json"):
         spec.unlink()
     (mps.dirs(UID).pipe / "control").unlink()
@@ -526,7 +497,7 @@ def test_recover_adopts_a_live_daemon_another_plugin_started(make_preparer: Any,
 
 
 def test_recover_stops_daemons_of_unknown_claims(make_preparer: Any, mps: MpsControl) -> None:
-    orphan = "0rphan00-1111-4222-8333-444455556666"
+    orphan = run_unique_uid("0rphan00")
     mps.start(settings(uid=orphan))
     preparer = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(preparer.recover())

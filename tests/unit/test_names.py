@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.names import is_dns_label, is_dns_subdomain
 
 
@@ -41,3 +42,9 @@ def test_a_smaller_limit_where_the_api_sets_one() -> None:
     assert is_dns_subdomain("a" * 63, 63)
     assert not is_dns_subdomain("a" * 64, 63)
     assert not is_dns_label("a" * 10, 9)
+
+
+def test_the_default_driver_name_is_the_documented_one() -> None:
+    """The unit tests take DRIVER from the driver (one definition); this pins its value: the
+    design's contract is `gpu.dra-driver.dev`, never `gpu.nvidia.com`, so both drivers coexist."""
+    assert DEFAULT_DRIVER_NAME == "gpu.dra-driver.dev"

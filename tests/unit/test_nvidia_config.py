@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu import discover
 from dra_driver.sharing import nvidia_config as nv
@@ -22,7 +23,6 @@ from dra_driver.sharing.config import (
 from dra_driver.sharing.mps import MpsControl, client_env
 from dra_driver.sharing.policy import Sharing
 
-DRIVER = "gpu.dra-driver.dev"
 POOL = "node-a"
 GI = 2**30
 POLICY = Path(__file__).resolve().parents[2] / "deploy/helm/gpu-dra-driver/templates/claim-config-policy.yaml"

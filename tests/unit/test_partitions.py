@@ -9,6 +9,7 @@ from kubernetes.utils import parse_quantity
 
 from controller import partitions
 from controller.slices import MAX_DEVICES_PER_SLICE_RESTRICTED, SliceFeatures, desired_slices
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.gpu import discover
 from dra_driver.gpu.mig_profiles import H200_141GB
 from dra_driver.gpu.model import Inventory
@@ -17,7 +18,6 @@ from dra_driver.health.effects import DeviceTaint
 from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label
 
-DRIVER = "gpu.dra-driver.dev"
 ON = SliceFeatures(dynamic_mig=True)
 
 

@@ -20,12 +20,12 @@ import pytest
 from controller.plan import SLICES, desired_objects, up_to_date
 from controller.publisher import SliceController, pools_for
 from controller.slices import SliceFeatures
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver import kube
 from dra_driver.gpu import discover
 from dra_driver.jsontypes import JSON
 from dra_driver.kube import ApiException
 
-DRIVER = "gpu.dra-driver.dev"
 POOLS = 300
 
 

@@ -6,8 +6,8 @@ import copy
 from typing import Any
 
 from controller.plan import PoolSpec, desired_objects, plan_pool, slice_name, up_to_date
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 
-DRIVER = "gpu.dra-driver.dev"
 OWNER = {"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "node-uid", "controller": True}
 
 

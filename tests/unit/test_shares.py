@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from controller.slices import MAX_DEVICES_PER_SLICE_RESTRICTED, SliceFeatures, desired_slices
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
@@ -38,9 +36,8 @@ from dra_driver.sharing.shares import (
 )
 from tests.harness.checkpoints import with_started, without
 from tests.harness.claims_in_memory import ClaimsInMemory
-from tests.harness.fake_mps import install_fake_mps_control, set_mode
+from tests.harness.fake_mps import kill_daemons, run_unique_uid
 
-DRIVER = "gpu.dra-driver.dev"
 POOL = "node-a"
 H200 = 143771 * 2**20  # the h200-single profile's memory, as on the real H200
 ONLY = SliceFeatures(memory_shares=True, shares_only=True)  # --memory-shares-only
@@ -303,28 +300,9 @@ def test_a_share_and_a_whole_gpu_in_two_requests_of_one_claim_are_served_apart(t
 # --------------------------------------------------------------------------- prepare, for real
 
 
-@pytest.fixture
-def fake_bin(tmp_path: Path) -> Path:
-    return install_fake_mps_control(tmp_path / "driver")
-
-
-@pytest.fixture
-def mps(fake_bin: Path) -> Iterator[MpsControl]:
-    root = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
-    root.chmod(0o755)
-    control = MpsControl(
-        root / "mps", fake_bin.parent.parent, private_shm=False, start_timeout=5, stop_timeout=2
-    )
-    yield control
-    set_mode(fake_bin)
-    for uid in control.claim_uids():
-        control.stop(uid)
-    shutil.rmtree(root, ignore_errors=True)
-
-
-A = "aaaa0000-1111-4222-8333-444455556666"
-B = "bbbb0000-1111-4222-8333-444455556666"
-W = "cccc0000-1111-4222-8333-444455556666"
+A = run_unique_uid("aaaa0000")
+B = run_unique_uid("bbbb0000")
+W = run_unique_uid("cccc0000")
 
 
 def _ref(claim: dict[str, Any]) -> ClaimRef:
@@ -448,8 +426,7 @@ def test_a_dead_share_daemon_comes_back_with_its_limit(node: Any, mps: MpsContro
     preparer = node(a)
     asyncio.run(preparer.recover())
     _prepare(preparer, a)
-    for pid in mps.daemon_pids(A):  # the daemon dies (the plugin's container restarts)
-        os.kill(pid, 9)
+    kill_daemons(mps, A)  # the daemon dies (the plugin's container restarts)
     (mps.dirs(A).pipe / "control").unlink()
     restarted = node(a)
     asyncio.run(restarted.recover())

@@ -28,6 +28,7 @@ from controller.slices import (
     SliceFeatures,
     desired_slices,
 )
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import node_devices
 from dra_driver.gpu import discover, profile_names
 from dra_driver.gpu.model import (
@@ -41,7 +42,6 @@ from dra_driver.gpu.model import (
 from dra_driver.names import is_dns_label, is_dns_subdomain
 from dra_driver.sharing.config import quantity_value
 
-DRIVER = "gpu.dra-driver.dev"
 NODE = "node-1"
 # legacy on: most tests here check the opt-in legacy attributes too; test_default_* the default
 OFF = SliceFeatures(list_attributes=False, legacy_attributes=True)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.plugin.sockets import MAX_SOCKET_PATH, plugin_paths, prepare_socket_path
-
-DRIVER = "gpu.dra-driver.dev"
 
 
 def test_default_paths() -> None:

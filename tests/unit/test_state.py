@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.cdi.builders import build_claim_spec
 from dra_driver.cdi.files import claim_spec_path, claim_uids_in, remove_claim_spec, write_spec
 from dra_driver.devices import node_devices
@@ -28,7 +29,6 @@ from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started
 
-DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
 BOOT = "boot-1"
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from controller.slices import SliceFeatures, desired_slices
+from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver import kube
 from dra_driver.commands.status import StatusError, node_view, read_node, render
 from dra_driver.gpu import discover
 
-DRIVER = "gpu.dra-driver.dev"
 NODE = "node-a"
 
 

@@ -1,0 +1,548 @@
+"""Renders docs/performance.md from the measured files in benchmarks/results/*.json.
+
+`python -m benchmarks.render` rewrites the page; `python -m benchmarks.render --check` exits 1
+if the committed page differs from what the files give (tests/unit/test_performance_page.py
+does the same in `make test`). Every figure on the page comes from a results file, so the page
+cannot drift from what was measured; each table says the commit, date, load and command the
+file records, and says so where the file records none.
+
+It must NOT measure anything, read git, the clock or the machine (the page would then change
+without a results file changing), nor carry a figure of its own: the words here are labels.
+A results file it has no layout for is still rendered, as a flat table of its values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+
+Row = tuple[str, ...]
+
+
+class ResultsError(ValueError):
+    """A results file lacks a value its layout shows: re-run the benchmark or fix the layout."""
+
+
+def get(data: Any, path: str) -> Any:
+    """`data` at a dotted path (`current.prepare_sequential.p50_ms`, `runs.0.started`)."""
+    value = data
+    for key in path.split("."):
+        try:
+            value = value[int(key)] if isinstance(value, list) else value[key]
+        except (KeyError, IndexError, ValueError, TypeError) as e:
+            raise ResultsError(f"no value at {path!r} (missing {key!r})") from e
+    return value
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:g}" if abs(value) < 1e6 else f"{value:.0f}"
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value):
+        return f"{fmt(value[0])}-{fmt(value[1])}"
+    if isinstance(value, list):
+        return ", ".join(fmt(v) for v in value) or "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {fmt(v)}" for k, v in value.items()) or "-"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: Row, rows: Iterable[Row]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def values(data: Any, rows: Sequence[tuple[str, str]]) -> list[str]:
+    return table(("what", "measured"), ((label, fmt(get(data, path))) for label, path in rows))
+
+
+# -- provenance -------------------------------------------------------------------------
+
+_PROVENANCE = (
+    ("commit", "measured.commit"),
+    ("date", "measured.date"),
+    ("load average (1 min) at the end", "measured.load_average_1m"),
+    ("cores", "measured.cores"),
+    ("command", "measured.command"),
+    ("commit", "commit"),
+    ("code", "plugin_code"),
+    ("code", "code.current"),
+    ("compared with", "code.baseline"),
+    ("compared with", "baseline.ref"),
+    ("date", "date"),
+    ("host", "host"),
+    ("machine", "machine"),
+    ("contention note", "contention"),
+    ("command", "command"),
+    ("what", "what"),
+)
+
+
+def provenance(data: Any) -> list[str]:
+    found = []
+    for label, path in _PROVENANCE:
+        try:
+            found.append(f"{label}: {fmt(get(data, path))}")
+        except ResultsError:
+            continue
+    missing = [
+        word
+        for word, paths in (
+            ("commit", ("measured.commit", "commit", "plugin_code", "code.current")),
+            ("date", ("measured.date", "date")),
+        )
+        if not any(_has(data, p) for p in paths)
+    ]
+    if missing:
+        found.append(" and ".join(missing) + ": not recorded in the file")
+    return ["Measured at: " + "; ".join(found) + ".", ""]
+
+
+def _has(data: Any, path: str) -> bool:
+    try:
+        get(data, path)
+    except ResultsError:
+        return False
+    return True
+
+
+# -- layouts, one per results file --------------------------------------------------------
+
+
+def _prepare(d: Any) -> list[str]:
+    rows: list[Row] = []
+    for label, key in (
+        ("Prepare, one at a time", "prepare_sequential"),
+        ("Unprepare, one at a time", "unprepare_sequential"),
+        ("Prepare, 16 at once", "prepare_16_concurrent"),
+        ("Unprepare, 16 at once", "unprepare_16_concurrent"),
+        ("an empty call", "plugin_empty_call"),
+        ("an empty call, 16 at once", "plugin_empty_16_concurrent"),
+    ):
+        rows.append(
+            tuple(
+                [label]
+                + [
+                    fmt(get(d, f"{side}.{key}.{q}"))
+                    for side in ("current", "baseline")
+                    for q in ("p50_ms", "p99_ms")
+                ]
+            )
+        )
+    for label, key in (
+        ("start to registered (s)", "start_to_registered_s"),
+        ("RSS after warm-up (KiB)", "rss_kib_after_warmup"),
+        ("RSS after 1,000 more cycles (KiB)", "rss_kib_after_1000_cycles"),
+    ):
+        rows.append((label, fmt(get(d, f"current.{key}")), "", fmt(get(d, f"baseline.{key}")), ""))
+    lines = table(("call (ms)", "current p50", "current p99", "baseline p50", "baseline p99"), rows)
+    floor = [
+        (name, fmt(get(d, f"floor.{name}.p50_ms")), fmt(get(d, f"floor.{name}.p99_ms")))
+        for name in get(d, "floor")
+    ]
+    return [*lines, "The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
+
+
+def _node(d: Any) -> list[str]:
+    ops = "kubelet_dra_grpc_operations"
+    return values(
+        d,
+        (
+            ("node start to Ready (s)", "node_start.to_ready_s"),
+            ("node start to driver registered (s)", "node_start.to_driver_registered_s"),
+            ("pods of each kind", "pods_each"),
+            ("pod create to Running, no claim: median (s)", "pod_create_to_running_no_claim.median_s"),
+            ("... p90 (s)", "pod_create_to_running_no_claim.p90_s"),
+            (
+                "pod create to Running, one GPU claim: median (s)",
+                "pod_create_to_running_one_gpu_claim.median_s",
+            ),
+            ("... p90 (s)", "pod_create_to_running_one_gpu_claim.p90_s"),
+            ("claim / no claim, median", "claim_to_no_claim_median"),
+            (
+                "the kubelet's NodePrepareResources per call, p50 (ms)",
+                f"{ops}.NodePrepareResources.single_calls.p50_ms",
+            ),
+            ("... p90 (ms)", f"{ops}.NodePrepareResources.single_calls.p90_ms"),
+            (
+                "the kubelet's NodeUnprepareResources per call, p50 (ms)",
+                f"{ops}.NodeUnprepareResources.single_calls.p50_ms",
+            ),
+            ("... p90 (ms)", f"{ops}.NodeUnprepareResources.single_calls.p90_ms"),
+        ),
+    )
+
+
+def _flood_rows(current: Any, baseline: Any | None) -> list[Row]:
+    rows: list[Row] = []
+    for phase in ("quiet", "flood", "elsewhere"):
+        for call in ("prepare_sequential", "unprepare_sequential"):
+            base = fmt(get(baseline, f"{phase}.{call}.p50_ms")) if baseline and phase in baseline else ""
+            rows.append(
+                (
+                    phase,
+                    call,
+                    fmt(get(current, f"{phase}.{call}.p50_ms")),
+                    fmt(get(current, f"{phase}.{call}.p90_ms")),
+                    base,
+                )
+            )
+    return rows
+
+
+def _probe_flood(d: Any) -> list[str]:
+    lines = table(
+        ("phase", "call", "p50 ms", "p90 ms", "baseline p50 ms"), _flood_rows(d["current"], d.get("baseline"))
+    )
+    return lines + _floods(d["floods"])
+
+
+def _floods(floods: Sequence[Any]) -> list[str]:
+    rows = [
+        (f["side"], f["target"], fmt(f["sent"]), fmt(f["achieved_per_second"]), fmt(f["statuses"]))
+        for f in floods
+    ]
+    return table(("side", "probes aimed at", "sent", "per s", "answers"), rows)
+
+
+def _probe_flood_h200(d: Any) -> list[str]:
+    lines: list[str] = []
+    for run in d["runs"]:
+        lines += [f"Run started {run['started']}, {fmt(run['method'])}:", ""]
+        lines += table(("phase", "call", "p50 ms", "p90 ms", ""), _flood_rows(run["current"], None))
+        lines += _floods(run["floods"])
+    return lines
+
+
+def _health_storm(d: Any) -> list[str]:
+    return values(
+        d,
+        (
+            ("informational XIDs offered per s", "storm_events_per_second_offered"),
+            ("... storm seconds", "storm_seconds"),
+            ("events handled per s in the storm", "events_handled_per_second_in_storm"),
+            (
+                "last storm event handled after the storm's end (s)",
+                "last_storm_event_handled_after_storm_end_s",
+            ),
+            ("a fatal XID in the storm: to Unhealthy (s)", "fatal_xid_to_unhealthy_s"),
+            ("... to the slice's taint (s)", "fatal_xid_to_slice_taint_s"),
+            ("capacity (events per s)", "capacity_events_per_second"),
+            ("plugin CPU per event at capacity (µs)", "plugin_cpu_us_per_event_at_capacity"),
+            (
+                "a fatal XID behind the burst: to the slice's taint (s)",
+                "fatal_xid_behind_backlog_to_slice_taint_s",
+            ),
+            ("... burst events still unread then", "burst_events_unread_at_that_taint"),
+            ("plugin CPU idle (cores)", "plugin_cpu_cores_idle"),
+            ("... storm alone (cores)", "plugin_cpu_cores_storm_alone"),
+            ("Prepare in the storm / quiet, p50", "storm_to_quiet_p50"),
+            ("... p99", "storm_to_quiet_p99"),
+            ("slice writes in the storm", "slice_writes_storm"),
+        ),
+    )
+
+
+def _huge_prepare(d: Any) -> list[str]:
+    return values(
+        d,
+        (
+            ("claims in one call", "claims"),
+            ("Prepare (s)", "prepare_seconds"),
+            ("Prepare errors", "prepare_errors"),
+            ("Unprepare (s)", "unprepare_seconds"),
+            ("RSS before (KiB)", "rss_kib_before"),
+            ("... after Prepare", "rss_kib_after_prepare"),
+            ("... after Unprepare", "rss_kib_after_unprepare"),
+            ("... peak", "peak_rss_kib"),
+        ),
+    )
+
+
+def _helm(d: Any) -> list[str]:
+    return values(
+        d,
+        (
+            ("image size (MB)", "image.size_uncompressed_mb"),
+            ("... gzip archive (MB)", "image.oci_archive_gzip_mb"),
+            ("image build, cold (s)", "image.build_cold_s"),
+            ("... after a source change (s)", "image.build_after_a_source_change_s"),
+            ("Helm build, cold (s)", "helm_build_cold_s"),
+            ("install to slices published (s)", "install_to_slices_published_s"),
+            ("install to plugin pods ready (s)", "install_to_plugin_pods_ready_s"),
+            (
+                "upgrade under load: overlap of the two plugin pods (s)",
+                "upgrade.overlap_of_two_plugin_pods_on_the_load_node_s",
+            ),
+            ("... kubelet calls in the overlap", "upgrade.kubelet_calls_during_overlap"),
+            ("... failed calls", "upgrade.failed_calls"),
+            ("... lost claims", "upgrade.lost_claims"),
+            ("uninstall to no slices (s)", "uninstall_to_no_slices_s"),
+        ),
+    )
+
+
+def _slices(d: Any) -> list[str]:
+    rows: list[Row] = []
+    for c in d["cases"]:
+        cpu = c["cpu_seconds_to_published"]
+        rows.append(
+            (
+                c["profile"],
+                fmt(c["nodes"]),
+                fmt(c["devices"]),
+                fmt(c["seconds_to_published"]),
+                fmt(c.get("seconds_to_first_slice")),
+                fmt(cpu.get("kube-apiserver")),
+                fmt(cpu.get("controller")),
+                fmt(cpu.get("etcd")),
+                fmt(c["controller_writes"]),
+                fmt(c["apiserver_rss_mib"]),
+                fmt(c["slice_bytes_per_node"]),
+                fmt(c["load_average_start_end"]),
+            )
+        )
+    header = (
+        "profile",
+        "nodes",
+        "devices",
+        "to published (s)",
+        "first slice (s)",
+        "CPU s: API server",
+        "controller",
+        "etcd",
+        "writes",
+        "API server RSS MiB",
+        "bytes per node",
+        "load at start-end",
+    )
+    return table(header, rows)
+
+
+def _scheduler(d: Any) -> list[str]:
+    lines: list[str] = []
+    for c in d["cases"]:
+        gates = c.get("scheduler_feature_gates_added") or []
+        lines += [
+            f"{c['profile']}, {c['nodes']} nodes; reference mean {fmt(c['reference_pods_per_s_mean'])} pods/s"
+            + (f"; scheduler gates added: {fmt(gates)}" if gates else "")
+            + (
+                f"; 1-minute load {fmt(c['load_average_1min']['min'])}-{fmt(c['load_average_1min']['max'])}"
+                if "load_average_1min" in c
+                else ""
+            ),
+            "",
+        ]
+        rows: list[Row] = []
+        for s in c["shapes"]:
+            per_pod = s["cpu_s"]["kube-scheduler"] * 1000 / s["bound"] if s["bound"] else None
+            rows.append(
+                (
+                    s["shape"],
+                    fmt(s.get("subrequests")),
+                    f"{s['bound']}/{s['pods']}",
+                    fmt(s["pods_per_s"]),
+                    fmt(s.get("vs_reference")),
+                    fmt(round(per_pod) if per_pod is not None else None),
+                    fmt(s.get("load_average_1m")),
+                )
+            )
+        header = (
+            "shape",
+            "subrequests",
+            "bound/asked",
+            "pods/s",
+            "x reference",
+            "scheduler CPU ms/pod",
+            "load at start, end",
+        )
+        lines += table(header, rows)
+    return lines
+
+
+def _flat(d: Any) -> list[str]:
+    rows: list[Row] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, list) and len(value) > 4:
+            rows.append((path, f"({len(value)} values)"))
+        else:
+            rows.append((path, fmt(value)))
+
+    walk(d, "")
+    return table(("value", "measured"), rows)
+
+
+Layout = Callable[[Any], list[str]]
+
+# file stem -> (title, what it is, layout); the order here is the page's
+LAYOUTS: dict[str, tuple[str, str, Layout]] = {
+    "prepare": (
+        "Prepare and Unprepare",
+        (
+            "`python -m benchmarks.prepare`: calls from a grpc-go client as the kubelet's, the current "
+            "plugin and a baseline commit's in one interleaved run."
+        ),
+        _prepare,
+    ),
+    "node": (
+        "Pods through a real kubelet",
+        (
+            "`python -m benchmarks.node`: pod create to Running through the real kubelet and "
+            "scheduler, pods with and without a GPU claim interleaved."
+        ),
+        _node,
+    ),
+    "huge_prepare": ("One call with many claims", "`python -m benchmarks.huge_prepare`.", _huge_prepare),
+    "probe_flood": (
+        "Prepare under a probe flood",
+        (
+            "`python -m benchmarks.probe_flood`: GET /livez at a fixed rate, phases quiet / flood / "
+            "the same flood aimed at another process."
+        ),
+        _probe_flood,
+    ),
+    "probe_flood_h200": (
+        "Prepare under a probe flood, 16-core H200 host",
+        "The same benchmark on the GPU host, one fresh machine per run.",
+        _probe_flood_h200,
+    ),
+    "health_storm": (
+        "Health event storm",
+        (
+            "`python -m benchmarks.health_storm`: informational XIDs at a fixed rate on one GPU, a "
+            "fatal XID inside the storm and behind a burst."
+        ),
+        _health_storm,
+    ),
+    "helm": ("Image and Helm chart", "tests/node/test_helm.py with `DRA_HELM_FIGURES` set.", _helm),
+    "slices": (
+        "ResourceSlice publishing",
+        (
+            "`python -m benchmarks.slices [--full]`: `dra-driver controller --simulate-fleet N` from "
+            "its start until every slice is seen."
+        ),
+        _slices,
+    ),
+    "slices_profile_before": (
+        "ResourceSlice publishing before 04bacb9 (profiled)",
+        (
+            "`python -m benchmarks.slices --profile-controller`, kept as the before of the publisher's "
+            "fleet-scale work."
+        ),
+        _slices,
+    ),
+    "scheduler_500_dgx1": (
+        "Scheduler, 500 dgx1-v100 nodes",
+        (
+            "`python -m benchmarks.scheduler --size 500:5000 --profile dgx1-v100 ...`; pods/s from the "
+            "first creation to the last binding."
+        ),
+        _scheduler,
+    ),
+    "scheduler_500_hgx": (
+        "Scheduler, 500 hgx-h200 nodes",
+        "`python -m benchmarks.scheduler --size 500:5000 --profile hgx-h200 ...`.",
+        _scheduler,
+    ),
+    "scheduler_500_dgx1_prequeueing": (
+        "Scheduler, 500 dgx1-v100 nodes, SchedulerPreQueueingHints on",
+        "`python -m benchmarks.scheduler ... --scheduler-feature-gate SchedulerPreQueueingHints=true`.",
+        _scheduler,
+    ),
+    "scheduler_1000_mixed": (
+        "Scheduler, 1,000 nodes, mixed fleet",
+        "`python -m benchmarks.scheduler --size 1000:5000 --profile mixed ...`.",
+        _scheduler,
+    ),
+    "scheduler_500_quiet2": (
+        "Scheduler, 500 dgx1-v100 nodes, an earlier run",
+        "`python -m benchmarks.scheduler --size 500:5000 --profile dgx1-v100 ...`.",
+        _scheduler,
+    ),
+    "scheduler_500_quiet": (
+        "Scheduler, 500 dgx1-v100 nodes, reference and share only",
+        (
+            "`python -m benchmarks.scheduler --size 500:5000 --profile dgx1-v100 --shape reference "
+            "--shape share`."
+        ),
+        _scheduler,
+    ),
+    "scheduler_500": (
+        "Scheduler, 500 nodes, every shape, under load",
+        (
+            "`python -m benchmarks.scheduler --size 500:5000 --profile dgx1-v100 --profile hgx-h200 "
+            "--no-defaults --pprof-seconds 10`."
+        ),
+        _scheduler,
+    ),
+    "scheduler": (
+        "Scheduler, 100 nodes",
+        "`python -m benchmarks.scheduler` (`make bench`), before the fitted shapes.",
+        _scheduler,
+    ),
+}
+
+HEADER = """\
+# Performance
+
+Rendered by `python -m benchmarks.render` from `benchmarks/results/*.json`; do not edit by
+hand (a unit test fails when this page and the files differ). How each figure is measured is
+in the docstring of the benchmark named under its heading; what the figures led to is in
+[performance-history.md](performance-history.md). Where a file records no commit or date, the
+page says so: such figures are older than the habit of recording them, and `git log` on the
+file tells when it was measured.
+"""
+
+
+def render(results: Path = RESULTS) -> str:
+    files = {p.stem: p for p in sorted(results.glob("*.json"))}
+    order = [s for s in LAYOUTS if s in files] + [s for s in files if s not in LAYOUTS]
+    lines = [HEADER]
+    for stem in order:
+        title, what, layout = LAYOUTS.get(
+            stem, (stem, "No layout for this file: its values as they are.", _flat)
+        )
+        data = json.loads(files[stem].read_text())
+        try:
+            body = layout(data)
+        except (KeyError, ResultsError, TypeError) as e:
+            raise ResultsError(f"benchmarks/results/{stem}.json: {e}") from e
+        lines += [f"## {title}", "", f"`benchmarks/results/{stem}.json`. {what}", ""]
+        lines += provenance(data) + body
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/performance.md is not what the files give"
+    )
+    args = parser.parse_args(argv)
+    text = render(RESULTS)
+    if args.check:
+        if PAGE.read_text() != text:
+            print(f"{PAGE} differs from benchmarks/results: run python -m benchmarks.render", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
