@@ -500,7 +500,7 @@ async def _publish(
     log.info("publishing this node's ResourceSlices", lease=str(lease.path))
     ctl = await slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares,
-        shares_only=opts.shares_only, dynamic_mig=opts.dynamic_mig,
+        shares_only=opts.shares_only, dynamic_mig=opts.dynamic_mig, taints=keeper is not None,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:
