@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -65,6 +67,13 @@ def published(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[tu
 
     with structlog.testing.capture_logs() as logs:
         ctl = asyncio.run(publish())
+    report = os.environ.get("DRA_VERSIONS_REPORT")
+    if report:  # for tests.harness.versions' table
+        with open(report, "a") as f:
+            version = "v" + ".".join(map(str, control_plane.version))
+            f.write(json.dumps({"version": version, "gates": gate_mode(),
+                                "off": [o.feature for o in ctl.features_off],
+                                "list_attributes": ctl.features.list_attributes}) + "\n")
     try:
         yield node, ctl, logs
     finally:
