@@ -12,7 +12,7 @@ memory share apart. So `probe_server` asks the server with dry-run creates (noth
 stored) what it keeps, and `decide` turns off, with a reason, each asked feature whose fields
 would not survive.
 
-It must NOT write anything to the server (dry runs and GETs only), retry, or decide what a
+It must NOT write anything to the server (dry runs only), retry, or decide what a
 slice contains beyond the `SliceFeatures` it returns: `controller.slices` builds the slices,
 `controller.publisher` reports what was turned off.
 """
@@ -46,8 +46,7 @@ _PROBE_POOL: Final = "capability-probe"
 class ServerCapabilities:
     """What the API server keeps of a ResourceSlice (each learnt by a dry-run create)."""
 
-    version: str = ""  # gitVersion of /version, for the log
-    resource_versions: tuple[str, ...] = ()  # resource.k8s.io versions served
+    resource_versions: tuple[str, ...] = ()  # resource.k8s.io versions used (v1: the driver's)
     list_attributes: bool = False  # DRAListTypeAttributes: ints/strings/... attribute values
     taints: bool = False  # DRADeviceTaints: devices[].taints
     consumable_capacity: bool = False  # DRAConsumableCapacity: allowMultipleAllocations, requestPolicy
@@ -56,7 +55,7 @@ class ServerCapabilities:
     @classmethod
     def everything(cls) -> ServerCapabilities:
         """A server that keeps every field (1.37 with its alpha gates on); for tests."""
-        return cls("", ("v1",), True, True, True, "apart")
+        return cls(("v1",), True, True, True, "apart")
 
 
 @dataclass(frozen=True)
@@ -191,28 +190,25 @@ async def _counters(api: ApiClient, driver: str) -> CounterLayout:
 
 
 async def probe_server(api: ApiClient, driver: str) -> ServerCapabilities:
-    """Ask the server what it serves and keeps: a few GETs and dry-run creates, nothing stored."""
-    version = ""
+    """Ask the server what it keeps: a few dry-run creates, nothing stored. The driver speaks
+    resource.k8s.io/v1 only (GA in 1.34): a server that does not serve it answers 404 and
+    gets a clear error instead of a publisher that fails forever."""
     try:
-        version = str((await kube.request(api, "GET", "/version")).get("gitVersion", ""))
-    except ApiException as e:  # /version may be closed to anonymous users; it is only logged
-        log.info("API server version not readable", error=str(e))
-    group = await kube.request(api, "GET", "/apis/resource.k8s.io")
-    served = tuple(str(v["version"]) for v in group.get("versions", []))
-    if "v1" not in served:
+        list_attributes = await _list_attributes(api, driver)
+    except ApiException as e:
+        if e.status != 404:
+            raise
         raise RuntimeError(
-            f"the API server (version {version or 'unknown'}) does not serve resource.k8s.io/v1 "
-            f"(it serves {', '.join(served) or 'no version'}); this driver needs Kubernetes 1.34 or newer"
-        )
+            "the API server does not serve resource.k8s.io/v1 ResourceSlices (404): this driver "
+            "needs Kubernetes 1.34 or newer"
+        ) from e
     caps = ServerCapabilities(
-        version=version,
-        resource_versions=served,
-        list_attributes=await _list_attributes(api, driver),
+        resource_versions=("v1",),
+        list_attributes=list_attributes,
         taints=await _taints(api, driver),
         consumable_capacity=await _consumable_capacity(api, driver),
         counters=await _counters(api, driver),
     )
-    log.info("API server capabilities", version=version, resource_versions=list(served),
-             list_attributes=caps.list_attributes, device_taints=caps.taints,
+    log.info("API server capabilities", list_attributes=caps.list_attributes, device_taints=caps.taints,
              consumable_capacity=caps.consumable_capacity, shared_counters=caps.counters)
     return caps
