@@ -1,8 +1,10 @@
 """Publishes each node's ResourceSlices and keeps them so: what `dra-driver controller` and the plugin run.
 
-`slice_controller` decides the server's features once (`controller.probe`), turns each
-node's inventory into its pool's desired slices with the pure builder (`controller.slices`)
-and returns a `SliceController` to run until cancelled.
+`slice_controller` learns once what the API server keeps (`controller.capabilities`), turns
+off with one Warning (log, metric `gpu_dra_features_off`, an Event on the Node) each asked
+feature whose fields the server would drop, turns each node's inventory into its pool's
+desired slices with the pure builder (`controller.slices`) and returns a `SliceController`
+to run until cancelled.
 
 The loop: one list + watch of the driver's slices feeds a cache, indexed by pool; a worker
 compares each pool's desired slices with that pool's cached slices (`controller.plan`) and
@@ -15,7 +17,10 @@ our own write (the object at the resourceVersion we already hold) changes nothin
 wakes no reconcile. The work per watch event and per reconcile is bounded by one pool's
 slices, never by the cluster's: a fleet controller (`--simulate-fleet`) holds thousands
 of pools. When the API server is unreachable the loop backs off (capped) and catches up
-when it returns.
+when it returns. A write the server refuses as invalid (422) is logged whole, once, and
+that pool is not written again until its desired slices change or RETRY_REFUSED_SECONDS
+pass; a slice the server stores without some of our fields (a gate the probe missed) is
+adopted as it is after one replace, with a warning, instead of being rewritten forever.
 
 It must NOT decide what to write (that is the pure plan) nor crash on API errors: every
 failure ends in a retry.
@@ -24,19 +29,22 @@ failure ends in a retry.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from controller.capabilities import FeatureOff, ListAttributesMode, decide, probe_server
 from controller.plan import SLICES, PoolSpec, plan_pool, up_to_date
-from controller.probe import ListAttributesMode, resolve_features
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import kube, metrics
 from dra_driver.gpu.model import Inventory
 from dra_driver.health.effects import DeviceTaint
+from dra_driver.health.notify import event_body
 from dra_driver.jsontypes import JSON
 from dra_driver.kube import ApiClient, ApiException
 
@@ -50,6 +58,9 @@ log = structlog.get_logger(__name__)
 # After an outage the slices must come back soon (the kubelet may have wiped them), so the
 # retry interval stays short; jitter only ever shortens it.
 MAX_BACKOFF_SECONDS = 10.0
+# A pool whose write the server refused as invalid is tried again after this long (or at
+# once when its desired slices change): a refusal does not go away by itself.
+RETRY_REFUSED_SECONDS = 300.0
 
 
 @dataclass
@@ -67,6 +78,8 @@ class ReconcileStats:
     slices_examined: int = 0
     echoes: int = 0  # watch events that were our own write coming back: no reconcile
     rewatches: int = 0  # watches the server ended, followed on from the last version seen
+    refused: int = 0  # writes the server refused as invalid (422): not retried in a loop
+    adopted: int = 0  # slices the server stored without some of our fields: kept as stored
 
     @property
     def writes(self) -> int:
@@ -96,6 +109,11 @@ class SliceController:
     # what the pools were built from, so that health taints can be added later (set_taints)
     inventories: dict[str, Inventory] = field(default_factory=dict)
     features: SliceFeatures = field(default_factory=SliceFeatures)
+    features_off: tuple[FeatureOff, ...] = ()  # asked for, but the server drops their fields
+    # pool -> (the desired slices the server refused, when to try them again)
+    _refused: dict[str, tuple[tuple[JSON, ...], float]] = field(default_factory=dict)
+    # slice name -> (the spec we wrote, the spec the server stored without some of its fields)
+    _adopted: dict[str, tuple[JSON, JSON]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.field_manager = self.field_manager or self.driver
@@ -121,15 +139,20 @@ class SliceController:
     async def run(self) -> None:
         backoff = 0.5
         outage = False
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 resource_version = await self._list()
                 if outage:
                     log.info("API server reachable again; catching up")
                     outage = False
-                backoff = 0.5
                 await _first_failure(self._watch(resource_version), self._work())
             except kube.TRANSIENT_ERRORS as error:
+                # The backoff starts over after a while without failures, not after each list:
+                # a write that fails every time must not be retried twice a second.
+                if loop.time() - started > 30:
+                    backoff = 0.5
                 self.stats.errors += 1
                 metrics.api_error("publisher", error)
                 if isinstance(error, ApiException) and error.status == 409:
@@ -254,13 +277,45 @@ class SliceController:
                 self.synced.set()
 
     def _existing(self, pool: str) -> list[JSON]:
-        existing = list(self._by_pool.get(pool, {}).values())
+        existing = [self._as_written(s) for s in self._by_pool.get(pool, {}).values()]
         self.stats.slices_examined += len(existing)
         return existing
+
+    def _as_written(self, obj: JSON) -> JSON:
+        """A slice the server stored without some of our fields, as we wrote it: the plan then
+        sees it up to date and does not write it again (it would come back the same)."""
+        adopted = self._adopted.get(obj["metadata"]["name"])
+        if adopted is not None and obj.get("spec") == adopted[1]:
+            return {**obj, "spec": adopted[0]}
+        return obj
 
     async def _reconcile(self, pool_name: str) -> None:
         pool = self.pools[pool_name]
         self.stats.reconciles += 1
+        refused = self._refused.get(pool_name)
+        if refused is not None:
+            if refused[0] == pool.slice_specs and time.monotonic() < refused[1]:
+                return
+            del self._refused[pool_name]
+        try:
+            await self._write_pool(pool_name, pool)
+        except ApiException as e:
+            if e.status != 422:
+                raise
+            self._refuse(pool_name, pool, e)
+
+    def _refuse(self, pool_name: str, pool: PoolSpec, error: ApiException) -> None:
+        self.stats.errors += 1
+        self.stats.refused += 1
+        metrics.api_error("publisher", error)
+        self._refused[pool_name] = (pool.slice_specs, time.monotonic() + RETRY_REFUSED_SECONDS)
+        log.error(
+            "the API server refused this pool's ResourceSlices as invalid; not writing them again "
+            f"until they change or for {RETRY_REFUSED_SECONDS:.0f} s",
+            pool=pool_name, status=error.status, error=_server_message(error.body),
+        )
+
+    async def _write_pool(self, pool_name: str, pool: PoolSpec) -> None:
         if pool.node_name and pool.node_name not in self._owners:
             await self._refresh_owners()
         owner = self._owners.get(pool.node_name) if pool.node_name else None
@@ -312,6 +367,7 @@ class SliceController:
                 query={"fieldManager": self.field_manager, "force": "true"},
                 content_type="application/apply-patch+yaml",
             )
+        self._adopted.pop(name, None)
         if not up_to_date(obj, result):
             # Fields owned by another manager (a hand edit) survive an apply: replace
             # the object so that the slice says exactly what the hardware says.
@@ -328,7 +384,20 @@ class SliceController:
                 body=replacement,
                 query={"fieldManager": self.field_manager},
             )
+            if not up_to_date(obj, result) and result.get("spec") != obj["spec"]:
+                self._adopt(obj, result)
         self._put(result)
+
+    def _adopt(self, written: JSON, stored: JSON) -> None:
+        """The server stored the slice without some of our fields even on a replace: a feature
+        gate is off that the start-up probe did not catch. Keep what it stored."""
+        self.stats.adopted += 1
+        self._adopted[written["metadata"]["name"]] = (written["spec"], stored["spec"])
+        log.warning(
+            "the API server drops fields of this ResourceSlice (a feature gate is off); keeping "
+            "the slice as the server stores it rather than writing it again",
+            slice=written["metadata"]["name"], dropped=_dropped_paths(written["spec"], stored["spec"])[:20],
+        )
 
     async def _create(self, obj: JSON) -> JSON | None:
         """POST a slice we do not hold; None when it exists after all (apply it then).
@@ -347,6 +416,25 @@ class SliceController:
                 raise
             return None
         return result
+
+
+def _server_message(body: str) -> str:
+    """The whole message of an API error (its Status `message`, else the body as it came)."""
+    try:
+        return str(json.loads(body).get("message") or body)
+    except (ValueError, AttributeError):
+        return body
+
+
+def _dropped_paths(written: Any, stored: Any, path: str = "spec") -> list[str]:
+    """Where `stored` lacks or differs from what `written` had (for the log)."""
+    if isinstance(written, dict) and isinstance(stored, dict):
+        return [p for k, v in written.items()
+                for p in (_dropped_paths(v, stored[k], f"{path}.{k}") if k in stored else [f"{path}.{k}"])]
+    if isinstance(written, list) and isinstance(stored, list) and len(written) == len(stored):
+        return [p for i, (w, s) in enumerate(zip(written, stored, strict=True))
+                for p in _dropped_paths(w, s, f"{path}[{i}]")]
+    return [] if written == stored else [path]
 
 
 def _pool_of(obj: JSON) -> str:
@@ -409,16 +497,44 @@ async def slice_controller(
     dynamic_mig: bool = False,
     shares_only: bool = False,
     legacy_attributes: bool = False,
+    taints: bool = True,
 ) -> SliceController:
-    features = replace(
-        await resolve_features(api, driver, list_attributes),
+    """`taints`: health taints will be published (the plugin's health monitor runs)."""
+    server = await probe_server(api, driver)
+    asked = SliceFeatures(
+        list_attributes=server.list_attributes if list_attributes == "auto" else list_attributes == "on",
         memory_shares=memory_shares,
         shares_only=shares_only,
         dynamic_mig=dynamic_mig,
         legacy_attributes=legacy_attributes,
+        taints=taints,
     )
+    features, off = decide(asked, server)
     single = next(iter(inventories)) if len(inventories) == 1 else None
+    await report_features_off(api, driver, off, single)
     return SliceController(
         api=api, driver=driver, pools=pools_for(inventories, driver, features), node_selector=single,
-        inventories=dict(inventories), features=features,
+        inventories=dict(inventories), features=features, features_off=off,
     )
+
+
+async def report_features_off(
+    api: ApiClient, driver: str, off: Sequence[FeatureOff], node: str | None
+) -> None:
+    """Say once, where an operator looks, which asked features this node runs without: a
+    structlog warning, the `gpu_dra_features_off` metric, and a Warning Event on the Node."""
+    for feature in off:
+        metrics.features_off.labels(feature=feature.feature).set(1)
+        log.warning("feature turned off: the API server would drop its fields", feature=feature.feature,
+                    reason=feature.reason, node=node)
+        if node is None:
+            continue
+        involved = {"apiVersion": "v1", "kind": "Node", "name": node, "namespace": "default"}
+        try:
+            nodes = await kube.request(api, "GET", f"/api/v1/nodes/{node}")
+            involved["uid"] = nodes["metadata"]["uid"]
+            body = event_body(involved, "DRAFeatureOff", feature.message(), True, driver, node)
+            await kube.request(api, "POST", "/api/v1/namespaces/default/events", body=body)
+        except kube.TRANSIENT_ERRORS as e:
+            log.info("could not post the Event about a feature turned off", feature=feature.feature,
+                     error=str(e))

@@ -52,6 +52,10 @@ class SliceFeatures:
     dynamic_mig: bool = False
     # --legacy-attributes: also controller.attributes.LEGACY_ATTRIBUTES (nvlinkGroup<N>, numaNode)
     legacy_attributes: bool = False
+    # 1.34 wants each counter set in the slice of the devices that consume it; 1.35+ apart
+    counters_with_devices: bool = False
+    # DRADeviceTaints: health taints on devices (off: the server would drop them)
+    taints: bool = True
 
 
 def _device_order(device: NodeDevice) -> tuple[int, int]:
@@ -123,6 +127,8 @@ def desired_slices(
     if features.memory_shares:
         entries, counter_sets = with_memory_shares(devices, entries, only=features.shares_only)
         restricted = restricted or bool(counter_sets)
+    if not features.taints:
+        taints = None
     if taints and any(taints.values()):
         entries = [{**e, "taints": [taint_json(t) for t in taints[e["name"]]]} if taints.get(e["name"]) else e
                    for e in entries]
@@ -142,6 +148,8 @@ def desired_slices(
                 e["taints"] = [taint_json(t) for t in dict.fromkeys([*whole_gpu, *own])]
         chunks = [c for c in chunks if c] + [mig_entries]
         counter_sets.append(partitions.counter_set(gpu))
+    if features.counters_with_devices:
+        return tuple(_with_counters(_spec(driver, node_name, chunk), counter_sets) for chunk in chunks)
     # Since 1.35 a slice holds devices or shared counters, never both: counters go last.
     counters = [
         {**_spec(driver, node_name, []), "sharedCounters": counter_sets[i : i + MAX_COUNTER_SETS_PER_SLICE]}
@@ -171,6 +179,14 @@ def _described(
         for d in devices
     )
     return devices, described
+
+
+def _with_counters(spec: JSON, counter_sets: Sequence[JSON]) -> JSON:
+    """1.34: the slice with the counter sets its devices consume (a consumer must find its
+    set in its own slice there; 1.35+ refuses both in one slice)."""
+    used = {c["counterSet"] for d in spec.get("devices", []) for c in d.get("consumesCounters", [])}
+    own = [c for c in counter_sets if c["name"] in used]
+    return {**spec, "sharedCounters": own} if own else spec
 
 
 def _spec(driver: str, node_name: str, devices: list[JSON]) -> JSON:

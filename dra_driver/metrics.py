@@ -39,6 +39,7 @@ __all__ = [
     "claims",
     "device_claim_info",
     "devices_published",
+    "features_off",
     "health_events",
     "prepared_claims",
     "request_duration",
@@ -94,6 +95,14 @@ slice_writes: Final = Counter(
     "gpu_dra_resourceslice_writes",
     "ResourceSlice writes, by operation (create|update|delete).",
     ["operation"],
+    registry=REGISTRY,
+)
+features_off: Final = Gauge(
+    "gpu_dra_features_off",
+    "1 for each feature asked for (--memory-shares, --memory-shares-only, --dynamic-mig, device "
+    "health taints) that this process publishes without because the API server drops its fields; "
+    "the log and a Warning Event on the Node say why and which feature gate to turn on.",
+    ["feature"],
     registry=REGISTRY,
 )
 slice_conflicts: Final = Counter(

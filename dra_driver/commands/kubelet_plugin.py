@@ -507,6 +507,7 @@ async def _publish(
     ctl = await slice_controller(
         api, opts.driver, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.memory_shares,
         shares_only=opts.shares_only, dynamic_mig=opts.dynamic_mig, legacy_attributes=opts.legacy_attributes,
+        taints=keeper is not None,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:

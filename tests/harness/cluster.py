@@ -41,7 +41,7 @@ CONTROLLER_MANAGER_TOKEN = "controller-manager-token"
 
 # Every DRA feature the driver uses. On 1.37 they are on by default except the alphas
 # (list-type attributes); naming them keeps the intent visible and fails loudly if a
-# gate disappears.
+# gate disappears. A version that does not know a gate gets it left out (GATE_SINCE).
 FEATURE_GATES = ",".join(
     [
         "DRAPrioritizedList=true",
@@ -58,6 +58,47 @@ FEATURE_GATES = ",".join(
 )
 
 
+# The first minor version whose components know a gate; one that does not know a gate it is
+# given refuses to start (`unrecognized feature gate: DRADeviceTaintRules` on 1.34). Gates
+# not listed are known to every version the harness runs (1.34+). From the versioned gate
+# tables (reference/dra-protocol.md 1.10, reference/test-cluster.md 3.3).
+GATE_SINCE: dict[str, int] = {
+    "DRADeviceTaintRules": 35,
+    "DRAListTypeAttributes": 36,
+    "DRANodeAllocatableResources": 36,
+    "DRAResourceClaimGranularStatusAuthorization": 36,
+    "DRAFractionalCapacityRange": 37,
+    "DRAOptionalNodeOperations": 37,
+}
+
+# DRA_FEATURE_GATES=all (default): the gates above, as far as the version knows them.
+# DRA_FEATURE_GATES=default: no --feature-gates at all, the version's own defaults (what a
+# stock cluster of that version runs; `make test-versions` runs both).
+GATE_MODES = ("all", "default")
+
+
+def gates_for(gates: str, minor: int) -> str:
+    """`gates` (a --feature-gates value) less the gates version 1.`minor` does not know."""
+    kept = [g for g in gates.split(",") if g and GATE_SINCE.get(g.split("=")[0], 0) <= minor]
+    return ",".join(kept)
+
+
+def gate_mode() -> str:
+    mode = os.environ.get("DRA_FEATURE_GATES", "all")
+    if mode not in GATE_MODES:
+        raise ValueError(f"DRA_FEATURE_GATES={mode!r}: write one of {', '.join(GATE_MODES)}")
+    return mode
+
+
+def kube_version(bin_dir: Path) -> tuple[int, int, int]:
+    """The version of the built kube-apiserver (`Kubernetes v1.34.4` -> (1, 34, 4))."""
+    out = subprocess.run(
+        [str(bin_dir / "kube-apiserver"), "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    major, minor, patch = out.split()[-1].lstrip("v").split("-")[0].split(".")[:3]
+    return int(major), int(minor), int(patch)
+
+
 def _log(msg: str) -> None:
     print(f"[cluster] {msg}", file=sys.stderr, flush=True)
 
@@ -69,7 +110,8 @@ def free_port() -> int:
 
 
 def build_binaries() -> Path:
-    """Build (or reuse from the cache) the control plane; returns the binary directory."""
+    """Build (or reuse from the cache) the control plane; returns the binary directory.
+    The version: DRA_K8S_VERSION (hack/cluster/build.sh reads it), default v1.37.2."""
     override = os.environ.get("DRA_CLUSTER_BIN")
     if override:
         return Path(override)
@@ -99,6 +141,7 @@ class ControlPlane:
     argv: dict[str, list[str]] = field(default_factory=dict)
     detach: bool = False
     node_lifecycle: bool = False
+    version: tuple[int, int, int] = (0, 0, 0)  # of the binaries, read at start
 
     @property
     def server(self) -> str:
@@ -138,7 +181,8 @@ class ControlPlane:
         work_dir = Path(work_dir or tempfile.mkdtemp(prefix="gpu-dra-cluster-"))
         work_dir.mkdir(parents=True, exist_ok=True)
         cp = cls(bin_dir=bin_dir, work_dir=work_dir, api_port=free_port(), detach=detach,
-                 node_lifecycle=node_lifecycle)
+                 node_lifecycle=node_lifecycle, version=kube_version(bin_dir))
+        cp.feature_gates = "" if gate_mode() == "default" else gates_for(cp.feature_gates, cp.version[1])
         try:
             cp._write_credentials(extra_tokens)
             cp._start_etcd()
@@ -155,7 +199,8 @@ class ControlPlane:
             json.dumps({"pids": {n: p.pid for n, p in cp.processes.items()}, "apiPort": cp.api_port})
         )
         _log(
-            f"control plane ready in {time.monotonic() - t0:.1f}s at {cp.server} (kubeconfig {cp.kubeconfig})"
+            f"control plane v{'.'.join(map(str, cp.version))} ready in {time.monotonic() - t0:.1f}s at "
+            f"{cp.server} (kubeconfig {cp.kubeconfig}; feature gates: {cp.feature_gates or 'the defaults'})"
         )
         return cp
 
@@ -231,7 +276,7 @@ class ControlPlane:
                 f"--token-auth-file={self.work_dir / 'tokens.csv'}",
                 "--enable-admission-plugins=NodeRestriction",
                 "--runtime-config=api/all=true",
-                f"--feature-gates={self.feature_gates}",
+                *self._gate_flags(),
                 "--allow-privileged=true",
                 # Real kubelets have no DNS name here: reach them by their node IP.
                 "--kubelet-preferred-address-types=InternalIP,Hostname",
@@ -314,8 +359,11 @@ class ControlPlane:
             "--leader-elect=false",
             "--bind-address=127.0.0.1",
             f"--secure-port={free_port()}",
-            f"--feature-gates={self.feature_gates}",
+            *self._gate_flags(),
         ]
+
+    def _gate_flags(self) -> list[str]:
+        return [f"--feature-gates={self.feature_gates}"] if self.feature_gates else []
 
     def _start_controller_manager(self) -> None:
         certs = self.work_dir / "certs"

@@ -53,7 +53,7 @@ from typing import Any
 import structlog
 from kubernetes import client
 
-from tests.harness.cluster import FEATURE_GATES, REPO_ROOT, ControlPlane, free_port
+from tests.harness.cluster import REPO_ROOT, ControlPlane, free_port
 from tests.harness.driver import DriverProcess, with_parent_death_signal
 from tests.harness.images import PAUSE_IMAGE, write_test_images
 from tests.harness.objects import sync_client, sync_request
@@ -490,7 +490,8 @@ class Node:
 
     def kubelet_config(self) -> dict[str, Any]:
         endpoint = f"unix://{self.containerd_socket}"
-        gates = dict(g.split("=") for g in FEATURE_GATES.split(","))
+        # the control plane's gates, as far as its version knows them (tests.harness.cluster)
+        gates = dict(g.split("=") for g in self.cp.feature_gates.split(",") if g)
         return {
             "apiVersion": "kubelet.config.k8s.io/v1beta1",
             "kind": "KubeletConfiguration",

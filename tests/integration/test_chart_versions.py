@@ -1,0 +1,61 @@
+"""`helm install` of the chart against the session's control plane, whatever its Kubernetes version
+(issue 41; `make test-versions` runs 1.34 to 1.37). Every object the chart makes must be accepted
+by that API server (policies in the CEL it allows, fields it knows); with no GPU node the
+DaemonSet simply has no pod. A feature that needs a gate the version leaves off is refused by
+the chart with a message that names the gate, unless kubernetesFeatureGates says it is on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness.cluster import ControlPlane, gate_mode
+from tests.harness.driver_image import CHART, build_helm
+from tests.harness.helm import Helm
+
+GATES = "{DRAPartitionableDevices,DRAConsumableCapacity,DRAExtendedResource,DRADeviceTaints}"
+
+
+@pytest.fixture(scope="module")
+def helm(control_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helm]:
+    yield Helm(build_helm(), Path(control_plane.kubeconfig), tmp_path_factory.mktemp("helm-home"))
+
+
+def _install(helm: Helm, *sets: str, check: bool = True) -> tuple[str, str]:
+    release = f"v{uuid.uuid4().hex[:6]}"
+    args = ["install", release, str(CHART), "-n", release, "--create-namespace",
+            "--set", f"driverName={release}.example.com"]
+    for s in sets:
+        args += ["--set", s]
+    proc = helm.run(*args, check=check)
+    return release, proc.stderr + proc.stdout
+
+
+def _uninstall(helm: Helm, release: str) -> None:
+    helm.run("uninstall", release, "-n", release, check=False)
+
+
+def test_the_chart_installs_with_its_defaults(helm: Helm) -> None:
+    release, _ = _install(helm)
+    _uninstall(helm, release)
+
+
+def test_gated_features_install_where_the_gates_are_on_and_are_refused_clearly_where_not(
+    control_plane: ControlPlane, helm: Helm
+) -> None:
+    features = ("memoryShares.enabled=true", "dynamicMig.enabled=true", "extendedResource.enabled=true")
+    minor = control_plane.version[1]
+    if minor >= 36:
+        release, _ = _install(helm, *features)
+        _uninstall(helm, release)
+        return
+    release, out = _install(helm, *features, check=False)
+    assert "needs the" in out and "DRAConsumableCapacity" in out and f"1.{minor}" in out, out
+    assert "kubernetesFeatureGates" in out, out
+    if gate_mode() == "all":  # the gates are on here: the operator says so and the chart installs
+        release, _ = _install(helm, *features, f"kubernetesFeatureGates={GATES}")
+        _uninstall(helm, release)
