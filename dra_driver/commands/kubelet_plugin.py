@@ -58,7 +58,7 @@ from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without
 from dra_driver.plugin.prepared import MigRecord
 from dra_driver.plugin.recovery import StartPaths, asked_once, instances_at_start
 from dra_driver.plugin.registration import RegistrationService, add_registration
-from dra_driver.plugin.server import SocketServer
+from dra_driver.plugin.server import SocketServer, raise_open_files_limit
 from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.sockets import PluginPaths, plugin_paths
 from dra_driver.plugin.state import NodePreparer
@@ -313,6 +313,7 @@ class PluginOptions:
 
 
 async def run_plugin(opts: PluginOptions) -> None:
+    raise_open_files_limit()
     inventory = await asyncio.to_thread(discover, opts.simulate, simulated_mig_state(opts))
     api = await kube.load_client(opts.kubeconfig)
     claims = ClaimReader(api, timeout=opts.claim_read_timeout)
