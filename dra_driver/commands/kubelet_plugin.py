@@ -29,6 +29,7 @@ import structlog
 from controller.publisher import ListAttributesMode, SliceController, slice_controller
 from dra_driver import kube, metrics
 from dra_driver.commands.options import (
+    claim_identity_option,
     cluster_options,
     driver_files_options,
     dynamic_mig_option,
@@ -156,6 +157,7 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
 @click.option(
     "--metrics-bind-address", default="0.0.0.0", show_default=True, help="Where the metrics port listens."
 )
+@claim_identity_option
 @memory_shares_option
 @dynamic_mig_option
 @health_options
@@ -179,6 +181,7 @@ def kubelet_plugin(
     publish_slices: bool,
     metrics_port: int,
     metrics_bind_address: str,
+    claim_identity_metric: bool,
     memory_shares: bool,
     memory_shares_only: bool,
     dynamic_mig: bool,
@@ -194,6 +197,7 @@ def kubelet_plugin(
                                  param_hint="--simulate-health-events")
     policy = HealthPolicy(health_xid_severity, health_taint_effect, health_quiet_period)
     health = policy if health_monitor else None
+    metrics.serve_claim_identity(claim_identity_metric)
     opts = PluginOptions(
         node_name=node_name,
         driver=driver_name,
