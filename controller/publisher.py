@@ -186,14 +186,14 @@ class SliceController:
 
     async def _list(self) -> str:
         self.stats.lists += 1
-        listing = await kube.request(self.api, "GET", SLICES, query={"fieldSelector": self._selector()})
+        listing, version = await kube.list_all(self.api, SLICES, {"fieldSelector": self._selector()})
         self._cache, self._by_pool = {}, {}
-        for obj in listing.get("items", []):
+        for obj in listing:
             self._put(obj)
         await self._refresh_owners()
         for pool in self.pools:
             self._mark(pool)
-        return str(listing["metadata"]["resourceVersion"])
+        return version
 
     async def _refresh_owners(self) -> None:
         wanted = {p.node_name for p in self.pools.values() if p.node_name}
@@ -203,7 +203,7 @@ class SliceController:
             (name,) = wanted
             nodes = [await kube.request(self.api, "GET", f"/api/v1/nodes/{name}")]
         else:
-            nodes = (await kube.request(self.api, "GET", "/api/v1/nodes"))["items"]
+            nodes, _ = await kube.list_all(self.api, "/api/v1/nodes")
         for node in nodes:
             meta = node["metadata"]
             self._owners[meta["name"]] = {

@@ -19,7 +19,17 @@ request before acting on it); a connection that could not be opened is retried f
 method (the request never left); a 5xx or a connection that broke after the request went out
 is retried only for GET (list, get and watch), because a create, update, patch or delete may
 already have been applied, and repeating it could create a second object or fail on the
-first one's effects; the caller's reconcile loop decides what to do next.
+first one's effects; the caller's reconcile loop decides what to do next. A 5xx whose body
+is over MAX_ERROR_BODY_BYTES is not one the API server wrote (a Status is a few hundred
+bytes): it is not read further and not retried.
+
+Bounded, whatever the server sends: a body is read incrementally and refused past its cap
+(`TooLarge`, an ApiException, past MAX_BODY_BYTES by default: a claim or a slice is at
+most about 1.5 MiB in etcd), never held whole and then decoded; a watch event past
+MAX_BODY_BYTES likewise. A LIST goes by pages (`list_all`: `limit` and `continue`), and a
+page over the cap is asked again, from the same place, with a quarter of its `limit`, so
+that a list of large objects (150 MiB of claims) is never more than one capped page in
+memory, and a caller's filter (`keep`) holds only what it keeps.
 
 It must NOT follow proxy variables (`trust_env` stays off: the in-cluster service address is
 never behind a proxy, and looking the variables up costs a measurable part of every claim
@@ -56,6 +66,11 @@ MAX_RETRY_AFTER_SECONDS = 10.0
 CONNECTIONS = 64  # the claim reads of a Prepare burst and the publisher's writes share them
 WATCH_GRACE_SECONDS = 30  # how long past its timeoutSeconds a watch may take to end
 RETRIED_AFTER_SENDING = frozenset({"GET"})
+MAX_BODY_BYTES = 16 * 2**20  # one answer or watch event; lists are paged to fit
+MAX_ERROR_BODY_BYTES = 64 * 2**10  # an error's Status is a few hundred bytes
+LIST_PAGE = 500  # items asked for per LIST page, as client-go's pager does
+_READ_CHUNK = 2**16
+_LIST_HINT = " (a LIST is read in pages: kube.list_all)"
 
 _T = TypeVar("_T")
 
@@ -71,6 +86,19 @@ class ApiException(Exception):
         self.reason = reason
         self.body = body
         self.retry_after = retry_after
+        self.complete = True  # False: the body was cut at MAX_ERROR_BODY_BYTES
+
+
+class TooLarge(ApiException):
+    """An answer (or one watch event) larger than the client takes: an error, not an OOM."""
+
+    def __init__(self, what: str, limit: int, status: int = 200, hint: str = "") -> None:
+        message = (
+            f"{what}: the API server's answer is larger than {limit / 2**20:g} MiB, the most this "
+            f"client reads; not read further{hint}"
+        )
+        super().__init__(status, "answer too large", message)
+        self.args = (message,)
 
 
 # What a request or a watch raises when the API server is slow, down or restarting.
@@ -80,7 +108,17 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
 )
 
-__all__ = ["JSON", "TRANSIENT_ERRORS", "ApiClient", "ApiException", "load_client", "request", "watch"]
+__all__ = [
+    "JSON",
+    "TRANSIENT_ERRORS",
+    "ApiClient",
+    "ApiException",
+    "TooLarge",
+    "list_all",
+    "load_client",
+    "request",
+    "watch",
+]
 
 Authorization = Callable[[], Awaitable[str | None]]
 Material = tuple[str | None, bytes | None]  # a file path, or the bytes themselves
@@ -338,7 +376,7 @@ def _delay(method: str, error: BaseException, attempt: int) -> float | None:
     if isinstance(error, ApiException):
         if error.status == 429:
             return error.retry_after if error.retry_after is not None else _backoff(attempt)
-        if error.status >= 500 and method in RETRIED_AFTER_SENDING:
+        if error.status >= 500 and method in RETRIED_AFTER_SENDING and error.complete:
             return error.retry_after if error.retry_after is not None else _backoff(attempt)
         return None
     if isinstance(error, aiohttp.ClientSSLError):  # a certificate that failed will fail again
@@ -356,8 +394,35 @@ def _connection_error(error: BaseException) -> BaseException:
 
 
 async def _error(response: aiohttp.ClientResponse) -> ApiException:
-    body = (await response.read()).decode(errors="replace")
-    return ApiException(response.status, response.reason or "", body, _retry_after(response.headers))
+    """The error, from at most MAX_ERROR_BODY_BYTES of its body (the rest is never read)."""
+    data = bytearray()
+    while len(data) <= MAX_ERROR_BODY_BYTES:
+        chunk = await response.content.read(MAX_ERROR_BODY_BYTES + 1 - len(data))
+        if not chunk:
+            break
+        data += chunk
+    complete = len(data) <= MAX_ERROR_BODY_BYTES
+    body = data[:MAX_ERROR_BODY_BYTES].decode(errors="replace")
+    if not complete:
+        response.close()  # the connection goes with the unread rest
+        body = f"(an answer over {MAX_ERROR_BODY_BYTES // 1024} KiB, not read further) {body[:300]}"
+    error = ApiException(response.status, response.reason or "", body, _retry_after(response.headers))
+    error.complete = complete
+    return error
+
+
+async def _body(response: aiohttp.ClientResponse, limit: int, what: str) -> bytearray:
+    """The whole body, read a chunk at a time; TooLarge past `limit` bytes."""
+    if response.content_length is not None and response.content_length > limit:
+        response.close()
+        raise TooLarge(what, limit, response.status, _LIST_HINT)
+    data = bytearray()
+    async for chunk in response.content.iter_chunked(_READ_CHUNK):
+        if len(data) + len(chunk) > limit:
+            response.close()
+            raise TooLarge(what, limit, response.status, _LIST_HINT)
+        data += chunk
+    return data
 
 
 async def _retrying(method: str, deadline: float, attempt: Callable[[], Awaitable[_T]]) -> _T:
@@ -384,22 +449,61 @@ async def request(
     query: dict[str, str] | None = None,
     content_type: str = "application/json",
     timeout: float = 30.0,
+    max_bytes: int = MAX_BODY_BYTES,
 ) -> JSON:
     """Send one request; return the decoded JSON body. Raises ApiException on HTTP errors,
-    TimeoutError past `timeout` (retries included)."""
+    TooLarge for a body over `max_bytes` (not retried), TimeoutError past `timeout`
+    (retries included)."""
     payload = None if body is None else json.dumps(body).encode()
 
     async def attempt() -> JSON:
         async with await api.send(method, path, query, payload, content_type) as response:
             if response.status >= 400:
                 raise await _error(response)
-            data = await response.read()
+            data = await _body(response, max_bytes, f"{method} {path}")
         decoded: JSON = json.loads(data) if data else {}
         return decoded
 
     deadline = asyncio.get_running_loop().time() + timeout
     async with asyncio.timeout_at(deadline):
         return await _retrying(method, deadline, attempt)
+
+
+async def list_all(
+    api: ApiClient,
+    path: str,
+    query: Mapping[str, str] | None = None,
+    keep: Callable[[JSON], bool] | None = None,
+    progress: Callable[[int], None] | None = None,
+    timeout: float = 30.0,
+    page: int = LIST_PAGE,
+) -> tuple[list[JSON], str]:
+    """Every item of the LIST at `path` that `keep` keeps (all without it), and the list's
+    resourceVersion (to watch from), read page by page. `progress(n)` after each page of a
+    list of several pages (n: items kept so far). Each page has its own `timeout`. A page
+    over MAX_BODY_BYTES is asked again from the same place with a quarter of the limit;
+    TooLarge only if one object alone is over it."""
+    items: list[JSON] = []
+    limit, token, pages = page, "", 0
+    while True:
+        params = {**(query or {}), "limit": str(limit), **({"continue": token} if token else {})}
+        try:
+            got = await request(api, "GET", path, query=params, timeout=timeout)
+        except TooLarge:
+            if limit == 1:
+                raise
+            limit = max(1, limit // 4)
+            continue
+        pages += 1
+        found = got.get("items") or []
+        items.extend(found if keep is None else filter(keep, found))
+        del found
+        meta = got.get("metadata") or {}
+        token = meta.get("continue") or ""
+        if progress is not None and (pages > 1 or token):
+            progress(len(items))
+        if not token:
+            return items, str(meta.get("resourceVersion") or "")
 
 
 async def watch(
@@ -441,7 +545,7 @@ async def watch(
             response = await _retrying("GET", deadline, attempt)
         try:
             async with response:
-                lines = _lines(response.content)
+                lines = _lines(response.content, MAX_BODY_BYTES, f"watch {path}")
                 while True:
                     async with asyncio.timeout_at(deadline):
                         line = await anext(lines, None)
@@ -468,18 +572,25 @@ async def watch(
             await asyncio.sleep(delay)
 
 
-async def _lines(body: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The body's non-empty lines. Not aiohttp's readline: it refuses a line longer than
-    its read buffer, and one event carrying a large ResourceSlice can be longer."""
+async def _lines(body: aiohttp.StreamReader, limit: int, what: str) -> AsyncIterator[bytes]:
+    """The body's non-empty lines, each at most `limit` bytes (else TooLarge). Not
+    aiohttp's readline: it refuses a line longer than its read buffer, and one event
+    carrying a large ResourceSlice can be longer."""
     parts: list[bytes] = []
+    size = 0
     async for chunk in body.iter_any():
         *complete, rest = chunk.split(b"\n")
         for piece in complete:
+            if size + len(piece) > limit:
+                raise TooLarge(what, limit, hint=" (one watch event)")
             parts.append(piece)
-            line, parts = b"".join(parts), []
+            line, parts, size = b"".join(parts), [], 0
             if line.strip():
                 yield line
         parts.append(rest)
+        size += len(rest)
+        if size > limit:
+            raise TooLarge(what, limit, hint=" (one watch event)")
     line = b"".join(parts)
     if line.strip():
         yield line

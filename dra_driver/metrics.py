@@ -6,7 +6,11 @@ Other modules import the objects and count (`metrics.health_events.labels(kind="
 label never carries a claim or device name and the series count stays bounded. The one
 exception is `gpu_dra_device_claim_info`: one series per prepared device and pod, removed
 at Unprepare, so it is bounded by what the node holds now (it exists to be joined with
-DCGM's per-GPU series by UUID).
+DCGM's per-GPU series by UUID). It names claims, their UIDs and pods to whoever can reach
+the metrics port, so `SERVED`, what the port serves, leaves it out unless
+`serve_claim_identity(True)` (`--claim-identity-metric`, chart value
+metrics.claimIdentity): off by default, since the chart's NetworkPolicy is off by default
+and works only where the network plugin enforces it. REGISTRY itself always has it.
 
 This module only defines the metrics and the few helpers that record them; it never
 serves them, never starts a thread and never does I/O.
@@ -15,7 +19,7 @@ serves them, never starts a thread and never does I/O.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final, Literal
 
@@ -24,14 +28,17 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Metric,
     PlatformCollector,
     ProcessCollector,
 )
+from prometheus_client.registry import Collector
 
 from dra_driver import __version__
 
 __all__ = [
     "REGISTRY",
+    "SERVED",
     "Operation",
     "api_error",
     "api_errors",
@@ -44,6 +51,7 @@ __all__ = [
     "prepared_claims",
     "request_duration",
     "requests_inflight",
+    "serve_claim_identity",
     "slice_conflicts",
     "slice_writes",
     "timed_request",
@@ -131,6 +139,28 @@ device_claim_info: Final = Gauge(
      "pod_name"],
     registry=REGISTRY,
 )
+
+
+CLAIM_IDENTITY: Final = "gpu_dra_device_claim_info"
+
+
+class _Served(Collector):
+    """REGISTRY as the metrics port serves it: without the claim-identity series unless asked."""
+
+    claim_identity = False
+
+    def collect(self) -> Iterable[Metric]:
+        for family in REGISTRY.collect():
+            if self.claim_identity or family.name != CLAIM_IDENTITY:
+                yield family
+
+
+SERVED: Final = _Served()
+
+
+def serve_claim_identity(on: bool) -> None:
+    """Serve `gpu_dra_device_claim_info` (claim namespace, name, UID and pod) on the port."""
+    SERVED.claim_identity = on
 
 
 def api_error(component: str, error: BaseException) -> None:

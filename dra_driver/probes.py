@@ -1,7 +1,8 @@
 """The metrics port: Prometheus metrics, liveness and readiness, served by aiohttp's web server.
 
 `ProbeServer` answers three paths:
-* `/metrics`: `dra_driver.metrics.REGISTRY` in the Prometheus text format;
+* `/metrics`: `dra_driver.metrics.SERVED` in the Prometheus text format, rendered at most
+  once per `METRICS_INTERVAL_SECONDS` and served from that rendering meanwhile;
 * `/livez`: 200 when every liveness check passes, else 503 with what failed (the kubelet
   then restarts the container);
 * `/readyz`: 200 when the liveness checks and the readiness checks pass.
@@ -11,10 +12,14 @@ gRPC servers are too, and an unanswered probe is what makes the kubelet act. Any
 reach the port can send probes, so a probe must cost the node next to nothing: the checks
 run at most once per `CHECK_INTERVAL_SECONDS` whatever the request rate (concurrent requests
 share one run, later ones its result), they only open and close a connection to each
-socket (never a gRPC call, never NodePrepareResources), and requests beyond `MAX_IN_FLIGHT`
-at once are answered 503 without work. The HTTP is aiohttp's (already installed for the API
-client), not our own. This module must not know what the plugin or the publisher do; it
-only asks them.
+socket (never a gRPC call, never NodePrepareResources), and at most `MAX_IN_FLIGHT` probes
+wait for a run: the others are answered at once with the previous run's results (503 only
+before the first run has ended), so that a flood of probes cannot starve the kubelet's.
+Scrapes are admitted apart (`MAX_SCRAPES_IN_FLIGHT`, other paths with them): a flood of
+/metrics never takes the places of /livez and /readyz. The accept backlog is `BACKLOG`,
+not a cap, so that a flood's connections do not leave the kubelet's probe waiting for a
+SYN retry. The HTTP is aiohttp's (already installed for the API client), not our own.
+This module must not know what the plugin or the publisher do; it only asks them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Any, Final
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
 from dra_driver import metrics
 
@@ -37,8 +43,16 @@ log = structlog.get_logger(__name__)
 
 PROBE_CONNECT_TIMEOUT_SECONDS: Final = 5.0
 CHECK_INTERVAL_SECONDS: Final = 1.0  # the checks run at most this often, whatever the request rate
-MAX_IN_FLIGHT: Final = 16  # requests being answered at once; more get 503 at once
+MAX_IN_FLIGHT: Final = 16  # probes being answered at once; more get 503 at once
+MAX_SCRAPES_IN_FLIGHT: Final = 4  # /metrics (and any other path) answered at once, apart from probes
+METRICS_INTERVAL_SECONDS: Final = 1.0  # /metrics is rendered at most this often
+BACKLOG: Final = 128
 KEEPALIVE_SECONDS: Final = 5.0
+PROBE_PATHS: Final = frozenset({"/livez", "/healthz", "/readyz"})
+
+
+class TooBusy(Exception):
+    """More probes than MAX_IN_FLIGHT wait for the first run of the checks."""
 
 
 @dataclass(frozen=True)
@@ -123,15 +137,20 @@ class _Cached:
 class ProbeServer:
     """Serves /metrics, /livez and /readyz; `await start(host, port)`, then `await stop()`."""
 
-    registry: CollectorRegistry
+    registry: Collector
     liveness: Sequence[Check] = ()
     readiness: Sequence[Check] = ()
     interval: float = CHECK_INTERVAL_SECONDS
     max_in_flight: int = MAX_IN_FLIGHT
+    max_scrapes_in_flight: int = MAX_SCRAPES_IN_FLIGHT
+    metrics_interval: float = METRICS_INTERVAL_SECONDS
     runs: int = 0  # how many times the checks ran (tests and the probe-flood benchmark read it)
+    renders: int = 0  # how many times /metrics was rendered
     _runner: web.AppRunner | None = None
     _cached: dict[bool, _Cached] = field(default_factory=lambda: {False: _Cached(), True: _Cached()})
-    _in_flight: int = 0
+    _in_flight: int = 0  # probes waiting for a run of the checks
+    _scrapes_in_flight: int = 0  # everything but probes
+    _rendered: tuple[float, bytes] = (-1e9, b"")
     _last_failure: str = ""
 
     async def start(self, host: str, port: int) -> int:
@@ -144,7 +163,7 @@ class ProbeServer:
             app, access_log=None, keepalive_timeout=KEEPALIVE_SECONDS, max_line_size=4096, max_field_size=4096
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, backlog=self.max_in_flight)
+        site = web.TCPSite(self._runner, host, port, backlog=BACKLOG)
         await site.start()
         bound = int(self._runner.addresses[0][1])
         log.info("serving metrics and probes", address=host,
@@ -160,13 +179,24 @@ class ProbeServer:
                 cached.running.cancel()
 
     async def run_checks(self, ready: bool) -> list[CheckResult]:
-        """The checks' results, run now or shared: at most one run per `interval` per kind."""
+        """The checks' results, run now or shared: at most one run per `interval` per kind.
+        While `max_in_flight` probes already wait for a run, the others get the previous
+        run's results at once (a probe is never refused for the flood's sake), or, before
+        the first run has ended, TooBusy."""
         cached = self._cached[ready]
         if time.monotonic() - cached.at < self.interval:
             return cached.results
         if cached.running is None:
             cached.running = asyncio.create_task(self._run(ready))
-        return await asyncio.shield(cached.running)
+        if self._in_flight >= self.max_in_flight:
+            if cached.results:
+                return cached.results
+            raise TooBusy
+        self._in_flight += 1
+        try:
+            return await asyncio.shield(cached.running)
+        finally:
+            self._in_flight -= 1
 
     async def _run(self, ready: bool) -> list[CheckResult]:
         cached = self._cached[ready]
@@ -187,22 +217,35 @@ class ProbeServer:
     async def _cap(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if self._in_flight >= self.max_in_flight:
-            return web.Response(status=503, text="too many requests at once\n")
-        self._in_flight += 1
+        if request.path in PROBE_PATHS:  # bounded in run_checks
+            return await handler(request)
+        if self._scrapes_in_flight >= self.max_scrapes_in_flight:
+            return web.Response(status=503, text="too many scrapes at once\n")
+        self._scrapes_in_flight += 1
         try:
             return await handler(request)
         finally:
-            self._in_flight -= 1
+            self._scrapes_in_flight -= 1
+
+    def rendered_metrics(self) -> bytes:
+        """The text format, rendered now or at most `metrics_interval` s ago."""
+        at, body = self._rendered
+        now = time.monotonic()
+        if now - at >= self.metrics_interval:
+            body = generate_latest(self.registry)
+            self._rendered = (now, body)
+            self.renders += 1
+        return body
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
+        return web.Response(body=self.rendered_metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _probe(self, request: web.Request) -> web.Response:
         path = request.path
-        results = await self.run_checks(ready=path == "/readyz")
+        try:
+            results = await self.run_checks(ready=path == "/readyz")
+        except TooBusy:
+            return web.Response(status=503, text="too many probes at once\n")
         failed = [r for r in results if not r.ok]
         body = "".join(f"[{'+' if r.ok else '-'}]{r.name} {r.detail}".rstrip() + "\n" for r in results)
         if failed:
@@ -224,4 +267,4 @@ def plugin_probes(dra_socket: Path, registration_socket: Path, publisher: Heartb
     if publisher is not None:
         liveness.append(publisher.check)
     readiness = [socket_check("registration-socket", lambda: registration_socket)]
-    return ProbeServer(metrics.REGISTRY, liveness, readiness)
+    return ProbeServer(metrics.SERVED, liveness, readiness)

@@ -29,6 +29,7 @@ import structlog
 from controller.publisher import ListAttributesMode, SliceController, slice_controller
 from dra_driver import kube, metrics
 from dra_driver.commands.options import (
+    claim_identity_option,
     cluster_options,
     driver_files_options,
     dynamic_mig_option,
@@ -59,7 +60,7 @@ from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without
 from dra_driver.plugin.prepared import MigRecord
 from dra_driver.plugin.recovery import StartPaths, asked_once, instances_at_start
 from dra_driver.plugin.registration import RegistrationService, add_registration
-from dra_driver.plugin.server import SocketServer
+from dra_driver.plugin.server import SocketServer, raise_open_files_limit
 from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.sockets import PluginPaths, plugin_paths
 from dra_driver.plugin.state import NodePreparer
@@ -157,6 +158,7 @@ TAINT_WRITE_INTERVAL: Final = 1.0  # health taint changes within this interval c
 @click.option(
     "--metrics-bind-address", default="0.0.0.0", show_default=True, help="Where the metrics port listens."
 )
+@claim_identity_option
 @memory_shares_option
 @dynamic_mig_option
 @legacy_attributes_option
@@ -181,6 +183,7 @@ def kubelet_plugin(
     publish_slices: bool,
     metrics_port: int,
     metrics_bind_address: str,
+    claim_identity_metric: bool,
     memory_shares: bool,
     memory_shares_only: bool,
     dynamic_mig: bool,
@@ -197,6 +200,7 @@ def kubelet_plugin(
                                  param_hint="--simulate-health-events")
     policy = HealthPolicy(health_xid_severity, health_taint_effect, health_quiet_period)
     health = policy if health_monitor else None
+    metrics.serve_claim_identity(claim_identity_metric)
     opts = PluginOptions(
         node_name=node_name,
         driver=driver_name,
@@ -318,6 +322,7 @@ class PluginOptions:
 
 
 async def run_plugin(opts: PluginOptions) -> None:
+    raise_open_files_limit()
     inventory = await asyncio.to_thread(discover, opts.simulate, simulated_mig_state(opts))
     api = await kube.load_client(opts.kubeconfig)
     claims = ClaimReader(api, timeout=opts.claim_read_timeout)

@@ -18,16 +18,7 @@ PAGE: Final = 500
 async def list_all(
     api: kube.ApiClient, path: str, what: str, query: Mapping[str, str], progress: Callable[[str], None]
 ) -> list[JSON]:
-    items: list[JSON] = []
-    params = {**query, "limit": str(PAGE)}
-    pages = 0
-    while True:
-        page = await kube.request(api, "GET", path, query=params)
-        items.extend(page.get("items") or [])
-        pages += 1
-        token = (page.get("metadata") or {}).get("continue")
-        if pages > 1 or token:
-            progress(f"reading {what}: {len(items)} so far")
-        if not token:
-            return items
-        params = {**query, "limit": str(PAGE), "continue": token}
+    items, _ = await kube.list_all(
+        api, path, query, progress=lambda n: progress(f"reading {what}: {n} so far"), page=PAGE
+    )
+    return items

@@ -116,6 +116,19 @@ def legacy_attributes_option(f: F) -> F:
     )(f)
 
 
+def claim_identity_option(f: F) -> F:
+    """`--claim-identity-metric`: serve gpu_dra_device_claim_info on the metrics port."""
+    return click.option(
+        "--claim-identity-metric/--no-claim-identity-metric",
+        envvar="CLAIM_IDENTITY_METRIC",
+        default=False,
+        show_default=True,
+        help="Serve gpu_dra_device_claim_info (each prepared device's claim namespace, name and UID, and its "
+        "pods) on the metrics port, for joining DCGM's per-GPU series: anyone who reaches the port reads it, "
+        "so turn it on where the port is fenced (the chart's metrics.networkPolicy).",
+    )(f)
+
+
 def dynamic_mig_option(f: F) -> F:
     """`--dynamic-mig`: carve MIG-mode GPUs on demand (docs/mig.md)."""
     return click.option(

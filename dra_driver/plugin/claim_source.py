@@ -28,7 +28,6 @@ log = structlog.get_logger(__name__)
 CLAIMS_API = "/apis/resource.k8s.io/v1"
 DEFAULT_TIMEOUT_SECONDS = 30.0  # the kubelet's own call timeout is 45 s
 DEFAULT_CONCURRENCY = 16
-LIST_PAGE = 500
 
 
 def _describe(e: BaseException) -> str:
@@ -85,18 +84,12 @@ class ClaimReader:
     async def allocated_here(self, driver: str, pool: str) -> list[kube.JSON] | None:
         """Every claim with a device of `driver` allocated in `pool`; None if the API server
         could not be asked (then nobody may conclude that a claim is gone)."""
-        found: list[kube.JSON] = []
-        query = {"limit": str(LIST_PAGE)}
         try:
-            while True:
-                page = await kube.request(
-                    self._api, "GET", f"{CLAIMS_API}/resourceclaims", query=query, timeout=self.timeout
-                )
-                found.extend(c for c in page.get("items", []) if allocated_in(c, driver, pool))
-                token = (page.get("metadata") or {}).get("continue")
-                if not token:
-                    return found
-                query = {"limit": str(LIST_PAGE), "continue": token}
+            found, _ = await kube.list_all(
+                self._api, f"{CLAIMS_API}/resourceclaims", keep=lambda c: allocated_in(c, driver, pool),
+                timeout=self.timeout,
+            )
+            return found
         except kube.TRANSIENT_ERRORS as e:
             metrics.api_error("claims", e)
             log.error("could not list ResourceClaims from the API server", error=_describe(e))

@@ -9,17 +9,34 @@ a rolling update a newer instance may have bound its own socket at that path mea
 Calls already on their way are then served for the grace period; grpcio's graceful
 shutdown (GOAWAY, then the final GOAWAY) refuses only new ones.
 
+Bounded: the server takes requests of at most MAX_RECEIVE_BYTES, at most
+MAX_CONCURRENT_STREAMS calls at once per connection (a client with more waits for a free
+stream), and a call that carries no deadline gets DEFAULT_DEADLINE_SECONDS: a request body
+that never completes is ended with DEADLINE_EXCEEDED and its buffered bytes released,
+instead of being held for as long as the connection lives (a call with a deadline, as
+the kubelet's are, is ended by grpcio at its own). To be able to do that before the
+request has arrived, every unary request is read through grpcio's streaming-request path
+(the wire is the same) by a wrapper made once at registration, and decoded there: a
+request that is not the method's protobuf message is refused with INVALID_ARGUMENT and
+counted, one log line per UNDECODABLE_LOG_SECONDS with the count (no traceback per request).
+`raise_open_files_limit` lifts the soft RLIMIT_NOFILE to the hard one, once at daemon start:
+every idle connection holds a descriptor, and a Prepare needs a few more.
+
 It must not know what the services do (service.py, registration.py) and must not speak
 HTTP/2 itself: the protocol is grpcio's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
-from collections.abc import Callable
+import resource
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import Any, Final
 
 import grpc
 import structlog
@@ -31,14 +48,130 @@ log = structlog.get_logger(__name__)
 Register = Callable[[grpc.aio.Server], None]
 _serial = itertools.count()
 
+# A Prepare naming service.MAX_CLAIMS claims with the longest names is under 400 KiB.
+MAX_RECEIVE_BYTES: Final = 1 * 2**20
+MAX_CONCURRENT_STREAMS: Final = 32  # per connection; the kubelet's extra calls wait for a stream
+DEFAULT_DEADLINE_SECONDS: Final = 60.0  # the kubelet's own calls carry 45 s
+UNDECODABLE_LOG_SECONDS: Final = 60.0
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard limit (a container's soft limit is often 1024, and
+    each idle kubelet or probe connection holds a descriptor); returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open files limit", soft=soft, hard=hard, error=str(e))
+            return soft, soft
+    return soft, hard
+
+
+class _Undecodable:
+    """Requests that were not their method's message: counted, logged once per interval."""
+
+    def __init__(self, interval: float = UNDECODABLE_LOG_SECONDS) -> None:
+        self.interval = interval
+        self.count = 0
+        self._unlogged = 0
+        self._logged_at = -1e9
+
+    def seen(self, method: str, error: BaseException) -> None:
+        self.count += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.interval:
+            log.warning("refused requests that are not protobuf messages of their method",
+                        count=self._unlogged, interval_seconds=self.interval, last_method=method,
+                        last_error=f"{type(error).__name__}: {error}"[:200])
+            self._logged_at, self._unlogged = now, 0
+
+
+class _Bounded:
+    """Stands in for the grpc.aio server while services register, to wrap their handlers."""
+
+    def __init__(self, server: grpc.aio.Server, deadline: float, undecodable: _Undecodable) -> None:
+        self._server = server
+        self._deadline = deadline
+        self._undecodable = undecodable
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None:
+        self._server.add_generic_rpc_handlers(handlers)  # the generated code's fallback: unwrapped
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        wrapped = {name: self._wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
+        self._server.add_registered_method_handlers(service, wrapped)
+
+    def _wrap(self, method: str, handler: Any) -> Any:
+        if handler.request_streaming:
+            return handler
+        decode = handler.request_deserializer
+        deadline, undecodable = self._deadline, self._undecodable
+
+        async def request(context: grpc.aio.ServicerContext) -> Any:
+            raw = await context.read()
+            if raw is grpc.aio.EOF:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: no request message")
+            try:
+                return decode(raw) if decode is not None else raw
+            except Exception as e:  # protobuf's DecodeError, or anything a decoder raises
+                undecodable.seen(method, e)
+                name = getattr(getattr(decode, "__self__", None), "__name__", "request")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{method}: the request is not a {name} message: {e}"[:500])
+
+        async def timed_out(context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"{method}: no deadline was given and the call took more than {deadline:g} s")
+
+        if not handler.response_streaming:
+            inner = handler.unary_unary
+
+            async def unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                if context.time_remaining() is not None:
+                    return await inner(await request(context), context)
+                try:
+                    async with asyncio.timeout(deadline):
+                        return await inner(await request(context), context)
+                except TimeoutError:
+                    await timed_out(context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                unary, request_deserializer=None, response_serializer=handler.response_serializer)
+
+        stream = handler.unary_stream
+
+        async def streaming(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            # Only the request's arrival is bounded: the answer streams for as long as the caller keeps it.
+            if context.time_remaining() is not None:
+                first = await request(context)
+            else:
+                try:
+                    async with asyncio.timeout(deadline):
+                        first = await request(context)
+                except TimeoutError:
+                    await timed_out(context)
+            async for answer in stream(first, context):
+                yield answer
+
+        return grpc.stream_stream_rpc_method_handler(
+            streaming, request_deserializer=None, response_serializer=handler.response_serializer)
+
 
 class SocketServer:
     """One grpc.aio server on one unix socket."""
 
-    def __init__(self, name: str, register: Register) -> None:
+    def __init__(
+        self, name: str, register: Register, default_deadline: float = DEFAULT_DEADLINE_SECONDS
+    ) -> None:
         self.name = name
-        self._server = grpc.aio.server()
-        register(self._server)
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+            ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        ])
+        self.undecodable = _Undecodable()
+        register(_Bounded(self._server, default_deadline, self.undecodable))
         self._bound: tuple[Path, int, int] | None = None  # path, st_dev, st_ino
 
     async def start(self, socket: Path) -> None:

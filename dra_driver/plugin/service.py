@@ -36,6 +36,10 @@ log = structlog.get_logger(__name__)
 # A claim's error is read by a user in the pod's events; one longer than this is a bug of
 # ours, and a thousand of them must not make the answer too big for the kubelet to take.
 MAX_ERROR: Final = 4096
+# More claims than a node holds: one claim per device at least, and even a 16-GPU node
+# carved into 7 MIG instances each and shared by memory is far below this. A call naming
+# more is refused whole at once (its size alone would block the event loop for seconds).
+MAX_CLAIMS: Final = 1024
 
 
 class ClaimPreparer(Protocol):
@@ -53,6 +57,8 @@ class _DraService:
         self._with_share_id = with_share_id
 
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _refuse_too_many(request, context, "NodePrepareResources")
+
         def answer(result: ClaimResult) -> Any:
             if result.error is not None:
                 return self._pb.NodePrepareResourceResponse(error=_bounded(result.error))
@@ -63,6 +69,8 @@ class _DraService:
         return self._pb.NodePrepareResourcesResponse(claims=claims)
 
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _refuse_too_many(request, context, "NodeUnprepareResources")
+
         def answer(result: ClaimResult) -> Any:
             if result.error is not None:
                 return self._pb.NodeUnprepareResourceResponse(error=_bounded(result.error))
@@ -82,6 +90,15 @@ class _DraService:
         if self._with_share_id and d.share_id is not None:
             fields["share_id"] = d.share_id
         return self._pb.Device(**fields)
+
+
+async def _refuse_too_many(request: Any, context: grpc.aio.ServicerContext, call: str) -> None:
+    """One log line and INVALID_ARGUMENT for a call naming more than MAX_CLAIMS claims."""
+    if len(request.claims) > MAX_CLAIMS:
+        message = (f"{call} names {len(request.claims)} claims, more than the {MAX_CLAIMS} a node can hold; "
+                   "refused without reading them")
+        log.warning("call refused", call=call, claims=len(request.claims), max_claims=MAX_CLAIMS)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _bounded(error: str) -> str:

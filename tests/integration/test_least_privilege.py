@@ -1,8 +1,8 @@
 """Least privilege, against the real API server with the chart's own RBAC and policies.
 
 Two halves:
-* The grants are derived from the code. Every `kube.request` / `kube.watch` call site in
-  what `dra-driver kubelet-plugin` imports is read from the source (method and path) and
+* The grants are derived from the code. Every `kube.request` / `kube.watch` / `kube.list_all`
+  call site in what `dra-driver kubelet-plugin` imports is read from the source (method and path) and
   turned into an RBAC (group, resource, verb); the chart's ClusterRole must grant exactly
   that set, no more and no less. The daemon's code paths then run in this process with a
   token bound to a pod on node A, through the chart's RBAC and policies: every call they
@@ -186,7 +186,8 @@ class CallSite:
 
 
 def call_sites(entry: str = ENTRY) -> list[CallSite]:
-    """Every kube.request / kube.watch call in `entry`'s import closure, with the grant it needs.
+    """Every kube.request / kube.watch / kube.list_all call in `entry`'s import closure, with
+    the grant it needs.
     A call whose method or path cannot be read from the source fails the test: write it so it can."""
     sites = []
     for name in sorted(_closure(entry)):
@@ -200,11 +201,15 @@ def call_sites(entry: str = ENTRY) -> list[CallSite]:
                 continue
             owner = node.func.value
             if not (
-                isinstance(owner, ast.Name) and owner.id == "kube" and node.func.attr in ("request", "watch")
+                isinstance(owner, ast.Name)
+                and owner.id == "kube"
+                and node.func.attr in ("request", "watch", "list_all")
             ):
                 continue
             if node.func.attr == "watch":
                 method, path_node = "WATCH", node.args[1]
+            elif node.func.attr == "list_all":  # GETs of the collection, page by page
+                method, path_node = "GET", node.args[1]
             else:
                 method_node = node.args[1]
                 assert isinstance(method_node, ast.Constant), (

@@ -54,7 +54,7 @@ def test_running_pod_claim_status_describe_xid_and_kubectl_gpu(
 ) -> None:
     port = free_port()
     restart_with(h200, "--health-quiet-period", str(QUIET), "--metrics-port", str(port),
-                 "--metrics-bind-address", "127.0.0.1")
+                 "--metrics-bind-address", "127.0.0.1", "--claim-identity-metric")
     start_pod(cluster, namespace, "holder")
     pods.wait_running(cluster.api, namespace, "holder")
     device, index, uuid = allocated_gpu(cluster, namespace, "holder")

@@ -1,11 +1,12 @@
 """The plugin's DRA gRPC server in a process of its own, for tests/unit/test_kubelet_grpc.py.
 
-    python tests/unit/grpc_server_process.py SOCKET
+    python tests/unit/grpc_server_process.py SOCKET [DEFAULT_DEADLINE_SECONDS]
 
 Serves the real DRA and health services (dra_driver.plugin.service) from the real
 SocketServer on SOCKET, with a fake preparer: a claim named `slow` takes SLOW_SECONDS,
 one named `bad` is refused, any other is prepared with no devices. Prints `ready PID`
-once the socket serves and stops (grace 1 s) on SIGTERM or SIGINT. A process of its own
+once the socket serves and stops (grace 1 s) on SIGTERM or SIGINT. Like the daemon at
+start, it first raises its soft open-files limit to the hard one. A process of its own
 so that a test can measure the server's memory alone (/proc/PID/status) and so that a
 test's client cannot share its event loop.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from dra_driver import log
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.plugin.server import SocketServer
+from dra_driver.plugin.server import DEFAULT_DEADLINE_SECONDS, SocketServer, raise_open_files_limit
 from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.state import ClaimResult
 
@@ -46,8 +47,10 @@ class QuietBoard:
         await asyncio.Event().wait()
 
 
-async def serve(socket: Path) -> None:
-    server = SocketServer("dra", lambda s: add_dra_services(s, FakePreparer(), QuietBoard()))  # type: ignore[arg-type]
+async def serve(socket: Path, deadline: float) -> None:
+    server = SocketServer(
+        "dra", lambda s: add_dra_services(s, FakePreparer(), QuietBoard()), deadline  # type: ignore[arg-type]
+    )
     await server.start(socket)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -59,7 +62,9 @@ async def serve(socket: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: {sys.argv[0]} SOCKET")
+    if len(sys.argv) not in (2, 3):
+        sys.exit(f"usage: {sys.argv[0]} SOCKET [DEFAULT_DEADLINE_SECONDS]")
     log.configure("info", "json")  # to stderr: stdout carries only the `ready` line
-    asyncio.run(serve(Path(sys.argv[1])))
+    raise_open_files_limit()
+    deadline = float(sys.argv[2]) if len(sys.argv) == 3 else DEFAULT_DEADLINE_SECONDS
+    asyncio.run(serve(Path(sys.argv[1]), deadline))
