@@ -12,7 +12,7 @@ from hwutil import DRIVER, NODE, Recorder, dra_driver, run, simulate_args, smi
 
 from controller.slices import SliceFeatures, desired_slices
 from dra_driver.gpu.nvml import normalize_pci_bus_id
-from dra_driver.sharing.config import parse_quantity
+from dra_driver.sharing.config import quantity_value
 
 pytestmark = pytest.mark.hardware
 
@@ -76,5 +76,5 @@ def test_resource_slice_of_this_host(inventory: Any, record: Recorder) -> None:
     assert [d["name"] for d in devices] == [f"gpu-{g.index}" for g in inventory.gpus]
     for d, g in zip(devices, inventory.gpus, strict=True):
         assert d["attributes"]["uuid"] == {"string": g.uuid}
-        published = parse_quantity(d["capacity"]["memory"]["value"], "capacity.memory")
+        published = int(quantity_value(d["capacity"]["memory"]["value"]) or 0)
         assert g.memory_bytes - MIB < published <= g.memory_bytes
