@@ -52,7 +52,7 @@ from dra_driver.health.notify import ClaimEvents, ClaimUse
 from dra_driver.kube import ApiClient
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS, ClaimReader
-from dra_driver.plugin.claim_status import ClaimStatus, ReportingPreparer, nvlink_peers
+from dra_driver.plugin.claim_status import ClaimStatus, nvlink_peers
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, claims_using, keep_fresh, mirror
 from dra_driver.plugin.lock import Lease
@@ -404,8 +404,7 @@ async def run_plugin(opts: PluginOptions) -> None:
             board = DeviceHealthBoard(opts.node_name, devices)
             tasks += _health_tasks(api, opts, health, board, preparer, paths.data_dir)
             tasks.append(asyncio.create_task(claim_status.follow(health.keeper), name="claim-status-health"))
-        reporting = ReportingPreparer(preparer, claim_status)
-        dra_server = SocketServer("dra", lambda s: add_dra_services(s, reporting, board))
+        dra_server = SocketServer("dra", lambda s: add_dra_services(s, preparer, board, claim_status))
         await dra_server.start(paths.dra_socket)
         registration = RegistrationService(opts.driver, str(paths.dra_socket))
         reg_server = SocketServer("registration", lambda s: add_registration(s, registration))

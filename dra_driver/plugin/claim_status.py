@@ -9,13 +9,21 @@ manager per driver and node, so that the plugins of several nodes (and the two i
 of one node during a rolling update, which share the manager) never fight over the list.
 A health change flips the devices' `Ready` to False with the reason, and back on recovery.
 At Unprepare the entries are released by applying an empty list (the API server drops
-entries of a deallocated claim by itself).
+entries of a deallocated claim by itself); a claim whose entries were never written is
+not written at all.
 
-It must NOT fail or delay a Prepare: every write runs in a task of its own after the
-kubelet got its answer, is retried with backoff, and an error is logged with the claim's
-identity and counted (`gpu_dra_api_errors{component="claim-status"}`), never raised. It
-reads the claim once per write (its `reservedFor` names the pods of the info series and its
-allocation the memory of a share) and never touches the checkpoint or node state.
+A work queue, as dra-example-driver's status_updater.go: the DRA service hands it each
+claim's new state (with what Prepare read of the claim: no second GET) and it writes after
+the kubelet's answer, in the background: once per state change, coalesced per claim (the
+latest wanted state wins; a claim is never written by two workers at once), at most
+`CONCURRENCY` writes at a time, none started while a kubelet call is in flight (for at
+most `QUIET_MAX_WAIT`), each failure retried with backoff by this queue alone (ATTEMPTS in
+all; 404/409/422 end it: the claim is gone, re-created or deallocated). An error is logged
+with the claim's identity and counted (`gpu_dra_api_errors{component="claim-status"}`).
+
+It must NOT fail, delay or hold up a Prepare, raise to its caller, or touch the checkpoint
+or node state. Only a claim reported without its object (the plugin restarted and reports
+what its checkpoint holds) is read from the API server, by the queue's worker.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ import asyncio
 import contextlib
 import hashlib
 import random
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import asdict, astuple, dataclass
 from datetime import UTC, datetime
-from typing import Final, Protocol
+from typing import Final, Literal
 
 import structlog
 
@@ -40,7 +49,6 @@ from dra_driver.health.keeper import HealthKeeper
 from dra_driver.jsontypes import JSON
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.prepared import PreparedDevice
-from dra_driver.plugin.state import ClaimResult
 
 log = structlog.get_logger(__name__)
 
@@ -48,17 +56,16 @@ CLAIM: Final = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{
 COMPONENT: Final = "claim-status"  # the api_errors label of this writer
 ATTEMPTS: Final = 5
 FIRST_BACKOFF_SECONDS: Final = 1.0
+CONCURRENCY: Final = 4  # writes in flight at once, for the whole node
+# A write waits for the kubelet's calls in flight to end, but no longer than this: a node
+# that is never quiet still gets its status.
+QUIET_MAX_WAIT: Final = 1.0
+WRITE_TIMEOUT_SECONDS: Final = 10.0  # one attempt; the queue's backoff makes the next
 # Answers that another attempt cannot change: the claim is gone or was re-created (the
 # uid precondition), or its allocation no longer has the device (it was deallocated).
 FINAL_STATUSES: Final = frozenset({404, 409, 422})
 MAX_FIELD_MANAGER: Final = 128  # the API server's limit
 READY: Final = "Ready"
-
-
-class ClaimPreparer(Protocol):
-    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]: ...
-
-    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]: ...
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,15 @@ class Holder:
 
     namespace: str
     name: str
+
+
+@dataclass(frozen=True)
+class ClaimFacts:
+    """What a write needs from the claim object: the pods it is reserved for and, per
+    memory share prepared here, the capacity it consumes (keyed by pool, device, share id)."""
+
+    pods: tuple[Holder, ...]
+    consumed: Mapping[tuple[str, str, str | None], JSON]
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,15 @@ def _consumed(claim: JSON, driver: str, pool: str, device: str, share_id: str | 
             consumed: JSON = r.get("consumedCapacity") or {}
             return consumed
     return {}
+
+
+def claim_facts(claim: JSON, driver: str, devices: Sequence[PreparedDevice]) -> ClaimFacts:
+    """The part of `claim` the writes use, so that the queue never holds a whole claim."""
+    consumed: dict[tuple[str, str, str | None], JSON] = {}
+    for d in devices:
+        if d.share_id is not None:
+            consumed[(d.pool, d.device, d.share_id)] = _consumed(claim, driver, d.pool, d.device, d.share_id)
+    return ClaimFacts(holders(claim), consumed)
 
 
 def device_data(
@@ -193,8 +218,24 @@ def info_labels(
 # --------------------------------------------------------------------------- I/O
 
 
+@dataclass(frozen=True)
+class _Wanted:
+    """A claim's latest wanted state: its devices (none: released) and what the claim said."""
+
+    ref: ClaimRef
+    devices: tuple[PreparedDevice, ...]
+    facts: ClaimFacts | None  # None: read the claim first (reported from the checkpoint)
+    generation: int
+
+
+# done: written; final: another attempt cannot help (the claim is gone or re-created);
+# retry: again after a backoff
+Outcome = Literal["done", "final", "retry"]
+
+
 class ClaimStatus:
-    """Writes and releases the `status.devices` entries and the info series of this node's claims."""
+    """The queue that writes and releases the `status.devices` entries and the info series
+    of this node's claims."""
 
     def __init__(
         self,
@@ -204,6 +245,8 @@ class ClaimStatus:
         devices: Mapping[str, NodeDevice],
         peers: Mapping[str, Sequence[JSON]],
         first_backoff: float = FIRST_BACKOFF_SECONDS,
+        concurrency: int = CONCURRENCY,
+        quiet_max_wait: float = QUIET_MAX_WAIT,
     ) -> None:
         self.api = api
         self.driver = driver
@@ -212,118 +255,242 @@ class ClaimStatus:
         self.peers = peers
         self.manager = field_manager(driver, node)
         self.first_backoff = first_backoff
+        self.concurrency = concurrency
+        self.quiet_max_wait = quiet_max_wait
         self.views: dict[str, DeviceView] = {}
-        self._prepared: dict[str, tuple[ClaimRef, tuple[PreparedDevice, ...]]] = {}
+        # what this node holds now (for health rewrites), by claim uid
+        self._held: dict[str, tuple[ClaimRef, tuple[PreparedDevice, ...], ClaimFacts | None]] = {}
+        # claims whose entries this process knows are not on the server: freshly prepared,
+        # not written yet; an Unprepare of one of them writes nothing
+        self._unwritten: set[str] = set()
         self._since: dict[tuple[str, str], tuple[bool, datetime]] = {}
         self._series: dict[str, list[InfoLabels]] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._wanted: dict[str, _Wanted] = {}
+        self._generation = 0
+        self._attempts: dict[str, int] = {}
+        self._ready: deque[str] = deque()  # claims to write, each once
+        self._queued: set[str] = set()
+        self._active: set[str] = set()  # being written now
+        self._retries: dict[str, asyncio.TimerHandle] = {}
+        self._workers: set[asyncio.Task[None]] = set()  # started on demand, end when nothing is ready
+        self._working = 0
+        self._busy = 0
+        # futures rather than asyncio.Events, which stay bound to the first loop that waits
+        self._quiet_waiters: list[asyncio.Future[None]] = []
+        self._idle_waiters: list[asyncio.Future[None]] = []
 
-    # -- what the plugin tells it ---------------------------------------------------------------
+    # -- what the DRA service tells it -------------------------------------------------------------
 
-    def prepared(self, ref: ClaimRef, devices: Sequence[PreparedDevice]) -> None:
+    def call_started(self) -> None:
+        """A kubelet call is in flight: no write starts until it ended (or QUIET_MAX_WAIT)."""
+        self._busy += 1
+
+    def call_ended(self) -> None:
+        """Its answer was sent (grpc calls this at the RPC's end)."""
+        self._busy = max(0, self._busy - 1)
+        if not self._busy:
+            _wake(self._quiet_waiters)
+
+    def prepared(self, ref: ClaimRef, devices: Sequence[PreparedDevice], claim: JSON | None = None) -> None:
+        """`ref` is prepared with `devices`; `claim` is the object Prepare read (None: the
+        claim was prepared before, and is read when written)."""
         mine = tuple(d for d in devices if d.pool == self.node and d.device in self.devices)
-        if mine:
-            self._prepared[ref.uid] = (ref, mine)
-            self._schedule(ref.uid, self._write(ref, mine))
+        if not mine:
+            return
+        held = self._held.get(ref.uid)
+        facts = claim_facts(claim, self.driver, mine) if claim is not None else None
+        if held is not None and held[0] == ref and held[1] == mine:
+            if facts is not None and held[2] is None:
+                self._held[ref.uid] = (ref, mine, facts)
+            return  # no change of state (a kubelet retry, or the other instance's Prepare)
+        if held is None and claim is not None and ref.uid not in self._wanted:
+            self._unwritten.add(ref.uid)  # fresh: nothing of ours can be on the claim yet
+        self._held[ref.uid] = (ref, mine, facts)
+        self._want(ref, mine, facts)
 
     def unprepared(self, ref: ClaimRef) -> None:
-        self._prepared.pop(ref.uid, None)
+        held = self._held.pop(ref.uid, None)
         self._drop_series(ref.uid)
         for key in [k for k in self._since if k[0] == ref.uid]:
             del self._since[key]
+        if ref.uid in self._unwritten:  # prepared and unprepared before its write began
+            self._unwritten.discard(ref.uid)
+            self._forget(ref.uid)
+            return
+        if held is None and ref.uid in self._wanted and not self._wanted[ref.uid].devices:
+            return  # a release is queued already
         # released even if this process did not write it: the other instance of a rolling
         # update may have, under the same field manager
-        self._schedule(ref.uid, self._release(ref))
+        self._want(ref, (), None)
 
     def health(self, views: Mapping[str, DeviceView]) -> None:
         """New device views: rewrite the claims holding a device whose view changed."""
         changed = {n for n, v in views.items() if self.views.get(n) != v}
         self.views = dict(views)
-        for ref, devices in list(self._prepared.values()):
+        for ref, devices, facts in list(self._held.values()):
             if any(d.device in changed for d in devices):
-                self._schedule(ref.uid, self._write(ref, devices))
+                self._want(ref, devices, facts)
 
     async def follow(self, keeper: HealthKeeper) -> None:
         async for snapshot in keeper.watch():
             self.health(snapshot.views)
 
     async def settled(self) -> None:
-        """Wait until every write scheduled so far has ended (tests, and stop)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks.values()), return_exceptions=True)
+        """Wait until every write wanted so far has ended, retries included (tests, and stop)."""
+        while self._wanted or self._active:
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(waiter)
+            await waiter
 
     async def stop(self) -> None:
-        for task in list(self._tasks.values()):
+        for timer in self._retries.values():
+            timer.cancel()
+        self._retries.clear()
+        workers = list(self._workers)
+        for task in workers:
             task.cancel()
-        await asyncio.gather(*list(self._tasks.values()), return_exceptions=True)
+        await asyncio.gather(*workers, return_exceptions=True)
+        self._working = 0  # a task cancelled before it ran never reached its finally
+        self._ready.clear()
+        self._queued.clear()
+        self._wanted.clear()
+        _wake(self._idle_waiters)
         for uid in list(self._series):
             self._drop_series(uid)
 
-    # -- the writes -------------------------------------------------------------------------------
+    # -- the queue --------------------------------------------------------------------------------
 
-    def _schedule(self, uid: str, work: Awaitable[None]) -> None:
-        """The latest wanted state of a claim wins: an older write still in flight is cancelled."""
-        old = self._tasks.get(uid)
-        if old is not None:
-            old.cancel()
+    def _want(self, ref: ClaimRef, devices: tuple[PreparedDevice, ...], facts: ClaimFacts | None) -> None:
+        self._generation += 1
+        self._wanted[ref.uid] = _Wanted(ref, devices, facts, self._generation)
+        self._attempts.pop(ref.uid, None)  # a new state starts with a fresh backoff
+        timer = self._retries.pop(ref.uid, None)
+        if timer is not None:
+            timer.cancel()
+        self._enqueue(ref.uid)
 
-        async def run() -> None:
-            if old is not None:
-                await asyncio.gather(old, return_exceptions=True)
+    def _forget(self, uid: str) -> None:
+        self._wanted.pop(uid, None)
+        self._attempts.pop(uid, None)
+        timer = self._retries.pop(uid, None)
+        if timer is not None:
+            timer.cancel()
+        self._check_idle()
+
+    def _enqueue(self, uid: str) -> None:
+        self._retries.pop(uid, None)
+        if uid not in self._queued:
+            self._queued.add(uid)
+            self._ready.append(uid)
+        if self._working < self.concurrency:
+            self._working += 1  # counted until its loop ends, not until the task's callbacks ran
+            task = asyncio.get_running_loop().create_task(self._work(), name="claim-status")
+            self._workers.add(task)
+            task.add_done_callback(self._workers.discard)
+
+    def _check_idle(self) -> None:
+        if not self._wanted and not self._active:
+            _wake(self._idle_waiters)
+
+    async def _work(self) -> None:
+        try:
+            await self._work_ready()
+        finally:
+            self._working -= 1
+
+    async def _work_ready(self) -> None:
+        while self._ready:
+            uid = self._ready.popleft()
+            self._queued.discard(uid)
+            if uid in self._active:
+                continue  # the worker writing it queues it again when done
+            if self._busy:
+                waiter = asyncio.get_running_loop().create_future()
+                self._quiet_waiters.append(waiter)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter, self.quiet_max_wait)
+            wanted = self._wanted.get(uid)  # read after the wait: the latest state wins
+            if wanted is None or uid in self._active:
+                continue
+            self._active.add(uid)
+            self._unwritten.discard(uid)  # from now on the server may have it
+            outcome: Outcome
             try:
-                await work
+                outcome = await self._attempt(wanted)
+            except Exception:  # a bug of ours must not stop the queue
+                log.exception("claim device status write failed", **wanted.ref.log_fields())
+                outcome = "final"
             finally:
-                if self._tasks.get(uid) is task:
-                    del self._tasks[uid]
+                self._active.discard(uid)
+            self._settle(wanted, outcome)
 
-        task = asyncio.get_running_loop().create_task(run(), name=f"claim-status-{uid}")
-        self._tasks[uid] = task
+    def _settle(self, done: _Wanted, outcome: Outcome) -> None:
+        uid = done.ref.uid
+        current = self._wanted.get(uid)
+        if current is not None and current.generation != done.generation:
+            self._enqueue(uid)  # a newer state came meanwhile
+        elif current is not None and outcome == "retry":
+            attempt = self._attempts[uid] = self._attempts.get(uid, 1) + 1
+            if attempt > ATTEMPTS:
+                log.error("claim device status not written; giving up", attempts=ATTEMPTS,
+                          **done.ref.log_fields())
+                self._forget(uid)
+            else:
+                delay = self.first_backoff * 2.0 ** (attempt - 2) * random.uniform(0.5, 1.0)
+                self._retries[uid] = asyncio.get_running_loop().call_later(delay, self._enqueue, uid)
+        elif current is not None:
+            self._forget(uid)
+        self._check_idle()
 
-    async def _write(self, ref: ClaimRef, devices: tuple[PreparedDevice, ...]) -> None:
+    # -- one attempt ------------------------------------------------------------------------------
+
+    async def _attempt(self, wanted: _Wanted) -> Outcome:
+        ref = wanted.ref
         with structlog.contextvars.bound_contextvars(**ref.log_fields()):
-            claim = await self._attempts(ref, "read", lambda: kube.request(
-                self.api, "GET", CLAIM.format(namespace=ref.namespace, name=ref.name)))
-            if claim is None:
-                return
-            if claim.get("metadata", {}).get("uid") != ref.uid:
-                log.info("claim was re-created; its status is not written")
-                return
-            pods = holders(claim)
-            self._set_series(ref, devices, pods)
-            entries = [self._entry(ref, claim, d) for d in devices]
-            written = await self._attempts(ref, "write", lambda: self._apply(ref, entries))
-            if written is not None:
-                log.info("claim device status written", devices=[d.device for d in devices],
+            try:
+                if not wanted.devices:
+                    await self._apply(ref, [])
+                    log.info("claim device status released")
+                    return "done"
+                facts = wanted.facts or await self._read(ref, wanted.devices)
+                if facts is None:
+                    return "final"
+                self._set_series(ref, wanted.devices, facts.pods)
+                entries = [self._entry(ref, facts, d) for d in wanted.devices]
+                await self._apply(ref, entries)
+                log.info("claim device status written", devices=[d.device for d in wanted.devices],
                          ready=[e["conditions"][0]["status"] for e in entries])
+                return "done"
+            except kube.TRANSIENT_ERRORS as e:
+                metrics.api_error(COMPONENT, e)
+                status = getattr(e, "status", None)
+                final = status in FINAL_STATUSES
+                attempt = self._attempts.get(ref.uid, 1)
+                log.warning("claim device status write failed", error=str(e)[:300], status=status,
+                            attempt=attempt, retrying=not final and attempt < ATTEMPTS)
+                return "final" if final else "retry"
 
-    async def _release(self, ref: ClaimRef) -> None:
-        with structlog.contextvars.bound_contextvars(**ref.log_fields()):
-            if await self._attempts(ref, "release", lambda: self._apply(ref, [])) is not None:
-                log.info("claim device status released")
+    async def _read(self, ref: ClaimRef, devices: tuple[PreparedDevice, ...]) -> ClaimFacts | None:
+        """The facts of a claim reported without its object; None: it was re-created."""
+        path = CLAIM.format(namespace=ref.namespace, name=ref.name)
+        claim = await kube.request(self.api, "GET", path, timeout=WRITE_TIMEOUT_SECONDS)
+        if claim.get("metadata", {}).get("uid") != ref.uid:
+            log.info("claim was re-created; its status is not written")
+            return None
+        facts = claim_facts(claim, self.driver, devices)
+        held = self._held.get(ref.uid)
+        if held is not None and held[1] == devices:
+            self._held[ref.uid] = (ref, devices, facts)  # read once, also for health rewrites
+        return facts
 
     def _apply(self, ref: ClaimRef, entries: list[JSON]) -> Awaitable[JSON]:
         return kube.request(
             self.api, "PATCH", CLAIM.format(namespace=ref.namespace, name=ref.name) + "/status",
             body=apply_body(ref, entries), query={"fieldManager": self.manager, "force": "true"},
-            content_type="application/apply-patch+yaml",
+            content_type="application/apply-patch+yaml", timeout=WRITE_TIMEOUT_SECONDS,
         )
 
-    async def _attempts(self, ref: ClaimRef, what: str, call: Callable[[], Awaitable[JSON]]) -> JSON | None:
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                return await call()
-            except kube.TRANSIENT_ERRORS as e:
-                metrics.api_error(COMPONENT, e)
-                status = getattr(e, "status", None)
-                final = status in FINAL_STATUSES or attempt == ATTEMPTS
-                log.warning(f"claim device status {what} failed", error=str(e)[:300], status=status,
-                            attempt=attempt, retrying=not final)
-                if final:
-                    return None
-            await asyncio.sleep(self.first_backoff * 2.0 ** (attempt - 1) * random.uniform(0.5, 1.0))
-        return None
-
-    def _entry(self, ref: ClaimRef, claim: JSON, prepared: PreparedDevice) -> JSON:
+    def _entry(self, ref: ClaimRef, facts: ClaimFacts, prepared: PreparedDevice) -> JSON:
         node_device = self.devices[prepared.device]
         view = self.views.get(prepared.device)
         healthy = view is None or view.healthy
@@ -331,7 +498,7 @@ class ClaimStatus:
         was = self._since.get(key)
         if was is None or was[0] != healthy:
             was = self._since[key] = (healthy, datetime.now(UTC))
-        consumed = _consumed(claim, self.driver, prepared.pool, prepared.device, prepared.share_id)
+        consumed = facts.consumed.get((prepared.pool, prepared.device, prepared.share_id), {})
         entry: JSON = {
             "driver": self.driver,
             "pool": prepared.pool,
@@ -358,26 +525,8 @@ class ClaimStatus:
                 metrics.device_claim_info.remove(*astuple(s))
 
 
-class ReportingPreparer:
-    """A `ClaimPreparer` that tells `ClaimStatus` what it prepared and unprepared, after the
-    kubelet's answer is decided (the writes run in tasks of their own)."""
-
-    def __init__(self, inner: ClaimPreparer, status: ClaimStatus) -> None:
-        self.inner = inner
-        self.status = status
-
-    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
-        results = await self.inner.prepare(refs)
-        for ref in refs:
-            result = results.get(ref.uid)
-            if result is not None and result.error is None:
-                self.status.prepared(ref, result.devices)
-        return results
-
-    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
-        results = await self.inner.unprepare(refs)
-        for ref in refs:
-            result = results.get(ref.uid)
-            if result is not None and result.error is None:
-                self.status.unprepared(ref)
-        return results
+def _wake(waiters: list[asyncio.Future[None]]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)
+    waiters.clear()

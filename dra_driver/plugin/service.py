@@ -4,8 +4,10 @@ Translation only: protobuf in, domain calls, protobuf out; grpcio serves them
 (dra_driver.plugin.server). Each claim of a request is answered on its own (one bad claim
 never fails its neighbours; a failure of the whole batch is still answered claim by
 claim), with an error of at most MAX_ERROR characters, and every log line about a claim
-carries its namespace, name and UID. The work itself is done by a `ClaimPreparer`; this
-module holds no state of its own.
+carries its namespace, name and UID. The work itself is done by a `ClaimPreparer`; each
+claim's new state goes to the `StatusQueue` here, in one place, which writes it after the
+answer was sent (grpc ends the call, then the queue may start). This module holds no state
+of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import grpc
 import structlog
 
 from dra_driver import metrics
+from dra_driver.jsontypes import JSON
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
@@ -48,13 +51,40 @@ class ClaimPreparer(Protocol):
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]: ...
 
 
+class StatusQueue(Protocol):
+    """Where the claims' new states go (dra_driver.plugin.claim_status.ClaimStatus)."""
+
+    def call_started(self) -> None: ...
+
+    def call_ended(self) -> None: ...
+
+    def prepared(self, ref: ClaimRef, devices: Sequence[PreparedDevice], claim: JSON | None) -> None: ...
+
+    def unprepared(self, ref: ClaimRef) -> None: ...
+
+
 class _DraService:
     """NodePrepareResources/NodeUnprepareResources for one API version's messages."""
 
-    def __init__(self, preparer: ClaimPreparer, pb: ModuleType, with_share_id: bool) -> None:
+    def __init__(
+        self, preparer: ClaimPreparer, pb: ModuleType, with_share_id: bool, status: StatusQueue | None = None
+    ) -> None:
         self._preparer = preparer
         self._pb = pb
         self._with_share_id = with_share_id
+        self._status = status
+
+    def _report(self, context: grpc.aio.ServicerContext, verb: str) -> Callable[[ClaimRef, ClaimResult], Any]:
+        """What tells the status queue each claim's new state; the queue writes nothing
+        before this call's answer was sent (grpc runs done callbacks at the RPC's end)."""
+        status = self._status
+        if status is None:
+            return lambda ref, result: None
+        status.call_started()
+        context.add_done_callback(lambda _: status.call_ended())
+        if verb == "prepare":
+            return lambda ref, result: status.prepared(ref, result.devices, result.claim)
+        return lambda ref, result: status.unprepared(ref)
 
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await _refuse_too_many(request, context, "NodePrepareResources")
@@ -65,7 +95,8 @@ class _DraService:
             log.info("prepared", devices=[d.device for d in result.devices])
             return self._pb.NodePrepareResourceResponse(devices=[self._device(d) for d in result.devices])
 
-        claims = await _per_claim(self._preparer.prepare, request, "prepare", answer)
+        report = self._report(context, "prepare")
+        claims = await _per_claim(self._preparer.prepare, request, "prepare", answer, report)
         return self._pb.NodePrepareResourcesResponse(claims=claims)
 
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -77,7 +108,8 @@ class _DraService:
             log.info("unprepared")
             return self._pb.NodeUnprepareResourceResponse()
 
-        claims = await _per_claim(self._preparer.unprepare, request, "unprepare", answer)
+        report = self._report(context, "unprepare")
+        claims = await _per_claim(self._preparer.unprepare, request, "unprepare", answer, report)
         return self._pb.NodeUnprepareResourcesResponse(claims=claims)
 
     def _device(self, d: PreparedDevice) -> Any:
@@ -110,8 +142,10 @@ async def _per_claim(
     request: Any,
     verb: str,
     answer: Callable[[ClaimResult], Any],
+    report: Callable[[ClaimRef, ClaimResult], Any],
 ) -> dict[str, Any]:
-    """Each claim of the request's answer, by UID, logged with the claim's identity."""
+    """Each claim of the request's answer, by UID, logged with the claim's identity; each
+    claim done is reported to the status queue."""
     refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
     if not refs:  # the liveness probe's call; the kubelet never sends an empty one
         return {}
@@ -124,6 +158,8 @@ async def _per_claim(
             result = results[ref.uid]
             if result.error is not None:
                 log.warning(f"{verb} refused", error=result.error)
+            else:
+                report(ref, result)
             claims[ref.uid] = answer(result)
     return claims
 
@@ -170,12 +206,16 @@ class _HealthService:
             )
 
 
-def add_dra_services(server: grpc.aio.Server, preparer: ClaimPreparer, board: DeviceHealthBoard) -> None:
+def add_dra_services(
+    server: grpc.aio.Server,
+    preparer: ClaimPreparer,
+    board: DeviceHealthBoard,
+    status: StatusQueue | None = None,
+) -> None:
     """The DRA socket's services: DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1."""
-    dra_v1_grpc.add_DRAPluginServicer_to_server(_DraService(preparer, dra_v1, with_share_id=True), server)
-    dra_v1beta1_grpc.add_DRAPluginServicer_to_server(
-        _DraService(preparer, dra_v1beta1, with_share_id=False), server
-    )
+    dra_v1_grpc.add_DRAPluginServicer_to_server(_DraService(preparer, dra_v1, True, status), server)
+    v1beta1 = _DraService(preparer, dra_v1beta1, False, status)
+    dra_v1beta1_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
     health_v1_grpc.add_DRAResourceHealthServicer_to_server(_HealthService(board, health_v1), server)
     health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(
         _HealthService(board, health_v1alpha1), server

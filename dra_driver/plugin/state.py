@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final, Protocol, TypeVar
 
@@ -82,6 +82,9 @@ class ClaimResult:
 
     devices: tuple[PreparedDevice, ...] = ()
     error: str | None = None
+    # the claim as this Prepare read it (the claim status write reuses it: no second GET);
+    # None where no read was needed (prepared already) and in every Unprepare
+    claim: JSON | None = field(default=None, compare=False, repr=False)
 
 
 class NodePreparer:
@@ -140,7 +143,10 @@ class NodePreparer:
                 except ClaimRejected as e:
                     results[ref.uid] = ClaimResult(error=str(e))
             if plans:
-                results.update(await self._locked(self._prepare_locked, plans))
+                for uid, result in (await self._locked(self._prepare_locked, plans)).items():
+                    read = fetched.get(uid)  # kept for the claim status write: no second GET
+                    ok = result.error is None and isinstance(read, dict)
+                    results[uid] = replace(result, claim=read) if ok and isinstance(read, dict) else result
         return results
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:

@@ -1,31 +1,44 @@
-"""The claim device status writer and the info series, against a scripted API server:
+"""The claim device status queue and the info series, against a scripted API server:
 what is applied (server-side apply body, field manager), when (Prepare, health change,
-Unprepare), and that an API error is retried and counted but never fails the Prepare."""
+Unprepare), that an API error is retried and counted but never fails the Prepare, and the
+queue's shape: the claim Prepare read is reused (one GET per Prepare, through the real
+gRPC service and preparer), states coalesce per claim, writes are bounded in number and
+never start while a kubelet call is in flight, a gone claim ends its writes."""
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver import kube, metrics
 from dra_driver.devices import node_devices
+from dra_driver.driver_root import simulated_driver_files
 from dra_driver.gpu import discover
 from dra_driver.health.effects import DeviceView
+from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
+from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.plugin import claim_status
+from dra_driver.plugin.claim_source import ClaimReader
 from dra_driver.plugin.claim_status import (
     MAX_FIELD_MANAGER,
     ClaimStatus,
-    ReportingPreparer,
     field_manager,
     nvlink_peers,
 )
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.prepared import PreparedDevice
-from dra_driver.plugin.state import ClaimResult
+from dra_driver.plugin.server import SocketServer
+from dra_driver.plugin.service import add_dra_services
+from dra_driver.plugin.state import NodePreparer
+from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
 
 NODE = "node-a"
@@ -90,17 +103,6 @@ def api_errors(code: str) -> float:
     return value or 0.0
 
 
-class Inner:
-    def __init__(self, results: dict[str, ClaimResult]) -> None:
-        self.results = results
-
-    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
-        return self.results
-
-    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
-        return {r.uid: ClaimResult() for r in refs}
-
-
 def test_prepare_applies_device_status_and_info_series_until_unprepare(
     h200: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -110,12 +112,11 @@ def test_prepare_applies_device_status_and_info_series_until_unprepare(
     status = writer(h200)
     prepared = (PreparedDevice(("gpu",), NODE, "gpu-3", ("k8s.gpu.dra-driver.dev/claim=x-gpu-3",)),
                 PreparedDevice(("gpu",), "other-node", "gpu-1", ()))
-    reporting = ReportingPreparer(Inner({REF.uid: ClaimResult(prepared)}), status)
 
     async def scenario() -> None:
-        results = await reporting.prepare([REF])
-        assert results[REF.uid].error is None
+        status.prepared(REF, prepared, fake.claim)
         await status.settled()
+        assert fake.calls == ["PATCH /apis/resource.k8s.io/v1/namespaces/team/resourceclaims/train/status"]
         gpu3 = inventory.gpu(3)
         assert info_series() == [{
             "device": "gpu-3", "uuid": gpu3.uuid, "pci_bus_id": gpu3.pci_bus_id, "claim_namespace": "team",
@@ -135,7 +136,7 @@ def test_prepare_applies_device_status_and_info_series_until_unprepare(
         assert {p["gpu"] for p in data["nvlinkPeers"]} == {f"gpu-{i}" for i in range(8) if i != 3}
         assert "shareID" not in entry and "mig" not in data
 
-        await reporting.unprepare([REF])
+        status.unprepared(REF)
         await status.settled()
         assert info_series() == []
         assert fake.patches[-1]["body"]["status"] == {"devices": []}
@@ -176,16 +177,15 @@ def test_refused_write_is_retried_counted_and_never_fails_prepare(
     monkeypatch.setattr(kube, "request", fake.request)
     status = writer(h200)
     prepared = (PreparedDevice(("gpu",), NODE, "gpu-2", ()),)
-    reporting = ReportingPreparer(Inner({REF.uid: ClaimResult(prepared)}), status)
     before = api_errors("403")
 
-    async def scenario() -> ClaimResult:
-        result = (await reporting.prepare([REF]))[REF.uid]
+    async def scenario() -> None:
+        status.prepared(REF, prepared, fake.claim)  # returns at once: nothing to fail
         await status.settled()
-        return result
 
-    assert asyncio.run(scenario()).error is None
+    asyncio.run(scenario())
     assert api_errors("403") - before == claim_status.ATTEMPTS
+    assert len(fake.calls) == claim_status.ATTEMPTS  # one retry layer: the queue's
     assert fake.patches == []
     assert [s["device"] for s in info_series()] == ["gpu-2"]  # the series does not need the write
     metrics.device_claim_info.clear()
@@ -254,3 +254,243 @@ def test_field_manager_fits_the_api_limit_and_keeps_long_names_apart() -> None:
     assert field_manager(DRIVER, NODE) == f"{DRIVER}/{NODE}"
     a, b = field_manager(DRIVER, "n" * 200 + "a"), field_manager(DRIVER, "n" * 200 + "b")
     assert len(a) <= MAX_FIELD_MANAGER and len(b) <= MAX_FIELD_MANAGER and a != b
+
+
+# --------------------------------------------------------------------------- the queue's shape
+
+
+class ScriptedApi:
+    """kube.request for many claims: GET answers the named claim, PATCH answers in turn the
+    statuses in `errors` (then succeeds), and waits for `gate` if one is set. It records what
+    the queue's writes overlap with: other writes, and kubelet calls in flight."""
+
+    def __init__(self, claims: dict[str, dict[str, Any]], errors: Sequence[int] = ()) -> None:
+        self.claims = claims
+        self.errors = list(errors)
+        self.calls: list[str] = []
+        self.bodies: list[dict[str, Any]] = []
+        self.gate: asyncio.Event | None = None
+        self.writing = 0
+        self.most_writing = 0
+        self.status: ClaimStatus | None = None
+        self.busy_seen: list[int] = []
+
+    async def request(self, api: object, method: str, path: str, body: Any = None,
+                      query: dict[str, str] | None = None, content_type: str = "application/json",
+                      timeout: float = 30.0) -> dict[str, Any]:
+        self.calls.append(f"{method} {path}")
+        name = path.split("/resourceclaims/")[1].split("/")[0]
+        if method == "GET":
+            return self.claims[name]
+        if self.status is not None:
+            self.busy_seen.append(self.status._busy)
+        self.writing += 1
+        self.most_writing = max(self.most_writing, self.writing)
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.errors:
+                raise kube.ApiException(self.errors.pop(0), "scripted", "")
+            self.bodies.append(body)
+            return self.claims[name]
+        finally:
+            self.writing -= 1
+
+
+class QuietBoard:
+    async def follow(self):  # type: ignore[no-untyped-def]
+        await asyncio.Event().wait()
+        yield ()
+
+
+def patches_of(api: ScriptedApi) -> list[str]:
+    return [c for c in api.calls if c.startswith("PATCH")]
+
+
+async def within(deadline: float, condition: Any) -> None:
+    """Wait until `condition()` holds; fail after `deadline` seconds."""
+    async with asyncio.timeout(deadline):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+def test_prepare_through_grpc_reads_the_claim_once_and_writes_after_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real service, preparer and claim reader: each Prepare costs one GET (the status
+    write reuses it) and one PATCH, written while no kubelet call is in flight."""
+    inventory = discover("l4x4")
+    devices = node_devices(inventory)
+    refs = [ClaimRef("ns", f"c{i}", f"00000000-0000-0000-0000-00000000000{i}") for i in range(3)]
+    claims = {r.name: {
+        "metadata": {"namespace": r.namespace, "name": r.name, "uid": r.uid},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}]}},
+            "reservedFor": [{"resource": "pods", "name": f"pod-{i}", "uid": "p"}]},
+    } for i, r in enumerate(refs)}
+    fake = ScriptedApi(claims)
+    monkeypatch.setattr(kube, "request", fake.request)
+    preparer = NodePreparer(
+        driver=DRIVER, pool=NODE, devices=devices, claims=ClaimReader(object()),  # type: ignore[arg-type]
+        driver_files=simulated_driver_files([g.minor for g in inventory.gpus]), cdi_dir=tmp_path / "cdi",
+        state_dir=tmp_path / "state", boot_id="boot-1",
+        sharing=Sharing(DRIVER, NODE, MpsControl(tmp_path / "mps", "/nonexistent-driver-root")),
+    )
+    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
+                         quiet_max_wait=60.0)
+    fake.status = status
+
+    async def scenario() -> None:
+        (tmp_path / "state").mkdir()
+        await preparer.recover()
+        with tempfile.TemporaryDirectory(prefix="cst-") as directory:  # tmp_path can exceed 107 bytes
+            socket = Path(directory) / "dra.sock"
+            server = SocketServer("dra", lambda s: add_dra_services(s, preparer, QuietBoard(), status))  # type: ignore[arg-type]
+            await server.start(socket)
+            try:
+                async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+                    stub = dra_v1_grpc.DRAPluginStub(channel)
+                    for ref in refs:
+                        claim = dra_v1.Claim(namespace=ref.namespace, name=ref.name, uid=ref.uid)
+                        request = dra_v1.NodePrepareResourcesRequest(claims=[claim])
+                        answer = await stub.NodePrepareResources(request)
+                        assert not answer.claims[ref.uid].error, answer.claims[ref.uid].error
+                async with asyncio.timeout(10):  # without grpc's done callbacks this waits 60 s
+                    await status.settled()
+            finally:
+                await server.stop(None)
+                await status.stop()
+
+    asyncio.run(scenario())
+    gets = [c for c in fake.calls if c.startswith("GET")]
+    assert len(gets) == len(refs), fake.calls  # no second GET for the status
+    assert len(patches_of(fake)) == len(refs)
+    assert fake.busy_seen == [0] * len(refs)  # no write while a kubelet call was in flight
+    pods = {b["metadata"]["name"]: b["status"]["devices"][0]["device"] for b in fake.bodies}
+    assert pods == {"c0": "gpu-0", "c1": "gpu-1", "c2": "gpu-2"}
+    metrics.device_claim_info.clear()
+
+
+def test_states_of_one_claim_coalesce_and_the_latest_is_written(h200: tuple[Any, dict[str, Any]],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedApi({"train": claim_json(REF, ["p"])})
+    monkeypatch.setattr(kube, "request", fake.request)
+    status = writer(h200)
+    devices = [PreparedDevice(("gpu",), NODE, "gpu-0", ())]
+
+    async def scenario() -> None:
+        # prepared, sick, well again, sick: before any write began, so one write, the last state
+        status.prepared(REF, devices, fake.claims["train"])
+        status.health({"gpu-0": DeviceView(False, "XID 79")})
+        status.health({"gpu-0": DeviceView(True, "")})
+        status.health({"gpu-0": DeviceView(False, "XID 48: double bit ECC")})
+        status.prepared(REF, devices, None)  # a kubelet retry: no new state
+        await status.settled()
+        assert len(patches_of(fake)) == 1
+        [entry] = fake.bodies[0]["status"]["devices"]
+        assert entry["conditions"][0]["status"] == "False" and "XID 48" in entry["conditions"][0]["message"]
+
+        # prepared and unprepared before the write began: nothing to write, nothing to release
+        other = ClaimRef("team", "brief", "99999999-2222-3333-4444-555555555555")
+        fake.claims["brief"] = claim_json(other, ["q"])
+        status.prepared(other, devices, fake.claims["brief"])
+        status.unprepared(other)
+        await status.settled()
+        assert len(fake.calls) == 1, fake.calls
+
+        status.unprepared(REF)  # written before: released once
+        await status.settled()
+        assert len(fake.calls) == 2 and fake.bodies[-1]["status"] == {"devices": []}
+
+    asyncio.run(scenario())
+    assert info_series() == []
+
+
+def test_writes_are_bounded_in_number(
+    h200: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inventory, devices = h200
+    refs = [ClaimRef("team", f"c{i}", f"{i:08d}-2222-3333-4444-555555555555") for i in range(8)]
+    fake = ScriptedApi({r.name: claim_json(r, ["p"]) for r in refs})
+    monkeypatch.setattr(kube, "request", fake.request)
+    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
+                         concurrency=3)
+
+    async def scenario() -> None:
+        fake.gate = asyncio.Event()
+        for i, ref in enumerate(refs):
+            status.prepared(ref, [PreparedDevice(("gpu",), NODE, f"gpu-{i}", ())], fake.claims[ref.name])
+        await within(10, lambda: fake.writing == 3)
+        for _ in range(20):  # give a fourth write every chance to start
+            await asyncio.sleep(0)
+        assert fake.writing == 3
+        fake.gate.set()
+        await status.settled()
+        await status.stop()
+
+    asyncio.run(scenario())
+    assert fake.most_writing == 3
+    assert sorted(b["metadata"]["name"] for b in fake.bodies) == [r.name for r in refs]
+    metrics.device_claim_info.clear()
+
+
+def test_failed_write_is_retried_until_it_lands(h200: tuple[Any, dict[str, Any]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedApi({"train": claim_json(REF, ["p"])}, errors=[500, 429])
+    monkeypatch.setattr(kube, "request", fake.request)
+    status = writer(h200)
+    before = api_errors("500") + api_errors("429")
+
+    async def scenario() -> None:
+        status.prepared(REF, [PreparedDevice(("gpu",), NODE, "gpu-6", ())], fake.claims["train"])
+        await status.settled()
+
+    asyncio.run(scenario())
+    assert len(patches_of(fake)) == 3 and len(fake.bodies) == 1
+    assert fake.bodies[0]["status"]["devices"][0]["device"] == "gpu-6"
+    assert api_errors("500") + api_errors("429") - before == 2
+    metrics.device_claim_info.clear()
+
+
+def test_deleted_claim_ends_its_writes(
+    h200: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim deleted after its Prepare: the write's 404 ends it (no retry), and so does the
+    release's after its Unprepare."""
+    fake = ScriptedApi({"train": claim_json(REF, ["p"])}, errors=[404, 404])
+    monkeypatch.setattr(kube, "request", fake.request)
+    status = writer(h200)
+
+    async def scenario() -> None:
+        status.prepared(REF, [PreparedDevice(("gpu",), NODE, "gpu-1", ())], fake.claims["train"])
+        await status.settled()
+        assert len(fake.calls) == 1
+        status.unprepared(REF)
+        await status.settled()
+
+    asyncio.run(scenario())
+    assert len(fake.calls) == 2 and fake.bodies == []
+    assert info_series() == []
+
+
+def test_no_write_starts_while_a_kubelet_call_is_in_flight(h200: tuple[Any, dict[str, Any]],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = ScriptedApi({"train": claim_json(REF, ["p"])})
+    monkeypatch.setattr(kube, "request", fake.request)
+    inventory, devices = h200
+    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
+                         quiet_max_wait=60.0)
+
+    async def scenario() -> None:
+        status.call_started()
+        status.prepared(REF, [PreparedDevice(("gpu",), NODE, "gpu-2", ())], fake.claims["train"])
+        for _ in range(20):  # every chance to start
+            await asyncio.sleep(0)
+        assert fake.calls == []
+        status.call_ended()
+        async with asyncio.timeout(10):
+            await status.settled()
+
+    asyncio.run(scenario())
+    assert len(fake.calls) == 1
+    metrics.device_claim_info.clear()
