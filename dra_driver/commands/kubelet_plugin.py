@@ -362,7 +362,6 @@ async def run_plugin(opts: PluginOptions) -> None:
         host_cgroup=opts.mps_host_cgroup,
         compute=compute_modes(opts.simulate) if opts.mps_exclusive_compute_mode else None,
     )
-    mps.claim_root(opts.driver)  # before recovery reads it: never another driver's daemons
     preparer = NodePreparer(
         driver=opts.driver,
         pool=opts.node_name,
@@ -375,6 +374,10 @@ async def run_plugin(opts: PluginOptions) -> None:
         mig=MigInstances(mig_api(opts)) if opts.dynamic_mig else None,
         placements=placements,
     )
+    # Another driver's state dir is refused first (its message names --state-dir, the usual
+    # mistake), then another driver's MPS root, both before recovery touches anything.
+    preparer.read_checkpoint()
+    mps.claim_root(opts.driver)
     described = CreatedDevices(devices, placements, RecordedInstances(preparer)) if placements else devices
     claim_status = ClaimStatus(api, opts.driver, opts.node_name, described, nvlink_peers(inventory, devices))
     lease = Lease(paths.data_dir / PUBLISHER_LEASE)
