@@ -376,7 +376,8 @@ async def run_plugin(opts: PluginOptions) -> None:
     )
     # Another driver's state dir is refused first (its message names --state-dir, the usual
     # mistake), then another driver's MPS root, both before recovery touches anything.
-    preparer.read_checkpoint()
+    with contextlib.suppress(ckpt.CheckpointUnreadable):  # recovery quarantines it, keeping what pods use
+        preparer.read_checkpoint()
     mps.claim_root(opts.driver)
     described = CreatedDevices(devices, placements, RecordedInstances(preparer)) if placements else devices
     claim_status = ClaimStatus(api, opts.driver, opts.node_name, described, nvlink_peers(inventory, devices))
