@@ -1,18 +1,49 @@
-"""Listing API objects page by page for the read-only commands (`status`, `explain`).
+"""Reading the cluster for the read-only commands (`status`, `explain`): one client for the
+whole read, objects listed page by page, progress on stderr, API failures as one clear error.
 
 It must NOT write, cache or interpret what it lists.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Final
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Final, TypeVar
+
+import click
 
 from dra_driver import kube
 from dra_driver.jsontypes import JSON
 
 RESOURCE_API: Final = "/apis/resource.k8s.io/v1"
 PAGE: Final = 500
+
+T = TypeVar("T")
+Progress = Callable[[str], None]
+
+
+def progress_on_stderr(line: str) -> None:
+    click.echo(f"\r{line}", err=True, nl=False)
+
+
+def read_cluster(
+    kubeconfig: str | None, read: Callable[[kube.ApiClient, Progress], Awaitable[T]], failed: str
+) -> T:
+    """`read(api, progress)` on one client from `kubeconfig`, closed after; an API, network or
+    timeout error becomes a ClickException that starts with `failed`."""
+
+    async def run() -> T:
+        api = await kube.load_client(kubeconfig)
+        try:
+            return await read(api, progress_on_stderr)
+        except (kube.ApiException, OSError, TimeoutError) as e:
+            raise click.ClickException(f"{failed}: {e}") from None
+        finally:
+            await api.close()
+
+    result = asyncio.run(run())
+    click.echo("\r", err=True, nl=False)
+    return result
 
 
 async def list_all(

@@ -14,7 +14,6 @@ NOT need anything on the node itself (no NVML, no checkpoint), and never writes.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import sys
@@ -26,7 +25,7 @@ from typing import Any
 import click
 
 from dra_driver import DEFAULT_DRIVER_NAME, kube, log
-from dra_driver.commands.listing import RESOURCE_API
+from dra_driver.commands.listing import RESOURCE_API, read_cluster
 from dra_driver.commands.listing import list_all as _list
 from dra_driver.explain import state as explain_state
 from dra_driver.jsontypes import JSON
@@ -343,20 +342,8 @@ async def read_node(api: kube.ApiClient, node: str, driver: str,
 
 
 def show(node: str, driver: str, kubeconfig: str | None, output: str) -> None:
-    def progress(line: str) -> None:
-        click.echo(f"\r{line}", err=True, nl=False)
-
-    async def run() -> NodeView:
-        api = await kube.load_client(kubeconfig)
-        try:
-            return await read_node(api, node, driver, progress)
-        except (kube.ApiException, OSError, TimeoutError) as e:
-            raise StatusError(f"reading node {node!r} from the API server failed: {e}") from None
-        finally:
-            await api.close()
-
-    view = asyncio.run(run())
-    click.echo("\r", err=True, nl=False)
+    view = read_cluster(kubeconfig, lambda api, progress: read_node(api, node, driver, progress),
+                        f"reading node {node!r} from the API server failed")
     click.echo(json.dumps(asdict(view), indent=2) if output == "json" else render(view))
 
 

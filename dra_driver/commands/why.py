@@ -17,7 +17,7 @@ from dataclasses import asdict
 import click
 
 from dra_driver import kube, log
-from dra_driver.commands.listing import RESOURCE_API
+from dra_driver.commands.listing import RESOURCE_API, read_cluster
 from dra_driver.commands.listing import list_all as _list
 from dra_driver.explain.render import DEFAULT_NODES, render
 from dra_driver.explain.why import PodClaim, PodReport, explain_pod
@@ -86,19 +86,8 @@ def explain(
     if "/" in pod:
         namespace, pod = pod.split("/", 1)
 
-    def progress(line: str) -> None:
-        click.echo(f"\r{line}", err=True, nl=False)
-
-    async def run() -> PodReport:
-        api = await kube.load_client(kubeconfig)
-        try:
-            return await read_report(api, namespace, pod, progress)
-        except (kube.ApiException, OSError, TimeoutError) as e:
-            raise WhyError(f"reading pod {namespace}/{pod} and the cluster's devices failed: {e}") from None
-        finally:
-            await api.close()
-
-    report = asyncio.run(run())
+    report = read_cluster(kubeconfig, lambda api, progress: read_report(api, namespace, pod, progress),
+                          f"reading pod {namespace}/{pod} and the cluster's devices failed")
     if output == "json":
         click.echo(json.dumps(asdict(report), indent=2))
     else:

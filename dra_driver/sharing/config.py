@@ -121,7 +121,9 @@ DEFAULT_CONFIG: Final = GpuConfig()
 def quantity_value(text: str) -> Decimal | None:
     """The value of a Kubernetes quantity ("10Gi", "143771Mi", "40G", "1e9", "1500m"); None
     if `text` is not one (by the API server's grammar: no spaces, so that a value the
-    admission policy refuses is never read here). The one quantity parser of the project."""
+    admission policy refuses is never read here): kubernetes.utils.parse_quantity accepts what
+    the policy refuses, so claim configs cannot use it (dra_driver.explain, which reads what the
+    API server already accepted, does)."""
     match = _QUANTITY.fullmatch(text)
     if match is None:
         return None
