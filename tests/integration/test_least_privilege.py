@@ -470,8 +470,10 @@ def test_the_plugins_calls_run_through_the_charts_rbac_and_policies(
             surplus = _slice(node_a)
             surplus["metadata"]["name"] = f"{node_a}-{DRIVER}-099"
             create_object(api, surplus)
+            # The publisher deletes the surplus first, then applies the slice it keeps: wait
+            # for both before it is stopped.
             for _ in range(100):
-                if not [c for c in calls if c[0] == "DELETE"]:
+                if not {"DELETE", "PATCH"} <= {c[0] for c in calls if "/resourceslices" in c[1]}:
                     await asyncio.sleep(0.1)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
