@@ -9,20 +9,32 @@ nodes, the MIG UUID in the device's environment variable). `dynamic_devices` are
 names a dynamic GPU's claims can be allocated (every placement, and the whole GPU), and
 `without_own` takes the instances this plugin made (its checkpoint's `MigRecord`s) out of
 a fresh discovery, so that after a restart they are not mistaken for static instances made
-by hand. Pure: the NVML calls and the checkpoint belong to the prepare transaction, which
-records the placement before it creates (two-phase) and destroys on Unprepare.
+by hand.
+
+`MigSteps` holds every step the prepare transaction and recovery take on a claim's dynamic
+MIG instances, in one object: `free` (are its placements still free?), `create` (make
+them, or leave nothing behind), `destroy` (last made first) and `devices` (each placement
+as the instance made for it, for the CDI spec). It makes the NVML calls (through
+`dra_driver.gpu.mig.MigInstances`) but must NOT take the lock, read or write the
+checkpoint, or decide when a step runs: the transaction records each placement before it
+creates (two-phase) and holds the lock around every step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import structlog
 
 from dra_driver.devices import NodeDevice, gpu_device_name
-from dra_driver.gpu.mig import Created
+from dra_driver.gpu.mig import Created, MigError, MigInstances, PlacementTaken
 from dra_driver.gpu.model import Inventory, MigDevice
 from dra_driver.gpu.placements import MIB, Placement, dynamic, find_placement, placements
+from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.prepared import MigRecord
+
+log = structlog.get_logger(__name__)
 
 
 def device_to_create(inventory: Inventory, device_name: str) -> Placement | None:
@@ -80,7 +92,7 @@ def intent(placement: Placement) -> MigRecord:
     return MigRecord(placement.name, placement.gpu.uuid, placement.profile.id, placement.start)
 
 
-def made(placement: Placement, created: Created) -> MigRecord:
+def made_record(placement: Placement, created: Created) -> MigRecord:
     """What the checkpoint records once the instance exists."""
     return replace(
         intent(placement),
@@ -160,3 +172,107 @@ class CreatedDevices(Mapping[str, NodeDevice]):
 
     def __len__(self) -> int:
         return len(self.devices)
+
+
+class MigLeftBehind(MigError):
+    """Creating a claim's MIG instances failed and so did destroying what was made: `left`
+    must stay recorded (Unprepare or recovery destroys it)."""
+
+    def __init__(self, message: str, left: tuple[MigRecord, ...]) -> None:
+        super().__init__(message)
+        self.left = left
+
+
+@dataclass(frozen=True)
+class MigSteps:
+    """A claim's dynamic MIG instances: checked free, made, destroyed, described."""
+
+    instances: MigInstances | None  # None: no dynamic MIG on this node
+    placements: Mapping[str, Placement]  # by device name
+
+    def free(self, ref: ClaimRef, wanted: Sequence[Placement]) -> str | None:
+        """Why the claim's MIG placements cannot be made (an instance made by hand or by
+        another tool holds some of their slices), None if they are free. Asked before the
+        intent is recorded, so that recovery never takes someone else's instance for ours."""
+        if not wanted or self.instances is None:
+            return None
+        for p in wanted:
+            try:
+                held = self.instances.occupants(p.gpu.uuid, p.start, p.profile.memory_slices)
+            except MigError as e:
+                return f"claim {ref}: reading the MIG instances of GPU {p.gpu.uuid} failed: {e}"
+            if held:
+                what = ", ".join(
+                    f"GPU instance {h.gpu_instance_id} at slices {h.start}-{h.start + h.size - 1}"
+                    for h in held
+                )
+                return (
+                    f"claim {ref}: MIG placement {p.name} (memory slices {p.start}-{p.slices[-1]} of "
+                    f"GPU {p.gpu.index}, {p.gpu.uuid}) is taken by {what} (made by hand, by another tool or "
+                    "for another claim; `nvidia-smi mig -lgi` lists it); nothing was changed. Destroy that "
+                    "instance, or restart the plugin so that it publishes the GPU as it is, and delete the "
+                    "claim's pod"
+                )
+        return None
+
+    def create(self, ref: ClaimRef, wanted: Sequence[Placement]) -> tuple[MigRecord, ...]:
+        """Make the claim's MIG instances, each at its allocated placement. Raises MigError
+        with nothing of this claim's left behind (those made already are destroyed again),
+        or MigLeftBehind if destroying them failed too."""
+        if not wanted:
+            return ()
+        assert self.instances is not None  # ClaimSteps.plan refuses MIG placements without it
+        made: list[MigRecord] = []
+        current: Placement | None = None
+        try:
+            for p in wanted:
+                current = p
+                created = self.instances.create(p.gpu.uuid, p.profile, p.start)
+                made.append(made_record(p, created))
+                log.info("MIG instance created", device=p.name, gpu_instance_id=created.gpu_instance_id,
+                         mig_uuid=created.uuid, **ref.log_fields())
+        except MigError as e:
+            left = list(made)
+            if current is not None and not isinstance(e, PlacementTaken):
+                left.append(intent(current))  # a GPU instance whose compute instance failed
+            try:
+                self.destroy(ref, left)
+            except MigError as cleanup:
+                why = f"{e}; destroying what was made failed too: {cleanup}"
+                raise MigLeftBehind(why, tuple(left)) from e
+            raise
+        return tuple(made)
+
+    def destroy(self, ref: ClaimRef, records: Sequence[MigRecord]) -> None:
+        """Destroy the instances of `records` (last made first); an intent's instance is
+        found at its placement. Gone already is fine; NVML refusing raises MigError."""
+        if not records:
+            return
+        if self.instances is None:
+            raise MigError(
+                f"claim {ref} holds dynamic MIG instances ({', '.join(r.device for r in records)}) but this "
+                "plugin runs without --dynamic-mig; turn it on so that they can be destroyed"
+            )
+        for r in reversed(records):
+            if r.created:
+                assert r.gpu_instance_id is not None and r.compute_instance_id is not None
+                self.instances.destroy(r.parent_uuid, r.gpu_instance_id, r.compute_instance_id)
+            else:
+                self.instances.destroy_at(r.parent_uuid, r.profile_id, r.start)
+            log.info("MIG instance destroyed", device=r.device, gpu_instance_id=r.gpu_instance_id,
+                     **ref.log_fields())
+
+    def devices(self, hardware: Sequence[NodeDevice], records: Sequence[MigRecord]) -> list[NodeDevice]:
+        """The devices for the CDI spec: each dynamic MIG placement as the instance made for it."""
+        by_name = {r.device: r for r in records}
+        out = []
+        for d in hardware:
+            placement = self.placements.get(d.name)
+            if placement is None:
+                out.append(d)
+                continue
+            record = by_name.get(d.name)
+            if record is None or not record.created:
+                raise ValueError(f"{d.name}: no MIG instance was made for it")
+            out.append(created_device(placement, as_created(record)))
+        return out

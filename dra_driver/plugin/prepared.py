@@ -1,4 +1,5 @@
-"""One device of a prepared claim: what Prepare answered the kubelet, and what the checkpoint keeps.
+"""One device of a prepared claim: what Prepare answered the kubelet, and what the checkpoint keeps;
+and one claim's answer (`ClaimResult`), which carries those devices or the error.
 
 The same record travels from the prepare transaction into the checkpoint and back out to
 the gRPC answer, so there is nothing to convert and nothing to drift apart. It holds no
@@ -9,7 +10,9 @@ the checkpoint must say where it is (and, once made, its ids) to destroy or adop
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from dra_driver.jsontypes import JSON
 
 
 @dataclass(frozen=True)
@@ -39,3 +42,14 @@ class MigRecord:
     @property
     def created(self) -> bool:
         return self.gpu_instance_id is not None and self.compute_instance_id is not None
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """One claim's answer to the kubelet: its devices, or an error the user can act on."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str | None = None
+    # the claim as this Prepare read it (the claim status write reuses it: no second GET);
+    # None where no read was needed (prepared already) and in every Unprepare
+    claim: JSON | None = field(default=None, compare=False, repr=False)

@@ -178,7 +178,7 @@ def _found_instances(steps: ClaimSteps, ref: ClaimRef, placements: Sequence[Plac
                 f"{p.gpu.uuid} (its placement {p.name}): the instance made for it is gone, and "
                 "with it its pod's device"
             )
-        records.append(mig_steps.made(p, made))
+        records.append(mig_steps.made_record(p, made))
         log.warning("adopted a prepared claim's MIG instance found at its placement", device=p.name,
                     gpu_instance_id=made.gpu_instance_id, mig_uuid=made.uuid, **ref.log_fields())
     return records
@@ -294,7 +294,7 @@ def _has_spec(steps: ClaimSteps, entry: ckpt.ClaimEntry) -> bool:
         return False
     hardware = list({d.device: steps.devices[d.device] for d in entry.devices}.values())
     try:
-        hardware = steps.hardware(hardware, entry.mig)
+        hardware = steps.mig_steps.devices(hardware, entry.mig)
     except ValueError as e:  # a MIG slice whose instance's ids were never recorded
         log.error("cannot rebuild the CDI spec of a prepared claim; dropping it", error=str(e),
                   **ref.log_fields())

@@ -4,15 +4,16 @@ Translation only: protobuf in, domain calls, protobuf out; grpcio serves them
 (dra_driver.plugin.server). Each claim of a request is answered on its own (one bad claim
 never fails its neighbours; a failure of the whole batch is still answered claim by
 claim), with an error of at most MAX_ERROR characters, and every log line about a claim
-carries its namespace, name and UID. The work itself is done by a `ClaimPreparer`; each
-claim's new state goes to the `StatusQueue` here, in one place, which writes it after the
-answer was sent (grpc ends the call, then the queue may start). This module holds no state
-of its own.
+carries its namespace, name and UID. The work itself is done by a `ClaimPreparer`, called
+straight from the handler (state.py's docstring lists the frames down to the CDI file and
+the checkpoint); each claim's new state goes to the `StatusQueue` from `_answers`, the one
+place, which writes it after the answer was sent (grpc ends the call, then the queue may
+start). This module holds no state of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Final, Protocol
 
@@ -31,8 +32,7 @@ from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from dra_driver.plugin.claims import ClaimRef, describe
 from dra_driver.plugin.health import DeviceHealthBoard
-from dra_driver.plugin.prepared import PreparedDevice
-from dra_driver.plugin.state import ClaimResult
+from dra_driver.plugin.prepared import ClaimResult, PreparedDevice
 
 log = structlog.get_logger(__name__)
 
@@ -74,43 +74,75 @@ class _DraService:
         self._with_share_id = with_share_id
         self._status = status
 
-    def _report(self, context: grpc.aio.ServicerContext, verb: str) -> Callable[[ClaimRef, ClaimResult], Any]:
-        """What tells the status queue each claim's new state; the queue writes nothing
-        before this call's answer was sent (grpc runs done callbacks at the RPC's end)."""
-        status = self._status
-        if status is None:
-            return lambda ref, result: None
-        status.call_started()
-        context.add_done_callback(lambda _: status.call_ended())
-        if verb == "prepare":
-            return lambda ref, result: status.prepared(ref, result.devices, result.claim)
-        return lambda ref, result: status.unprepared(ref)
-
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _refuse_too_many(request, context, "NodePrepareResources")
-
-        def answer(result: ClaimResult) -> Any:
-            if result.error is not None:
-                return self._pb.NodePrepareResourceResponse(error=_bounded(result.error))
-            log.info("prepared", devices=[d.device for d in result.devices])
-            return self._pb.NodePrepareResourceResponse(devices=[self._device(d) for d in result.devices])
-
-        report = self._report(context, "prepare")
-        claims = await _per_claim(self._preparer.prepare, request, "prepare", answer, report)
-        return self._pb.NodePrepareResourcesResponse(claims=claims)
+        refs = await self._refs(request, context, "NodePrepareResources")
+        if not refs:  # the liveness probe's call; the kubelet never sends an empty one
+            return self._pb.NodePrepareResourcesResponse()
+        with metrics.timed_request("prepare") as outcomes:
+            try:
+                results = await self._preparer.prepare(refs)
+            except Exception as e:
+                log.exception("preparing claims failed", claims=len(refs))
+                results = _failed(refs, "preparing", describe(e))
+            outcomes.extend(_outcomes(refs, results))
+        return self._pb.NodePrepareResourcesResponse(claims=self._answers(refs, results, "prepare"))
 
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _refuse_too_many(request, context, "NodeUnprepareResources")
+        refs = await self._refs(request, context, "NodeUnprepareResources")
+        if not refs:
+            return self._pb.NodeUnprepareResourcesResponse()
+        with metrics.timed_request("unprepare") as outcomes:
+            try:
+                results = await self._preparer.unprepare(refs)
+            except Exception as e:
+                log.exception("unpreparing claims failed", claims=len(refs))
+                results = _failed(refs, "unpreparing", describe(e))
+            outcomes.extend(_outcomes(refs, results))
+        return self._pb.NodeUnprepareResourcesResponse(claims=self._answers(refs, results, "unprepare"))
 
-        def answer(result: ClaimResult) -> Any:
-            if result.error is not None:
-                return self._pb.NodeUnprepareResourceResponse(error=_bounded(result.error))
-            log.info("unprepared")
-            return self._pb.NodeUnprepareResourceResponse()
+    async def _refs(self, request: Any, context: grpc.aio.ServicerContext, call: str) -> list[ClaimRef]:
+        """The request's claims; a call naming more than MAX_CLAIMS is refused whole (one log
+        line, INVALID_ARGUMENT). The status queue writes nothing before this call's answer was
+        sent (grpc runs done callbacks at the RPC's end)."""
+        if len(request.claims) > MAX_CLAIMS:
+            message = (f"{call} names {len(request.claims)} claims, more than the {MAX_CLAIMS} a node can "
+                       "hold; refused without reading them")
+            log.warning("call refused", call=call, claims=len(request.claims), max_claims=MAX_CLAIMS)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        status = self._status
+        if status is not None:
+            status.call_started()
+            context.add_done_callback(lambda _: status.call_ended())
+        return [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
 
-        report = self._report(context, "unprepare")
-        claims = await _per_claim(self._preparer.unprepare, request, "unprepare", answer, report)
-        return self._pb.NodeUnprepareResourcesResponse(claims=claims)
+    def _answers(
+        self, refs: Sequence[ClaimRef], results: Mapping[str, ClaimResult], verb: str
+    ) -> dict[str, Any]:
+        """Each claim's answer, logged with its identity; and the one place each claim's new
+        state goes to the status queue. A claim the preparer left without an answer gets an
+        error (the kubelet retries claims missing from the map, but a user reads the error)."""
+        answers = {}
+        for ref in refs:
+            result = results.get(ref.uid) or ClaimResult(
+                error=f"internal error {verb[:-1]}ing claim {ref}: no answer for this claim")
+            with structlog.contextvars.bound_contextvars(**ref.log_fields()):
+                if result.error is not None:
+                    log.warning(f"{verb} refused", error=result.error)
+                    error = _bounded(result.error)
+                    answers[ref.uid] = (self._pb.NodePrepareResourceResponse(error=error) if verb == "prepare"
+                                        else self._pb.NodeUnprepareResourceResponse(error=error))
+                elif verb == "prepare":
+                    log.info("prepared", devices=[d.device for d in result.devices])
+                    if self._status is not None:
+                        self._status.prepared(ref, result.devices, result.claim)
+                    devices = [self._device(d) for d in result.devices]
+                    answers[ref.uid] = self._pb.NodePrepareResourceResponse(devices=devices)
+                else:
+                    log.info("unprepared")
+                    if self._status is not None:
+                        self._status.unprepared(ref)
+                    answers[ref.uid] = self._pb.NodeUnprepareResourceResponse()
+        return answers
 
     def _device(self, d: PreparedDevice) -> Any:
         fields: dict[str, Any] = {
@@ -124,63 +156,17 @@ class _DraService:
         return self._pb.Device(**fields)
 
 
-async def _refuse_too_many(request: Any, context: grpc.aio.ServicerContext, call: str) -> None:
-    """One log line and INVALID_ARGUMENT for a call naming more than MAX_CLAIMS claims."""
-    if len(request.claims) > MAX_CLAIMS:
-        message = (f"{call} names {len(request.claims)} claims, more than the {MAX_CLAIMS} a node can hold; "
-                   "refused without reading them")
-        log.warning("call refused", call=call, claims=len(request.claims), max_claims=MAX_CLAIMS)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
 def _bounded(error: str) -> str:
     return error if len(error) <= MAX_ERROR else error[: MAX_ERROR - 15] + " ... (truncated)"
 
 
-async def _per_claim(
-    call: Callable[[Sequence[ClaimRef]], Awaitable[dict[str, ClaimResult]]],
-    request: Any,
-    verb: str,
-    answer: Callable[[ClaimResult], Any],
-    report: Callable[[ClaimRef, ClaimResult], Any],
-) -> dict[str, Any]:
-    """Each claim of the request's answer, by UID, logged with the claim's identity; each
-    claim done is reported to the status queue."""
-    refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
-    if not refs:  # the liveness probe's call; the kubelet never sends an empty one
-        return {}
-    with metrics.timed_request("prepare" if verb == "prepare" else "unprepare") as outcomes:
-        results = await _answer_all(call, refs, f"{verb[:-1]}ing")
-        outcomes.extend("success" if results[r.uid].error is None else "error" for r in refs)
-    claims = {}
-    for ref in refs:
-        with structlog.contextvars.bound_contextvars(**ref.log_fields()):
-            result = results[ref.uid]
-            if result.error is not None:
-                log.warning(f"{verb} refused", error=result.error)
-            else:
-                report(ref, result)
-            claims[ref.uid] = answer(result)
-    return claims
+def _failed(refs: Sequence[ClaimRef], doing: str, failure: str) -> dict[str, ClaimResult]:
+    """Every claim's answer when the preparer itself failed."""
+    return {r.uid: ClaimResult(error=f"internal error {doing} claim {r}: {failure}") for r in refs}
 
 
-async def _answer_all(
-    call: Callable[[Sequence[ClaimRef]], Awaitable[dict[str, ClaimResult]]], refs: list[ClaimRef], doing: str
-) -> dict[str, ClaimResult]:
-    """Every claim gets an answer, even if the preparer itself failed (the kubelet retries
-    claims that are missing from the map, but a user reads the error)."""
-    try:
-        results = await call(refs)
-    except Exception as e:
-        log.exception(f"{doing} claims failed", claims=len(refs))
-        results = {}
-        failure = describe(e)
-    else:
-        failure = "no answer for this claim"
-    return {
-        r.uid: results.get(r.uid) or ClaimResult(error=f"internal error {doing} claim {r}: {failure}")
-        for r in refs
-    }
+def _outcomes(refs: Sequence[ClaimRef], results: Mapping[str, ClaimResult]) -> list[str]:
+    return ["success" if (r.uid in results and results[r.uid].error is None) else "error" for r in refs]
 
 
 class _HealthService:

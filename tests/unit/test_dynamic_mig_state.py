@@ -29,7 +29,7 @@ from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.events import EventKind, HealthEvent
 from dra_driver.health.keeper import HealthKeeper
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin import state
+from dra_driver.plugin import transaction
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without_own
 from dra_driver.plugin.recovery import StartPaths, asked_once, instances_at_start
@@ -237,7 +237,7 @@ def test_a_crash_before_the_claim_is_recorded_leaves_no_orphan_and_no_lost_claim
         p = await node.restart()
         ref = node.add("a", SLICE_3G)
         with monkeypatch.context() as m:
-            m.setattr(state, "fault", die_at(point))
+            m.setattr(transaction, "fault", die_at(point))
             with pytest.raises(Crash):
                 await p.prepare([ref])
         entry = node.checkpoint().claims[ref.uid]
@@ -263,7 +263,7 @@ def test_a_restart_after_prepare_adopts_the_instance(tmp_path: Path, monkeypatch
         p = await node.restart()
         ref = node.add("a", SLICE_3G)
         with monkeypatch.context() as m:
-            m.setattr(state, "fault", die_at("prepare-after-completed"))
+            m.setattr(transaction, "fault", die_at("prepare-after-completed"))
             with pytest.raises(Crash):
                 await p.prepare([ref])
         made = node.live()
