@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import structlog
 
@@ -27,6 +27,7 @@ from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DriverFiles
 from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.placements import Placement
+from dra_driver.jsontypes import JSON
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import AllocatedDevice, ClaimRef, ClaimRejected, allocated_devices
 from dra_driver.plugin.mig_steps import MigSteps
@@ -38,9 +39,6 @@ log = structlog.get_logger(__name__)
 LOCK_FILE: Final = "serialize.lock"
 FAULT_ENV: Final = "DRA_DRIVER_FAULT"
 _FAULT_POINT: Final = os.environ.get(FAULT_ENV)
-
-JSON = dict[str, Any]
-
 
 def fault(point: str) -> None:
     """Die as kill -9 would at a named point, if `DRA_DRIVER_FAULT` names it (the

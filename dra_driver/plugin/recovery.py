@@ -43,9 +43,10 @@ from dra_driver.cdi.files import claim_spec_path, claim_uids_in, remove_claim_sp
 from dra_driver.gpu.mig import MigError
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.placements import Placement, dynamic, find_placement
+from dra_driver.jsontypes import JSON
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin import mig_steps
-from dra_driver.plugin.claim_steps import JSON, ClaimSteps
+from dra_driver.plugin.claim_steps import ClaimSteps
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.prepared import MigRecord

@@ -211,7 +211,7 @@ def test_the_code_takes_the_documented_frames(root: Path, profiled: Recorder, ve
     seen = [frames for frames in profiled.of(TARGETS[target][verb]) if wanted[1] in frames]  # its handler
     assert seen, f"no {target} reached from {wanted[1]}"
     for frames in seen:
-        assert frames == wanted
+        assert frames == wanted, "the code's frames:\n  " + "\n  ".join(frames)
 
 
 def test_a_wrapper_on_the_way_is_caught(
