@@ -434,7 +434,7 @@ def test_the_plugins_calls_run_through_the_charts_rbac_and_policies(
     ) -> Any:
         response = await send(self, method, path, query, payload, content_type)
         frame = sys._getframe(1)
-        while frame.f_code.co_filename.endswith("dra_driver/kube.py"):
+        while frame.f_code.co_filename.endswith("dra_driver/kube/__init__.py"):
             frame = frame.f_back  # type: ignore[assignment]
         verb = "WATCH" if (query or {}).get("watch") == "true" else method
         file = str(Path(frame.f_code.co_filename).relative_to(REPO))
