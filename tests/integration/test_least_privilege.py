@@ -65,7 +65,7 @@ CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
 # Call sites the daemon's import closure holds but the daemon never reaches, with the reason.
 NOT_REACHED_BY_THE_PLUGIN = {
     (
-        "controller/publisher.py",
+        "controller/reconciler.py",
         "list",
         "",
         "nodes",
@@ -413,7 +413,7 @@ def test_the_scan_reads_every_api_call_of_the_plugin() -> None:
     """The scan finds the calls it must (a guard against the scan itself going blind)."""
     sites = {(s.file, s.grant) for s in call_sites()}
     assert ("dra_driver/plugin/claim_source.py", Grant("resource.k8s.io", "resourceclaims", "get")) in sites
-    assert ("controller/publisher.py", Grant("resource.k8s.io", "resourceslices", "watch")) in sites
+    assert ("controller/reconciler.py", Grant("resource.k8s.io", "resourceslices", "watch")) in sites
     assert ("dra_driver/health/notify.py", Grant("", "events", "create")) in sites
     assert grant_for("PATCH", "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}/status") == (
         Grant("resource.k8s.io", "resourceclaims/status", "patch"),

@@ -28,7 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from controller.publisher import SliceController
+from controller.reconciler import SliceController
 from dra_driver import kube
 from dra_driver.kube.credentials import Credentials, static
 from tests.harness.kubeconfig import write_kubeconfig
