@@ -31,7 +31,7 @@ import structlog
 
 from dra_driver.atomic import write_file_atomic
 from dra_driver.cdi.spec import ContainerEdits, Mount, validate_claim_uid
-from dra_driver.driver_root import BINARY_DIRS, library_dirs
+from dra_driver.driver_root.user_space import BINARY_DIRS, library_dirs
 from dra_driver.gpu.compute_mode import ComputeModes
 from dra_driver.sharing import mounts
 from dra_driver.sharing.mps import adoption, compute_modes

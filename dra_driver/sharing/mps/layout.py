@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from dra_driver.driver_root import BINARY_DIRS, resolve_in_root
+from dra_driver.driver_root.paths import resolve_in_root
+from dra_driver.driver_root.user_space import BINARY_DIRS
 from dra_driver.sharing.config import DEFAULT_SHM_SIZE
 from dra_driver.sharing.mps.errors import MpsError
 
