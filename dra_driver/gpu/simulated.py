@@ -28,7 +28,7 @@ import pynvml
 
 from dra_driver.gpu.mig_profiles import GiProfile
 from dra_driver.gpu.nvml import normalize_pci_bus_id
-from dra_driver.gpu.profiles import GpuSpec, Profile
+from dra_driver.gpu.profile_model import GpuSpec, Profile
 from dra_driver.gpu.simulated_events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
 from dra_driver.gpu.simulated_mig import FakeMig
 from dra_driver.gpu.simulated_mig_calls import MigCalls, MigHandle

@@ -16,7 +16,7 @@ from typing import Any
 import pynvml
 
 from dra_driver.gpu.mig_profiles import GiProfile
-from dra_driver.gpu.profiles import GpuSpec, MigProfileSpec
+from dra_driver.gpu.profile_model import GpuSpec, MigProfileSpec
 from dra_driver.gpu.simulated_mig import (
     ComputeInstanceInfo,
     ComputeInstanceRef,
