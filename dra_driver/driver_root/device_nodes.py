@@ -62,7 +62,6 @@ class DeviceNodeInfo:
     type: str = "c"
 
 
-
 def mig_cap_minor(gpu_minor: int, gpu_instance_id: int, compute_instance_id: int | None) -> int:
     """nvidia-caps minor of a MIG access capability, per the driver's fixed table."""
     base = _MIG_FIRST_MINOR + gpu_minor * _MIG_GI_PER_GPU * (1 + _MIG_CI_PER_GI)

@@ -43,11 +43,8 @@ def resolve_in_root(root: str, path: str, max_links: int = 40) -> str | None:
     return "/" + "/".join(resolved)
 
 
-
-
 def join_in_root(root: str, rel: str) -> str:
     return os.path.normpath(os.path.join(root, rel.lstrip("/")))
-
 
 
 def listdir(path: str) -> list[str]:

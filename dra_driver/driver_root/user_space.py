@@ -92,7 +92,6 @@ class DriverBinary:
     name: str
 
 
-
 def is_elf_for(path: str, machine: str | None = None) -> bool:
     """True if `path` is a 64-bit little-endian ELF file for this (or the given) machine."""
     want = _ELF_MACHINE.get(machine or platform.machine())

@@ -398,7 +398,6 @@ class FakeNvml(MigCalls):
         return values
 
 
-
 @dataclass
 class _FakeEventSet:
     registered: dict[int, int] = field(default_factory=dict)  # GPU index -> event type bits

@@ -38,7 +38,6 @@ class GpuInstanceHandle:
     gpu_instance_id: int
 
 
-
 def _fail(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 

@@ -111,6 +111,7 @@ __all__ = [
     "watch",
 ]
 
+
 class ApiClient:
     """Keep-alive connections to one API server, and who we are to it."""
 

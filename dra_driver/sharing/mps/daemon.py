@@ -162,7 +162,6 @@ class MpsControl:
         directory, no daemon)."""
         return self.dirs(claim_uid).base.exists()
 
-
     def saved_settings(self, claim_uid: str) -> MpsSettings | None:
         return adoption.saved_settings(self.dirs(claim_uid), claim_uid)
 
@@ -385,7 +384,6 @@ def _unmount(target: Path) -> None:
 def _python_env() -> dict[str, str]:
     """What the launcher (this interpreter, `-m dra_driver...`) needs to import the driver."""
     return {k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "VIRTUAL_ENV")}
-
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
