@@ -73,7 +73,7 @@ import yaml
 
 from benchmarks import fresh_control_plane, kubelet_client, report
 from benchmarks.kubelet_client import REPO
-from dra_driver.driver_root import COMPUTE_LIBRARIES, UTILITY_BINARIES
+from dra_driver.driver_root.user_space import COMPUTE_LIBRARIES, UTILITY_BINARIES
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from tests.harness.cluster import ADMIN_TOKEN, ControlPlane

@@ -34,7 +34,9 @@ from dra_driver.cdi.spec import (
     validate_device_name,
 )
 from dra_driver.devices import NodeDevice
-from dra_driver.driver_root import DeviceNodeInfo, DriverFiles, multiarch_triplet
+from dra_driver.driver_root import DriverFiles
+from dra_driver.driver_root.device_nodes import DeviceNodeInfo
+from dra_driver.driver_root.user_space import multiarch_triplet
 from dra_driver.gpu.model import Inventory
 
 MOUNT_OPTIONS: Final = ("ro", "nosuid", "nodev", "bind")

@@ -7,7 +7,8 @@ Pure: it must NOT compute verdicts (why.py does) or read anything.
 
 from __future__ import annotations
 
-from dra_driver.explain.why import NodeReport, PodReport, RequestReport
+from dra_driver.explain.request_report import RequestReport
+from dra_driver.explain.why import NodeReport, PodReport
 
 DEFAULT_NODES = 5
 

@@ -23,9 +23,10 @@ import pynvml
 from dra_driver.gpu import nvml
 from dra_driver.gpu.errors import GpuDiscoveryError, NvmlUnavailableError, ProfileError
 from dra_driver.gpu.model import Inventory
+from dra_driver.gpu.sysfs import HostSysfs
 
 if TYPE_CHECKING:
-    from dra_driver.gpu.profiles import Profile, ProfileSummary
+    from dra_driver.gpu.profile_model import Profile, ProfileSummary
 
 __all__ = [
     "GpuDiscoveryError",
@@ -43,7 +44,7 @@ def discover(simulate: str | None = None, mig_state_file: Path | None = None) ->
     """The node's inventory: from NVML, or from the simulated profile named or pointed to by
     `simulate` (with the MIG instances kept in `mig_state_file`, if given: see FakeMig)."""
     if simulate is None:
-        return nvml.discover(pynvml, nvml.HostSysfs(), source="nvml")
+        return nvml.discover(pynvml, HostSysfs(), source="nvml")
     from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
 
     profile = load_profile(simulate)

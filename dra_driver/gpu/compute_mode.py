@@ -2,7 +2,7 @@
 
 Whole-GPU MPS claims run their GPUs in exclusive-process mode (one context, the MPS
 server's, so a process of the pod cannot step around MPS and take the GPU directly);
-`dra_driver.sharing.mps` decides when, and records the mode it found so that it can put
+`dra_driver.sharing.mps.compute_modes` decides when, and records the mode it found so that it can put
 it back. This module only talks to NVML: `pynvml` on a GPU node, `FakeNvml` (which models
 compute mode as NVML does) in simulations and tests. Each call is one short
 `nvmlInit`/`nvmlShutdown` pair (NVML counts them), so it can run in the prepare path,

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePath
 from typing import Any, Protocol, TypeVar
 
 import pynvml
@@ -43,6 +41,7 @@ from dra_driver.gpu.model import (
     PcieLevel,
     PeerPath,
 )
+from dra_driver.gpu.sysfs import HostSysfs, PciSysfs
 
 log = structlog.get_logger(__name__)
 
@@ -96,49 +95,6 @@ class NvmlApi(Protocol):
 NVML_FUNCTIONS: tuple[str, ...] = tuple(
     name for name in NvmlApi.__dict__ if name.startswith("nvml") and callable(NvmlApi.__dict__[name])
 )
-
-
-class PciSysfs(Protocol):
-    """What the kernel says about a PCI device (sysfs); the host or a profile answers."""
-
-    def pcie_root(self, bus_id: str) -> str | None: ...
-    def numa_node(self, bus_id: str) -> int | None: ...
-
-
-_PCIE_ROOT = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$")
-
-
-def pcie_root_from_path(path: PurePath) -> str | None:
-    """The `pciDDDD:BB` host-bridge component of a resolved sysfs device path, if any."""
-    for part in path.parts:
-        if _PCIE_ROOT.match(part):
-            return part
-    return None
-
-
-@dataclass(frozen=True)
-class HostSysfs:
-    """Reads `/sys/bus/pci/devices/<bus id>` on this machine (`root` is replaceable for tests)."""
-
-    root: Path = Path("/sys")
-
-    def _device(self, bus_id: str) -> Path:
-        return self.root / "bus" / "pci" / "devices" / bus_id
-
-    def pcie_root(self, bus_id: str) -> str | None:
-        try:
-            resolved = self._device(bus_id).resolve(strict=True)
-        except OSError:
-            return None
-        return pcie_root_from_path(resolved)
-
-    def numa_node(self, bus_id: str) -> int | None:
-        try:
-            text = (self._device(bus_id) / "numa_node").read_text().strip()
-            node = int(text)
-        except (OSError, ValueError):
-            return None
-        return node if node >= 0 else None
 
 
 def normalize_pci_bus_id(bus_id: str) -> str:

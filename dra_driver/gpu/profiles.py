@@ -8,7 +8,8 @@ exists, so nothing half-built is ever used. `list_profiles()` lists the shipped 
 The profile vocabulary is NVML's (enum names such as `NVIDIA`, `HOPPER`, `NOT_SUPPORTED`,
 NVML function names in `errors`), because `dra_driver.gpu.simulated.FakeNvml` replays
 it through the same calls the real NVML answers. The file format is documented in
-`docs/inventory.md` and by the shipped profiles themselves.
+`docs/inventory.md` and by the shipped profiles themselves; what a profile holds, once read,
+is `dra_driver.gpu.profile_model`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,20 @@ import yaml
 
 from dra_driver.gpu.errors import ProfileError
 from dra_driver.gpu.nvml import NVML_FUNCTIONS, normalize_pci_bus_id
+from dra_driver.gpu.profile_model import (
+    FabricSpec,
+    GpuSpec,
+    MigInstanceSpec,
+    MigProfileSpec,
+    Profile,
+    ProfileSummary,
+)
+from dra_driver.gpu.sysfs import PCIE_ROOT
 
 PROFILE_SUFFIX = ".yaml"
 _GPU_UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _MIG_UUID = re.compile(r"^MIG-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _PCI_BUS_ID = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
-_PCIE_ROOT = re.compile(r"^pci[0-9a-f]{4,8}:[0-9a-f]{2}$")
 _COMPUTE_CAPABILITY = re.compile(r"^(\d+)\.(\d+)$")
 _MIG_SLICES = 8  # memory slices of every MIG-capable GPU so far (A100, H100, H200, B200)
 
@@ -48,90 +56,6 @@ BRANDS = _nvml_enum("NVML_BRAND_")
 ARCHITECTURES = _nvml_enum("NVML_DEVICE_ARCH_")
 NVML_ERRORS = _nvml_enum("NVML_ERROR_")
 FABRIC_STATES = _nvml_enum("NVML_GPU_FABRIC_STATE_")
-
-
-@dataclass(frozen=True)
-class MigProfileSpec:
-    """One GPU-instance profile of the product (what `nvidia-smi mig -lgip` lists)."""
-
-    name: str
-    id: int
-    slices: int
-    memory_mib: int
-    multiprocessors: int
-    copy_engines: int
-    decoders: int
-    encoders: int
-    jpeg_engines: int
-    ofa_engines: int
-    placements: tuple[int, ...]
-    placement_size: int
-
-
-@dataclass(frozen=True)
-class MigInstanceSpec:
-    """One MIG device: a GPU instance of `profile` at `placement` with one full compute instance."""
-
-    profile: MigProfileSpec
-    placement: int
-    gpu_instance_id: int
-    compute_instance_id: int
-    uuid: str
-
-
-@dataclass(frozen=True)
-class FabricSpec:
-    state: int
-    cluster_uuid: bytes  # 16 bytes, zeros when not part of a cluster
-    clique_id: int
-    status: int = 0
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    index: int
-    uuid: str
-    name: str
-    brand: int
-    architecture: int
-    compute_capability: tuple[int, int]
-    memory_bytes: int
-    pci_bus_id: str  # as NVML prints it, "00000000:18:00.0"
-    minor: int
-    numa_node: int | None
-    sysfs_numa_node: int
-    pcie_root: str | None
-    pcie_switch: str | None
-    nvlink_max_links: int
-    nvswitch_links: tuple[int, ...]
-    mig_enabled: bool
-    mig_max_devices: int
-    mig_devices: tuple[MigInstanceSpec, ...]
-    fabric: FabricSpec | None
-    errors: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Profile:
-    """A whole simulated node, validated."""
-
-    name: str
-    description: str
-    path: str
-    driver_version: str
-    cuda_driver_version: int
-    gpus: tuple[GpuSpec, ...]
-    nvlink_pairs: tuple[tuple[int, int, int], ...]
-    nvswitches: tuple[str | None, ...]  # PCI bus id of each NVSwitch, None when not reported
-    errors: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ProfileSummary:
-    name: str
-    description: str
-    gpus: int
-    product: str
 
 
 class _Fields:
@@ -359,7 +283,7 @@ def _gpu(
     numa = f.opt_int("numa_node")
     sysfs_numa = f.int_("sysfs_numa_node", numa if numa is not None else -1, minimum=-1)
     root = f.opt_str("pcie_root")
-    if root is not None and not _PCIE_ROOT.match(root):
+    if root is not None and not PCIE_ROOT.match(root):
         raise f.fail("pcie_root", f"expected pciDDDD:BB (lower-case hex), got {root!r}")
     nvswitch_links = _int_list(
         f, "nvswitch_links", f.list_("nvswitch_links"), switches if f.has("nvswitch_links") else 0

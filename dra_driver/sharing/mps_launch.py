@@ -15,36 +15,20 @@ forks (itself, its MPS servers) inherits it:
   `/dev/shm`: MPS clients and servers share memory there, and the claim's containers get
   the same tmpfs as their `/dev/shm`.
 
-Syscalls go through libc (ctypes): the image has no `mount` binary and Python 3.11 has no
-`os.setns`. `cgroup_targets` is pure. It must not start anything but CMD, nor touch
-another process's cgroups.
+The mount and namespace calls are `dra_driver.sharing.mounts`'s, the plugin's own (libc via
+ctypes). `cgroup_targets` is pure. It must not start anything but CMD, nor touch another
+process's cgroups.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import PurePosixPath
-from typing import Final
 
-CLONE_NEWNS: Final = 0x00020000
-CLONE_NEWCGROUP: Final = 0x02000000
-MS_BIND: Final = 0x1000
-MS_REC: Final = 0x4000
-MS_PRIVATE: Final = 1 << 18
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+from dra_driver.sharing import mounts
 
 
 def cgroup_targets(cgroup: str, mountinfo: str) -> list[PurePosixPath]:
@@ -81,12 +65,7 @@ def cgroup_targets(cgroup: str, mountinfo: str) -> list[PurePosixPath]:
 
 
 def join_cgroups_of(pid: int) -> None:
-    libc = _libc()
-    fd = os.open(f"/proc/{pid}/ns/cgroup", os.O_RDONLY)
-    try:
-        _check(libc.setns(fd, CLONE_NEWCGROUP), f"entering the cgroup namespace of PID {pid}")
-    finally:
-        os.close(fd)
+    mounts.enter_cgroup_namespace_of(pid)
     with open(f"/proc/{pid}/cgroup") as f:
         cgroup = f.read()
     with open(f"/proc/{pid}/mountinfo") as f:
@@ -100,10 +79,8 @@ def join_cgroups_of(pid: int) -> None:
 
 
 def private_shm(shm: str) -> None:
-    libc = _libc()
-    _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
-    _check(libc.mount(os.fsencode(shm), b"/dev/shm", None, MS_BIND, None), f"binding {shm} over /dev/shm")
+    mounts.private_mount_namespace()
+    mounts.bind_mount(shm, "/dev/shm")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -30,7 +30,9 @@ from dra_driver.sharing.config import (
     device_configs,
     device_requests,
 )
-from dra_driver.sharing.mps import MpsControl, MpsError, MpsSettings, settings_for_claim
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.errors import MpsError
+from dra_driver.sharing.mps.settings import MpsSettings, settings_for_claim
 from dra_driver.sharing.nvidia_config import parse_claim_config, per_device
 from dra_driver.sharing.shares import Share, allocated_shares, derived_thread_percentage
 

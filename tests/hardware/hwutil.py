@@ -21,7 +21,7 @@ from dra_driver.devices import node_devices
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.prepared import PreparedDevice
 from dra_driver.plugin.state import NodePreparer
-from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
 from tests.harness.claims_in_memory import ClaimsInMemory
 

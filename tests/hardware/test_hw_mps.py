@@ -28,7 +28,8 @@ from hwutil import (
 from hwworkloads import MPS_CLIENT, last_json
 
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.sharing.mps import MpsControl, default_root
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.layout import default_root
 from tests.harness import container as ctr
 
 pytestmark = [pytest.mark.hardware, pytest.mark.container]

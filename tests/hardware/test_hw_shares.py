@@ -28,7 +28,8 @@ from hwworkloads import last_json
 from dra_driver.devices import node_devices
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
-from dra_driver.sharing.mps import MpsControl, default_root
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.layout import default_root
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
 from tests.harness import container as ctr

@@ -16,7 +16,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from dra_driver.sharing.mps import CLAIM_MARKER_ENV, CONTROL_BINARY, MpsControl
+from dra_driver.sharing.mps.adoption import CLAIM_MARKER_ENV
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.layout import CONTROL_BINARY
 from tests.harness.objects import wait_for
 
 FAKE = """#!{python}

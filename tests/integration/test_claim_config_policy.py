@@ -42,7 +42,6 @@ from tests.harness.objects import (
     allocation_results,
     api_error,
     create_device_class,
-    create_node,
     get_claim,
     get_pod,
     load_yaml_documents,
@@ -50,6 +49,7 @@ from tests.harness.objects import (
     sync_request,
     wait_for,
 )
+from tests.harness.plugin_node import plugin_node
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
@@ -163,32 +163,17 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
         create_device_class(
             api, name, f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "{kind}"'
         )
-    create_node(api, NODE)
-    plugin = DriverProcess(
-        NODE,
-        "a100-mig",
-        control_plane.kubeconfig,
-        base / "n",
-        extra_args=("--driver-root", str(_fake_driver_root(base / "driver"))),
-    )
-    side = None
     try:
-        plugin.start()
-        wait_for(
-            "the node's slices",
-            lambda: sync_request(api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})[
-                "items"
-            ],
-            timeout=60,
-        )
-        side = KubeletSide(plugin.registration_socket())
-        yield Bench(api, control_plane, plugin, side, policy)
+        with plugin_node(
+            api,
+            control_plane.kubeconfig,
+            NODE,
+            "a100-mig",
+            base / "n",
+            ("--driver-root", str(_fake_driver_root(base / "driver"))),
+        ) as n:
+            yield Bench(api, control_plane, n.plugin, n.side, policy)
     finally:
-        if side is not None:
-            side.close()
-        plugin.stop()
-        sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})
-        sync_request(api, "DELETE", f"/api/v1/nodes/{NODE}")
         for name in (GPU_CLASS, MIG_CLASS):
             sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{name}")
         for doc in reversed(policy):

@@ -39,13 +39,13 @@ from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import (
     api_error,
-    create_node,
     get_claim,
     get_pod,
     scheduler_reason,
     sync_request,
     wait_for,
 )
+from tests.harness.plugin_node import plugin_node
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"
@@ -176,37 +176,17 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
     docs = _chart(base / "helm")
     for doc in docs:
         _apply(api, doc)
-    create_node(api, NODE)
-    plugin = DriverProcess(
-        NODE,
-        "hgx-h200-mig",
-        control_plane.kubeconfig,
-        base / "n",
-        extra_args=(
-            "--driver-root",
-            str(_fake_driver_root(base / "driver")),
-            "--dynamic-mig",
-            "--memory-shares",
-        ),
-    )
-    side = None
     try:
-        plugin.start()
-        wait_for(
-            "the node's slices",
-            lambda: sync_request(api, "GET", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})[
-                "items"
-            ],
-            timeout=60,
-        )
-        side = KubeletSide(plugin.registration_socket())
-        yield Bench(api, plugin, side)
+        with plugin_node(
+            api,
+            control_plane.kubeconfig,
+            NODE,
+            "hgx-h200-mig",
+            base / "n",
+            ("--driver-root", str(_fake_driver_root(base / "driver")), "--dynamic-mig", "--memory-shares"),
+        ) as n:
+            yield Bench(api, n.plugin, n.side)
     finally:
-        if side is not None:
-            side.close()
-        plugin.stop()
-        sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})
-        sync_request(api, "DELETE", f"/api/v1/nodes/{NODE}")
         for doc in reversed(docs):
             try:
                 sync_request(api, "DELETE", f"{_collection(doc)}/{doc['metadata']['name']}")

@@ -65,7 +65,7 @@ CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
 # Call sites the daemon's import closure holds but the daemon never reaches, with the reason.
 NOT_REACHED_BY_THE_PLUGIN = {
     (
-        "controller/publisher.py",
+        "controller/reconciler.py",
         "list",
         "",
         "nodes",
@@ -413,7 +413,7 @@ def test_the_scan_reads_every_api_call_of_the_plugin() -> None:
     """The scan finds the calls it must (a guard against the scan itself going blind)."""
     sites = {(s.file, s.grant) for s in call_sites()}
     assert ("dra_driver/plugin/claim_source.py", Grant("resource.k8s.io", "resourceclaims", "get")) in sites
-    assert ("controller/publisher.py", Grant("resource.k8s.io", "resourceslices", "watch")) in sites
+    assert ("controller/reconciler.py", Grant("resource.k8s.io", "resourceslices", "watch")) in sites
     assert ("dra_driver/health/notify.py", Grant("", "events", "create")) in sites
     assert grant_for("PATCH", "/apis/resource.k8s.io/v1/namespaces/{}/resourceclaims/{}/status") == (
         Grant("resource.k8s.io", "resourceclaims/status", "patch"),
@@ -434,7 +434,7 @@ def test_the_plugins_calls_run_through_the_charts_rbac_and_policies(
     ) -> Any:
         response = await send(self, method, path, query, payload, content_type)
         frame = sys._getframe(1)
-        while frame.f_code.co_filename.endswith("dra_driver/kube.py"):
+        while frame.f_code.co_filename.endswith("dra_driver/kube/__init__.py"):
             frame = frame.f_back  # type: ignore[assignment]
         verb = "WATCH" if (query or {}).get("watch") == "true" else method
         file = str(Path(frame.f_code.co_filename).relative_to(REPO))

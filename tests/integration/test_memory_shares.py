@@ -38,7 +38,6 @@ from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import (
     allocation_results,
-    create_node,
     create_object,
     get_claim,
     get_pod,
@@ -48,6 +47,7 @@ from tests.harness.objects import (
     sync_request,
     wait_for,
 )
+from tests.harness.plugin_node import plugin_node
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"
@@ -101,27 +101,17 @@ def _plugin_node(
 ) -> Iterator[Bench]:
     """A Node and its `dra-driver kubelet-plugin` on a simulated single H200 with `flags`,
     until its share view is published; afterwards the plugin, its slices and the Node go."""
-    create_node(api, node)
-    plugin = DriverProcess(
+    with plugin_node(
+        api,
+        control_plane.kubeconfig,
         node,
         "h200-single",
-        control_plane.kubeconfig,
         base / "n",
-        extra_args=("--driver-root", str(_fake_driver_root(base / "driver")), *flags),
-    )
-    side = None
-    try:
-        plugin.start()
-        wait_for("the share view in the node's slices", lambda: "gpu-0-share" in _devices(api, node),
-                 timeout=60)
-        side = KubeletSide(plugin.registration_socket())
-        yield Bench(api, control_plane, plugin, side, node)
-    finally:
-        if side is not None:
-            side.close()
-        plugin.stop()
-        sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={node}"})
-        sync_request(api, "DELETE", f"/api/v1/nodes/{node}")
+        ("--driver-root", str(_fake_driver_root(base / "driver")), *flags),
+        published=lambda: "gpu-0-share" in _devices(api, node),
+        what="the share view in the node's slices",
+    ) as n:
+        yield Bench(api, control_plane, n.plugin, n.side, node)
 
 
 @pytest.fixture(scope="module")

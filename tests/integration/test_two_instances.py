@@ -29,7 +29,7 @@ from kubernetes import client
 
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.sockets import plugin_paths
-from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps.daemon import MpsControl
 from tests.harness.claims import allocated_claim
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess

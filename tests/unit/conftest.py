@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps.daemon import MpsControl
 from tests.harness.fake_mps import install_fake_mps_control, set_mode
 
 

@@ -25,7 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from dra_driver import kube
-from dra_driver.kube import ApiClient, Credentials
+from dra_driver.kube import ApiClient
+from dra_driver.kube.credentials import Credentials
 from dra_driver.plugin.claim_source import ClaimReader
 
 MiB = 2**20

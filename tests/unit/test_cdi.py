@@ -46,14 +46,9 @@ from dra_driver.cdi.spec import (
     validate_vendor,
 )
 from dra_driver.devices import NodeDevice
-from dra_driver.driver_root import (
-    DeviceNodeInfo,
-    DriverBinary,
-    DriverFiles,
-    DriverLibrary,
-    mig_cap_minor,
-    simulated_driver_files,
-)
+from dra_driver.driver_root import DriverFiles, simulated_driver_files
+from dra_driver.driver_root.device_nodes import DeviceNodeInfo, mig_cap_minor
+from dra_driver.driver_root.user_space import DriverBinary, DriverLibrary
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
 
 Dev = NodeDevice  # short: the specs below name many

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from dra_driver import kube, metrics
+from dra_driver.kube.credentials import Credentials, static
 from dra_driver.plugin.claim_source import ClaimReader
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 
@@ -27,13 +28,13 @@ def test_a_missing_claim_and_an_unreachable_server_are_answers_and_metrics() -> 
     async def run() -> None:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        reachable = kube.ApiClient(kube.Credentials(f"http://127.0.0.1:{port}", False, kube._static(None)))
+        reachable = kube.ApiClient(Credentials(f"http://127.0.0.1:{port}", False, static(None)))
         server_gone = await asyncio.start_server(serve, "127.0.0.1", 0)
         dead_port = server_gone.sockets[0].getsockname()[1]
         server_gone.close()
         await server_gone.wait_closed()
         unreachable = kube.ApiClient(
-            kube.Credentials(f"http://127.0.0.1:{dead_port}", False, kube._static(None))
+            Credentials(f"http://127.0.0.1:{dead_port}", False, static(None))
         )
         ref = ClaimRef("ns", "gone", "uid-gone")
         before_404, before_network = _errors("404"), _errors("network")

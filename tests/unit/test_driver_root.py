@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dra_driver import driver_root as dr
+from dra_driver.driver_root import device_nodes, paths, user_space
 
 X86 = "x86_64"
 VERSION = "580.159.04"
@@ -56,7 +57,7 @@ def h200_root(root: Path) -> Path:
     return root
 
 
-def by_name(libs: tuple[dr.DriverLibrary, ...]) -> dict[str, dr.DriverLibrary]:
+def by_name(libs: tuple[user_space.DriverLibrary, ...]) -> dict[str, user_space.DriverLibrary]:
     return {os.path.basename(lib.host_path).split(".so")[0]: lib for lib in libs}
 
 
@@ -67,7 +68,7 @@ def test_absolute_symlinks_resolve_inside_the_root_not_on_this_host(tmp_path: Pa
     driver_lib(tmp_path / "usr/local/nvidia/lib64", "libcuda.so")
     link(tmp_path / "lib/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1")
     assert (
-        dr.resolve_in_root(str(tmp_path), "/lib/libcuda.so.1")
+        paths.resolve_in_root(str(tmp_path), "/lib/libcuda.so.1")
         == f"/usr/local/nvidia/lib64/libcuda.so.{VERSION}"
     )
 
@@ -76,14 +77,14 @@ def test_resolve_cannot_climb_out_of_the_root(tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "marker").write_text("inside")
     link(tmp_path / "a" / "up", "../../../../../../etc/marker")
-    assert dr.resolve_in_root(str(tmp_path), "a/up") == "/etc/marker"
+    assert paths.resolve_in_root(str(tmp_path), "a/up") == "/etc/marker"
 
 
 def test_resolve_reports_missing_files_and_loops(tmp_path: Path) -> None:
     link(tmp_path / "x", "y")
     link(tmp_path / "y", "x")
-    assert dr.resolve_in_root(str(tmp_path), "x") is None
-    assert dr.resolve_in_root(str(tmp_path), "nope/libcuda.so") is None
+    assert paths.resolve_in_root(str(tmp_path), "x") is None
+    assert paths.resolve_in_root(str(tmp_path), "nope/libcuda.so") is None
 
 
 # --------------------------------------------------------------------------- libraries
@@ -91,7 +92,7 @@ def test_resolve_reports_missing_files_and_loops(tmp_path: Path) -> None:
 
 def test_h200_layout_libraries_with_real_file_and_link_names(tmp_path: Path) -> None:
     root = h200_root(tmp_path / "nvidia")
-    libs = by_name(dr.scan_libraries(str(root), "/usr/local/nvidia", machine=X86))
+    libs = by_name(user_space.scan_libraries(str(root), "/usr/local/nvidia", machine=X86))
     assert set(libs) == {"libcuda", "libnvidia-ml", "libnvidia-nvvm", "libnvidia-gpucomp"}
     cuda = libs["libcuda"]
     assert cuda.host_path == f"/usr/local/nvidia/lib64/libcuda.so.{VERSION}"
@@ -109,7 +110,7 @@ def test_library_found_through_absolute_links_in_a_system_dir(tmp_path: Path) ->
     driver_lib(tmp_path / "usr/local/nvidia/lib64", "libcuda.so")
     link(tmp_path / "lib/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1")
     link(tmp_path / "lib/libcuda.so", "/usr/local/nvidia/lib64/libcuda.so")
-    (cuda,) = dr.scan_libraries(str(tmp_path), "/", wanted=["libcuda.so"], machine=X86)
+    (cuda,) = user_space.scan_libraries(str(tmp_path), "/", wanted=["libcuda.so"], machine=X86)
     assert cuda.host_path == f"/usr/local/nvidia/lib64/libcuda.so.{VERSION}"
     assert cuda.names == ("libcuda.so", "libcuda.so.1", f"libcuda.so.{VERSION}")
 
@@ -119,7 +120,7 @@ def test_debian_packaged_driver_through_alternatives(tmp_path: Path) -> None:
     elf(current / "libcuda.so.570.1")
     link(current / "libcuda.so.1", "libcuda.so.570.1")
     link(tmp_path / "usr/lib/x86_64-linux-gnu/libcuda.so.1", "nvidia/current/libcuda.so.1")
-    (cuda,) = dr.scan_libraries(str(tmp_path), "/", wanted=["libcuda.so"], machine=X86)
+    (cuda,) = user_space.scan_libraries(str(tmp_path), "/", wanted=["libcuda.so"], machine=X86)
     assert cuda.host_path == "/usr/lib/x86_64-linux-gnu/nvidia/current/libcuda.so.570.1"
     assert cuda.names == ("libcuda.so.1", "libcuda.so.570.1")
 
@@ -129,20 +130,20 @@ def test_32_bit_and_foreign_libraries_are_not_mounted(tmp_path: Path) -> None:
     elf(tmp_path / "usr/lib64/libnvidia-ml.so.1", machine=183)  # aarch64
     (tmp_path / "lib64").mkdir()
     (tmp_path / "lib64/libnvidia-cfg.so.1").write_text("not an ELF file")
-    assert dr.scan_libraries(str(tmp_path), "/", machine=X86) == ()
+    assert user_space.scan_libraries(str(tmp_path), "/", machine=X86) == ()
 
 
 def test_active_version_wins_over_a_stale_one_left_by_an_upgrade(tmp_path: Path) -> None:
     lib64 = tmp_path / "lib64"
     elf(lib64 / "libcuda.so.570.86.15")
     driver_lib(lib64, "libcuda.so")
-    (cuda,) = dr.scan_libraries(str(tmp_path), "/", wanted=["libcuda.so"], machine=X86)
+    (cuda,) = user_space.scan_libraries(str(tmp_path), "/", wanted=["libcuda.so"], machine=X86)
     assert cuda.host_path == f"/lib64/libcuda.so.{VERSION}"
 
 
 def test_prefix_match_does_not_confuse_similar_names(tmp_path: Path) -> None:
     driver_lib(tmp_path / "lib64", "libnvidia-pkcs11-openssl3.so", soname_suffix=None)
-    libs = dr.scan_libraries(str(tmp_path), "/", wanted=["libnvidia-pkcs11.so"], machine=X86)
+    libs = user_space.scan_libraries(str(tmp_path), "/", wanted=["libnvidia-pkcs11.so"], machine=X86)
     assert libs == ()
 
 
@@ -153,31 +154,32 @@ def test_binaries_must_be_elf_so_host_wrapper_scripts_are_skipped(tmp_path: Path
     (tmp_path / "usr/bin").mkdir(parents=True)
     (tmp_path / "usr/bin/nvidia-smi").write_text('#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-smi "$@"\n')
     elf(tmp_path / "usr/bin/nvidia-debugdump")
-    found = dr.scan_binaries(str(tmp_path), "/host", machine=X86)
-    assert found == (dr.DriverBinary(host_path="/host/usr/bin/nvidia-debugdump", name="nvidia-debugdump"),)
+    found = user_space.scan_binaries(str(tmp_path), "/host", machine=X86)
+    debugdump = user_space.DriverBinary(host_path="/host/usr/bin/nvidia-debugdump", name="nvidia-debugdump")
+    assert found == (debugdump,)
 
 
 def test_h200_binaries_and_firmware(tmp_path: Path) -> None:
     root = h200_root(tmp_path)
-    names = [b.name for b in dr.scan_binaries(str(root), "/usr/local/nvidia", machine=X86)]
+    names = [b.name for b in user_space.scan_binaries(str(root), "/usr/local/nvidia", machine=X86)]
     assert names == ["nvidia-smi", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"]
     assert (
-        dr.find_firmware_dir(str(root), "/usr/local/nvidia", VERSION)
+        user_space.find_firmware_dir(str(root), "/usr/local/nvidia", VERSION)
         == f"/usr/local/nvidia/firmware/nvidia/{VERSION}"
     )
-    assert dr.find_firmware_dir(str(root), "/usr/local/nvidia", "570.1") is None
+    assert user_space.find_firmware_dir(str(root), "/usr/local/nvidia", "570.1") is None
 
 
 def test_driver_version_comes_from_the_real_libcuda_name(tmp_path: Path) -> None:
-    libs = dr.scan_libraries(str(h200_root(tmp_path)), "/", machine=X86)
-    assert dr.driver_version_from_libraries(libs) == VERSION
-    assert dr.driver_version_from_libraries(()) is None
+    libs = user_space.scan_libraries(str(h200_root(tmp_path)), "/", machine=X86)
+    assert user_space.driver_version_from_libraries(libs) == VERSION
+    assert user_space.driver_version_from_libraries(()) is None
 
 
 # --------------------------------------------------------------------------- device nodes
 
 
-def fake_stat(table: dict[str, tuple[int, int, int]]) -> dr.StatFn:
+def fake_stat(table: dict[str, tuple[int, int, int]]) -> device_nodes.StatFn:
     """stat() answering from {path: (mode, major, minor)}; FileNotFoundError otherwise."""
 
     def _stat(path: str) -> os.stat_result:
@@ -189,7 +191,7 @@ def fake_stat(table: dict[str, tuple[int, int, int]]) -> dr.StatFn:
     return _stat
 
 
-def h200_dev(dev: Path) -> dr.StatFn:
+def h200_dev(dev: Path) -> device_nodes.StatFn:
     """The H200 host's nodes (reference/h200-host.md) plus two more GPUs to check ordering."""
     chr_ = stat.S_IFCHR
     table = {
@@ -212,7 +214,7 @@ def h200_dev(dev: Path) -> dr.StatFn:
 
 def test_device_nodes_by_kind_with_host_numbers(tmp_path: Path) -> None:
     stat_fn = h200_dev(tmp_path)
-    control, gpus, caps = dr.scan_device_nodes(str(tmp_path), "/dev", stat_fn)
+    control, gpus, caps = device_nodes.scan_device_nodes(str(tmp_path), "/dev", stat_fn)
     assert [(n.path, n.major, n.minor) for n in control] == [
         ("/dev/nvidiactl", 195, 255),
         ("/dev/nvidia-uvm", 238, 0),
@@ -232,7 +234,7 @@ def test_device_nodes_by_kind_with_host_numbers(tmp_path: Path) -> None:
 
 def test_nodes_seen_under_another_dev_root_keep_the_host_path(tmp_path: Path) -> None:
     stat_fn = h200_dev(tmp_path)
-    control, _, _ = dr.scan_device_nodes(str(tmp_path), "/host/dev", stat_fn)
+    control, _, _ = device_nodes.scan_device_nodes(str(tmp_path), "/host/dev", stat_fn)
     assert control[0].path == "/dev/nvidiactl"
     assert control[0].host_path == "/host/dev/nvidiactl"
 
@@ -241,7 +243,7 @@ def test_real_stat_reads_a_char_device(tmp_path: Path) -> None:
     # /dev/null is a char device (1, 3) on every Linux host; stat follows the link.
     link(tmp_path / "nvidiactl", "/dev/null")
     (tmp_path / "nvidia-uvm").write_text("")  # a regular file is not a device node
-    control, gpus, caps = dr.scan_device_nodes(str(tmp_path), "/dev")
+    control, gpus, caps = device_nodes.scan_device_nodes(str(tmp_path), "/dev")
     assert [(n.path, n.type, n.major, n.minor) for n in control] == [("/dev/nvidiactl", "c", 1, 3)]
     assert gpus == () and caps == ()
 
@@ -262,7 +264,7 @@ Block devices:
 
 
 def test_proc_devices_character_section_only() -> None:
-    majors = dr.parse_proc_devices(PROC_DEVICES)
+    majors = device_nodes.parse_proc_devices(PROC_DEVICES)
     assert majors["nvidia-uvm"] == 238
     assert majors["nvidia-caps"] == 241
     assert majors["nvidia"] == 195
@@ -270,17 +272,17 @@ def test_proc_devices_character_section_only() -> None:
 
 
 def test_mig_cap_minor_follows_the_driver_table() -> None:
-    assert dr.mig_cap_minor(0, 0, None) == 3
-    assert dr.mig_cap_minor(0, 0, 0) == 4
-    assert dr.mig_cap_minor(0, 0, 7) == 11
-    assert dr.mig_cap_minor(0, 1, None) == 12
-    assert dr.mig_cap_minor(1, 0, None) == 138
+    assert device_nodes.mig_cap_minor(0, 0, None) == 3
+    assert device_nodes.mig_cap_minor(0, 0, 0) == 4
+    assert device_nodes.mig_cap_minor(0, 0, 7) == 11
+    assert device_nodes.mig_cap_minor(0, 1, None) == 12
+    assert device_nodes.mig_cap_minor(1, 0, None) == 138
     # The entry after the table (fabric-imex-mgmt) is minor 4323 on the H200 host.
-    assert dr.mig_cap_minor(32, 0, None) == 4323
+    assert device_nodes.mig_cap_minor(32, 0, None) == 4323
 
 
 def test_mig_minors_file_is_parsed_and_preferred_over_the_formula() -> None:
-    table = dr.parse_mig_minors(
+    table = device_nodes.parse_mig_minors(
         "config 1\nmonitor 2\ngpu0/gi0/access 3\ngpu0/gi0/ci0/access 4\ngpu1/gi2/access 900\n"
     )
     assert table == (((0, 0, None), 3), ((0, 0, 0), 4), ((1, 2, None), 900))
@@ -288,7 +290,7 @@ def test_mig_minors_file_is_parsed_and_preferred_over_the_formula() -> None:
     files = replace(files, mig_minors=table)
     gi, ci = files.mig_cap_nodes(1, 2, 0)
     assert (gi.path, gi.major, gi.minor) == ("/dev/nvidia-caps/nvidia-cap900", files.caps_major, 900)
-    assert ci.minor == dr.mig_cap_minor(1, 2, 0)
+    assert ci.minor == device_nodes.mig_cap_minor(1, 2, 0)
 
 
 def test_gpu_node_not_present_at_scan_is_synthesized_with_the_fixed_major() -> None:
@@ -304,8 +306,8 @@ def test_gpu_node_not_present_at_scan_is_synthesized_with_the_fixed_major() -> N
 
 
 def test_existing_caps_node_is_used_with_its_host_mode(tmp_path: Path) -> None:
-    minor = dr.mig_cap_minor(0, 1, None)
-    cap = dr.DeviceNodeInfo(f"/dev/nvidia-caps/nvidia-cap{minor}", "/dev/x", 241, minor, 0o400)
+    minor = device_nodes.mig_cap_minor(0, 1, None)
+    cap = device_nodes.DeviceNodeInfo(f"/dev/nvidia-caps/nvidia-cap{minor}", "/dev/x", 241, minor, 0o400)
     files = dr.DriverFiles(
         driver_root="/",
         control_nodes=(),
@@ -373,8 +375,8 @@ def test_simulated_files_have_the_shape_of_real_ones(tmp_path: Path) -> None:
 
 def test_simulated_without_proc_uses_the_documented_constants(tmp_path: Path) -> None:
     files = dr.simulated_driver_files([0], proc_root=str(tmp_path / "none"))
-    assert files.control_nodes[1].major == dr.SIMULATED_UVM_MAJOR
-    assert files.caps_major == dr.SIMULATED_CAPS_MAJOR
+    assert files.control_nodes[1].major == device_nodes.SIMULATED_UVM_MAJOR
+    assert files.caps_major == device_nodes.SIMULATED_CAPS_MAJOR
 
 
 def test_scan_driver_files_simulated_scans_a_given_root_for_libraries(tmp_path: Path) -> None:
@@ -400,6 +402,6 @@ def test_scan_driver_files_real_uses_the_stat(tmp_path: Path) -> None:
     ("machine", "triplet"), [("x86_64", "x86_64-linux-gnu"), ("aarch64", "aarch64-linux-gnu")]
 )
 def test_library_dirs_follow_the_architecture(machine: str, triplet: str) -> None:
-    dirs = dr.library_dirs(machine)
+    dirs = user_space.library_dirs(machine)
     assert dirs[0] == "lib64"
     assert f"usr/lib/{triplet}" in dirs

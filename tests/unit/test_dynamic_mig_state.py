@@ -34,7 +34,7 @@ from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without_own
 from dra_driver.plugin.recovery import StartPaths, asked_once, instances_at_start
 from dra_driver.plugin.state import ClaimResult, NodePreparer
-from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
 
 NODE = "node-a"

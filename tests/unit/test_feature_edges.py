@@ -30,9 +30,10 @@ from dra_driver.gpu.simulated import FakeNvml
 from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.node import nvml_for, start_node_health
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.sharing import mps as mps_module
 from dra_driver.sharing.config import ConfigError
-from dra_driver.sharing.mps import MpsControl, MpsSettings
+from dra_driver.sharing.mps import errors as mps_errors
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.settings import MpsSettings
 from dra_driver.sharing.policy import Sharing
 from tests.harness.objects import wait_for_async
 from tests.unit.test_dynamic_mig_state import DRIVER, NODE, SLICE_3G, STATIC_3G, MigNode
@@ -206,7 +207,7 @@ def test_an_mps_root_of_another_driver_is_refused_and_left_untouched(tmp_path: P
     before = sorted(str(p) for p in root.rglob("*"))
     b = MpsControl(root, "/nonexistent")
     with pytest.raises(
-        mps_module.MpsRootOfAnotherDriver,
+        mps_errors.MpsRootOfAnotherDriver,
         match=r"belongs to driver gpu.dra-driver.dev, and this plugin is "
         r"driver other.example.com: two drivers must not share an MPS root",
     ):

@@ -14,9 +14,11 @@ import pytest
 from dra_driver.gpu import nvml
 from dra_driver.gpu.errors import GpuDiscoveryError, NvmlUnavailableError
 from dra_driver.gpu.model import Inventory, LinkEndpointKind
-from dra_driver.gpu.profiles import NVML_ERRORS, Profile, load_profile
+from dra_driver.gpu.profile_model import Profile
+from dra_driver.gpu.profiles import NVML_ERRORS, load_profile
 from dra_driver.gpu.report import connectivity_matrix
 from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
+from dra_driver.gpu.sysfs import HostSysfs, pcie_root_from_path
 from dra_driver.gpu.topology import LinkVia, nvlink_topology
 
 
@@ -269,8 +271,8 @@ def test_mig_profile_names(total: int, gi: int, ci: int, mib: int, name: str) ->
 
 def test_pcie_root_from_path() -> None:
     path = PurePosixPath("/sys/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0")
-    assert nvml.pcie_root_from_path(path) == "pci0000:3a"
-    assert nvml.pcie_root_from_path(PurePosixPath("/sys/devices/platform/foo")) is None
+    assert pcie_root_from_path(path) == "pci0000:3a"
+    assert pcie_root_from_path(PurePosixPath("/sys/devices/platform/foo")) is None
 
 
 def make_sysfs(root: Path, bus_id: str, bridge: str, numa: str | None) -> None:
@@ -287,7 +289,7 @@ def test_host_sysfs(tmp_path: Path) -> None:
     make_sysfs(tmp_path, "0000:3b:00.0", "pci0000:3a", "1")
     make_sysfs(tmp_path, "0000:00:06.0", "pci0000:00", "-1")
     make_sysfs(tmp_path, "0008:01:00.0", "pci0008:00", None)
-    sysfs = nvml.HostSysfs(tmp_path)
+    sysfs = HostSysfs(tmp_path)
     assert (sysfs.pcie_root("0000:3b:00.0"), sysfs.numa_node("0000:3b:00.0")) == ("pci0000:3a", 1)
     assert (sysfs.pcie_root("0000:00:06.0"), sysfs.numa_node("0000:00:06.0")) == ("pci0000:00", None)
     assert (sysfs.pcie_root("0008:01:00.0"), sysfs.numa_node("0008:01:00.0")) == ("pci0008:00", None)
@@ -297,7 +299,7 @@ def test_host_sysfs(tmp_path: Path) -> None:
 def test_discover_with_host_sysfs_reads_the_tree(tmp_path: Path) -> None:
     make_sysfs(tmp_path, "0000:00:06.0", "pci0000:00", "-1")
     profile = load_profile("h200-single")
-    inv = nvml.discover(FakeNvml(profile), nvml.HostSysfs(tmp_path))
+    inv = nvml.discover(FakeNvml(profile), HostSysfs(tmp_path))
     assert (inv.gpus[0].pcie_root, inv.gpus[0].numa_node) == ("pci0000:00", None)
 
 

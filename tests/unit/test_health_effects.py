@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from controller.plan import PoolSpec
-from controller.publisher import SliceController
+from controller.reconciler import SliceController
 from controller.slices import SliceFeatures, desired_slices
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver import log

@@ -28,8 +28,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from controller.publisher import SliceController
+from controller.reconciler import SliceController
 from dra_driver import kube
+from dra_driver.kube.credentials import Credentials, static
 from tests.harness.kubeconfig import write_kubeconfig
 
 Reply = Callable[["_Handler"], None]
@@ -258,7 +259,7 @@ def _data(path: Path) -> str:
 
 def _trusting(server: _Server, pki: Pki) -> kube.ApiClient:
     context = ssl.create_default_context(cafile=str(pki.ca))
-    return kube.ApiClient(kube.Credentials(server.url, context, kube._static(None)))
+    return kube.ApiClient(Credentials(server.url, context, static(None)))
 
 
 async def _closing(api: kube.ApiClient, work: Callable[[kube.ApiClient], Any]) -> Any:
@@ -351,7 +352,7 @@ def test_an_exec_plugin_token_is_sent_and_fetched_again(
         try:
             first = await kube.request(api, "GET", "/version", timeout=10)
             (tmp_path / "token").write_text("second")
-            monkeypatch.setattr(kube, "TOKEN_REREAD_SECONDS", -1.0)
+            monkeypatch.setattr("dra_driver.kube.credentials.TOKEN_REREAD_SECONDS", -1.0)
             return [first, await kube.request(api, "GET", "/version", timeout=10)]
         finally:
             await api.close()

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dra_driver import kube
+from dra_driver.kube.credentials import Credentials, from_kubeconfig, in_cluster, static
 from tests.harness.kubeconfig import write_kubeconfig
 
 
@@ -28,7 +29,7 @@ def ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d / "ca.pem"
 
 
-def _authorization(credentials: kube.Credentials) -> str | None:
+def _authorization(credentials: Credentials) -> str | None:
     return asyncio.run(credentials.authorization())
 
 
@@ -39,7 +40,7 @@ def test_a_token_kubeconfig_with_a_relative_ca_file(tmp_path: Path, ca: Path) ->
         {"server": "https://10.0.0.1:6443", "certificate-authority": "ca.crt"},
         {"token": "t0"},
     )
-    credentials = asyncio.run(kube._from_kubeconfig(path))
+    credentials = asyncio.run(from_kubeconfig(path))
     assert credentials.server == "https://10.0.0.1:6443"
     assert _authorization(credentials) == "Bearer t0"
 
@@ -53,7 +54,7 @@ def test_inline_ca_and_client_certificate_data(tmp_path: Path, ca: Path) -> None
         {"server": "https://api:443", "certificate-authority-data": data(ca)},
         {"client-certificate-data": data(ca), "client-key-data": data(ca.parent / "key.pem")},
     )
-    credentials = asyncio.run(kube._from_kubeconfig(path))
+    credentials = asyncio.run(from_kubeconfig(path))
     assert _authorization(credentials) is None  # the certificate is the identity
     assert not list(tmp_path.glob("dra-kubeconfig-*")), "no key material left on disk"
 
@@ -65,18 +66,18 @@ def test_a_token_file_is_read_again_later(tmp_path: Path, monkeypatch: pytest.Mo
         {"server": "https://api", "insecure-skip-tls-verify": True},
         {"tokenFile": "token"},
     )
-    credentials = asyncio.run(kube._from_kubeconfig(path))
+    credentials = asyncio.run(from_kubeconfig(path))
     assert _authorization(credentials) == "Bearer first"
     (tmp_path / "token").write_text("rotated\n")
     assert _authorization(credentials) == "Bearer first", "cached within the re-read interval"
-    monkeypatch.setattr(kube, "TOKEN_REREAD_SECONDS", -1.0)
+    monkeypatch.setattr("dra_driver.kube.credentials.TOKEN_REREAD_SECONDS", -1.0)
     assert _authorization(credentials) == "Bearer rotated"
 
 
 def test_in_cluster_with_an_ipv6_service_address(tmp_path: Path, ca: Path) -> None:
     (tmp_path / "token").write_text("sa-token")
     (tmp_path / "ca.crt").write_bytes(ca.read_bytes())
-    credentials = kube._in_cluster(
+    credentials = in_cluster(
         {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}, tmp_path
     )
     assert credentials.server == "https://[fd00::1]:443"
@@ -110,12 +111,12 @@ def test_an_exec_plugin_goes_through_the_official_loader(
             }
         },
     )
-    credentials = asyncio.run(kube._from_kubeconfig(path))
+    credentials = asyncio.run(from_kubeconfig(path))
     assert credentials.server == "https://api:6443"
     assert credentials.server_hostname == "api.internal"
     assert _authorization(credentials) == "Bearer from-exec"
     (tmp_path / "credential.json").write_text(credential("renewed"))
-    monkeypatch.setattr(kube, "TOKEN_REREAD_SECONDS", -1.0)
+    monkeypatch.setattr("dra_driver.kube.credentials.TOKEN_REREAD_SECONDS", -1.0)
     assert _authorization(credentials) == "Bearer renewed"
 
 
@@ -123,9 +124,9 @@ def test_a_kubeconfig_without_its_context_says_so(tmp_path: Path) -> None:
     path = tmp_path / "config"
     path.write_text(yaml.safe_dump({"current-context": "gone", "contexts": [], "clusters": [], "users": []}))
     with pytest.raises(ValueError, match="no context named 'gone'"):
-        asyncio.run(kube._from_kubeconfig(path))
+        asyncio.run(from_kubeconfig(path))
     with pytest.raises(ValueError, match="http"):
-        kube.ApiClient(kube.Credentials("api.example:443", False, kube._static(None)))
+        kube.ApiClient(Credentials("api.example:443", False, static(None)))
 
 
 def test_tls_server_name_and_insecure_skip_tls_verify_are_read(tmp_path: Path, ca: Path) -> None:
@@ -141,7 +142,7 @@ def test_tls_server_name_and_insecure_skip_tls_verify_are_read(tmp_path: Path, c
         },
         {"token": "t0"},
     )
-    named = asyncio.run(kube._from_kubeconfig(path))
+    named = asyncio.run(from_kubeconfig(path))
     assert named.server_hostname == "api.internal"
     assert (
         isinstance(named.ssl_context, ssl.SSLContext) and named.ssl_context.verify_mode == ssl.CERT_REQUIRED
@@ -157,10 +158,10 @@ def test_tls_server_name_and_insecure_skip_tls_verify_are_read(tmp_path: Path, c
         check=True, capture_output=True,
     )  # fmt: skip
     with pytest.raises(ssl.SSLError):  # the key does not match: proof that the certificate is loaded
-        asyncio.run(kube._from_kubeconfig(path))
+        asyncio.run(from_kubeconfig(path))
 
 
 def test_a_cluster_without_a_server_says_so(tmp_path: Path) -> None:
     path = write_kubeconfig(tmp_path / "config", {"certificate-authority-data": ""}, {"token": "t"})
     with pytest.raises(ValueError, match="has no server"):
-        asyncio.run(kube._from_kubeconfig(path))
+        asyncio.run(from_kubeconfig(path))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dra_driver.cdi.builders import device_edits, device_env_name
-from dra_driver.driver_root import mig_cap_minor
+from dra_driver.driver_root.device_nodes import mig_cap_minor
 from dra_driver.gpu import discover, load_profile
 from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.simulated import FakeNvml

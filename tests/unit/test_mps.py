@@ -31,18 +31,16 @@ from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.config import DEFAULT_SHM_SIZE, ConfigError, MpsConfig, parse_gpu_config
-from dra_driver.sharing.mps import (
-    CLAIM_MARKER_ENV,
+from dra_driver.sharing.mps.adoption import CLAIM_MARKER_ENV
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.errors import MpsError
+from dra_driver.sharing.mps.layout import check_pipe_dir_length, default_root, find_control_binary
+from dra_driver.sharing.mps.settings import (
     CONTAINER_PIPE_DIR,
-    MpsControl,
     MpsDevice,
-    MpsError,
     MpsSettings,
-    check_pipe_dir_length,
     client_env,
     control_commands,
-    default_root,
-    find_control_binary,
     settings_for_claim,
 )
 from dra_driver.sharing.mps_launch import cgroup_targets

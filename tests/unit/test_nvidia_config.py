@@ -20,7 +20,8 @@ from dra_driver.sharing.config import (
     SharingConfig,
     SharingStrategy,
 )
-from dra_driver.sharing.mps import MpsControl, client_env
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.settings import client_env
 from dra_driver.sharing.policy import Sharing
 
 POOL = "node-a"

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from controller.plan import SLICES, desired_objects, up_to_date
-from controller.publisher import SliceController, pools_for
+from controller.publisher import pools_for
+from controller.reconciler import SliceController
 from controller.slices import SliceFeatures
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver import kube

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import structlog
 
-from controller import publisher
+from controller import reconciler
 from controller.capabilities import ServerCapabilities, decide, probe_server
-from controller.publisher import SliceController, pools_for, slice_controller
+from controller.publisher import pools_for, slice_controller
+from controller.reconciler import SliceController
 from controller.slices import SliceFeatures, desired_slices
 from dra_driver import kube, metrics
 from dra_driver.gpu import discover
@@ -262,4 +263,4 @@ def test_a_refused_write_is_logged_whole_once_and_not_retried_in_a_loop(
 def test_the_capabilities_of_a_full_server_change_nothing() -> None:
     features, off = decide(ASKED, ServerCapabilities.everything())
     assert (features, off) == (ASKED, ())
-    assert publisher.RETRY_REFUSED_SECONDS >= 60
+    assert reconciler.RETRY_REFUSED_SECONDS >= 60

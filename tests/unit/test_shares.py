@@ -24,7 +24,8 @@ from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.config import ConfigError
-from dra_driver.sharing.mps import MpsControl, client_env
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.settings import client_env
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import (
     GI,

@@ -25,7 +25,7 @@ from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.state import ClaimResult, NodePreparer
-from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started
 
