@@ -1,0 +1,117 @@
+"""Start cost of the kubelet plugin: CPU seconds from exec to registered, beside an older commit.
+
+Method: `dra-driver kubelet-plugin` (the real command, `python -m dra_driver`, JSON logs at
+`info` as the chart runs it) for a simulated 16-GPU node (the profile of benchmarks.prepare),
+fresh kubelet, CDI and state dirs per start, default flags (slice publishing and the health
+monitor on). Its kubeconfig names an API server that does not answer (https://127.0.0.1:1):
+nothing on the way to registration asks the API server with fresh state, and what starts
+after registration (the slice publisher) is not timed. The benchmark polls the registration
+socket with GetInfo every 20 ms; at the first answer it reads the plugin's
+/proc/<pid>/stat (utime + stime, and its children's, in clock ticks) and the wall time since
+the spawn, then stops the plugin. Sides alternate B C C B B C ... so that drift on the
+machine hits both alike; each side's figure is the median of its starts (each start's own in
+`per_start`). The baseline side runs its commit from a git worktree with the same
+interpreter (benchmarks.prepare.commit_side). Every module of each side is imported and
+byte-compiled once first, so no timed start compiles.
+
+Run alone: `python -m benchmarks.start [--baseline-ref REF] [--starts N]` (default: d20fbb0,
+10 starts per side; progress on stderr, the figures as JSON on stdout; writes
+benchmarks/results/start.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from benchmarks.prepare import Side, _profile, check_imports, commit_side, working_tree_side
+from tests.harness.driver import DriverProcess
+
+RESULTS = Path(__file__).resolve().parent / "results" / "start.json"
+NODE = "bench-start"
+TICKS = os.sysconf("SC_CLK_TCK")
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: none, cluster: {server: "https://127.0.0.1:1", insecure-skip-tls-verify: true}}]
+users: [{name: none, user: {token: none}}]
+contexts: [{name: none, context: {cluster: none, user: none}}]
+current-context: none
+"""
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime + cutime + cstime of `pid` from /proc/<pid>/stat."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+    return sum(int(f) for f in fields[11:15]) / TICKS  # fields 14-17 of proc(5), from state (3) on
+
+
+def one_start(side: Side, work: Path, index: int) -> dict[str, float]:
+    """Spawn one plugin of `side`, wait for GetInfo, read its CPU; stop it."""
+    kubeconfig = work / "kubeconfig"
+    plugin = DriverProcess(NODE, str(work / "bench16.yaml"), kubeconfig, work / f"{side.label}-{index}",
+                           env=side.env, log_level="info")
+    t0 = time.perf_counter()
+    plugin.start(wait=False)
+    try:
+        plugin.wait_serving(timeout=60)
+        cpu = cpu_seconds(plugin.pid)
+        wall = time.perf_counter() - t0
+    finally:
+        plugin.stop()
+    return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
+
+
+def run(baseline_ref: str | None, starts: int) -> dict[str, Any]:
+    sides = [working_tree_side()] + ([commit_side(baseline_ref, "baseline")] if baseline_ref else [])
+    for side in sides:
+        check_imports(side)
+    order = [s for k in range(starts) for s in (sides[::-1] if k % 2 == 0 else sides)]  # B C C B ...
+    samples: dict[str, list[dict[str, float]]] = {s.label: [] for s in sides}
+    with tempfile.TemporaryDirectory(prefix="bench-start-") as tmp:
+        work = Path(tmp)
+        _profile(work / "bench16.yaml")
+        (work / "kubeconfig").write_text(KUBECONFIG)
+        for i, side in enumerate(order):
+            sample = one_start(side, work, i)
+            samples[side.label].append(sample)
+            print(f"start {i + 1}/{len(order)} {side.label}: {sample['cpu_s']:.3f} s CPU,"
+                  f" {sample['wall_s']:.3f} s wall", file=sys.stderr)
+    result: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} cores",
+        "load_1min_at_end": round(os.getloadavg()[0], 2),
+        "starts_per_side": starts,
+    }
+    for side in sides:
+        own = samples[side.label]
+        result[side.label] = {
+            "code": side.describe,
+            "start_cpu_to_registered_s": round(statistics.median(s["cpu_s"] for s in own), 3),
+            "start_wall_to_registered_s": round(statistics.median(s["wall_s"] for s in own), 3),
+            "per_start": own,
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.start", description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline-ref", default="d20fbb0", help="the commit to compare with ('' for none)")
+    parser.add_argument("--starts", type=int, default=10, help="starts per side")
+    args = parser.parse_args(argv)
+    result = run(args.baseline_ref or None, args.starts)
+    text = json.dumps(result, indent=2)
+    RESULTS.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
