@@ -85,19 +85,26 @@ def run(baseline_ref: str | None, starts: int) -> dict[str, Any]:
             samples[side.label].append(sample)
             print(f"start {i + 1}/{len(order)} {side.label}: {sample['cpu_s']:.3f} s CPU,"
                   f" {sample['wall_s']:.3f} s wall", file=sys.stderr)
-    result: dict[str, Any] = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} cores",
-        "load_1min_at_end": round(os.getloadavg()[0], 2),
-        "starts_per_side": starts,
+    median = {
+        label: {k: round(statistics.median(s[k] for s in own), 3) for k in ("cpu_s", "wall_s")}
+        for label, own in samples.items()
     }
-    for side in sides:
-        own = samples[side.label]
-        result[side.label] = {
-            "code": side.describe,
-            "start_cpu_to_registered_s": round(statistics.median(s["cpu_s"] for s in own), 3),
-            "start_wall_to_registered_s": round(statistics.median(s["wall_s"] for s in own), 3),
-            "per_start": own,
+    result: dict[str, Any] = {
+        "measured": {
+            "commit": sides[0].describe,
+            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+            "cores": os.cpu_count(),
+            "command": f"python -m benchmarks.start --baseline-ref '{baseline_ref or ''}' --starts {starts}",
+        },
+        "code": {side.label: side.describe for side in sides},
+        "start_cpu_to_registered_s": {label: m["cpu_s"] for label, m in median.items()},
+        "start_wall_to_registered_s": {label: m["wall_s"] for label, m in median.items()},
+        "per_start": samples,
+    }
+    if baseline_ref:
+        result["current_to_baseline"] = {
+            f"start_{k}": round(median["current"][k] / median["baseline"][k], 2) for k in ("cpu_s", "wall_s")
         }
     return result
 
