@@ -3,9 +3,10 @@
 Method: `dra-driver kubelet-plugin` (the real command, `python -m dra_driver`, JSON logs at
 `info` as the chart runs it) for a simulated 16-GPU node (the profile of benchmarks.prepare),
 fresh kubelet, CDI and state dirs per start, default flags (slice publishing and the health
-monitor on). Its kubeconfig names an API server that does not answer (https://127.0.0.1:1):
-nothing on the way to registration asks the API server with fresh state, and what starts
-after registration (the slice publisher) is not timed. The benchmark polls the registration
+monitor on). Its kubeconfig names an API server that does not answer (https://127.0.0.1:1)
+and one CA certificate, as a pod's service account does: nothing on the way to registration
+asks the API server with fresh state, and what starts after registration (the slice
+publisher) is not timed. The benchmark polls the registration
 socket with GetInfo every 20 ms; at the first answer it reads the plugin's
 /proc/<pid>/stat (utime + stime, and its children's, in clock ticks) and the wall time since
 the spawn, then stops the plugin. Sides alternate B C C B B C ... so that drift on the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import statistics
 import sys
 import tempfile
@@ -40,11 +42,20 @@ NODE = "bench-start"
 TICKS = os.sysconf("SC_CLK_TCK")
 KUBECONFIG = """apiVersion: v1
 kind: Config
-clusters: [{name: none, cluster: {server: "https://127.0.0.1:1", insecure-skip-tls-verify: true}}]
+clusters: [{name: none, cluster: {server: "https://127.0.0.1:1", certificate-authority: ca.crt}}]
 users: [{name: none, user: {token: none}}]
 contexts: [{name: none, context: {cluster: none, user: none}}]
 current-context: none
 """
+
+
+def one_ca(path: Path) -> Path:
+    """One CA certificate (the first of the system's bundle), as a cluster's CA file: the client
+    then loads that one certificate, as in a pod, not the system's whole store."""
+    bundle = Path(ssl.get_default_verify_paths().openssl_cafile).read_text()
+    end = "-----END CERTIFICATE-----"
+    path.write_text(bundle[bundle.index("-----BEGIN CERTIFICATE-----"):bundle.index(end) + len(end)] + "\n")
+    return path
 
 
 def cpu_seconds(pid: int) -> float:
@@ -79,6 +90,7 @@ def run(baseline_ref: str | None, starts: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-start-") as tmp:
         work = Path(tmp)
         _profile(work / "bench16.yaml")
+        one_ca(work / "ca.crt")
         (work / "kubeconfig").write_text(KUBECONFIG)
         for i, side in enumerate(order):
             sample = one_start(side, work, i)
