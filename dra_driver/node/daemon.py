@@ -83,7 +83,8 @@ class PluginNode:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     health: NodeHealth | None = None
     probes: ProbeServer | None = None
-    _servers: list[SocketServer] = field(default_factory=list)  # registration first: stopped first
+    dra: SocketServer | None = None
+    registration: SocketServer | None = None
 
     async def start(self) -> None:
         """Recover, serve the DRA socket, register with the kubelet; then the probes and publisher."""
@@ -103,19 +104,19 @@ class PluginNode:
             self.tasks += health_tasks(self.api, opts.driver_name, opts.node_name, self.health, board,
                                        preparer, self.paths.data_dir)
             self._task(self.claim_status.follow(self.health.keeper), "claim-status-health")
-        dra = SocketServer("dra", lambda s: add_dra_services(s, preparer, board, self.claim_status))
-        await dra.start(self.paths.dra_socket)
-        self._servers.insert(0, dra)
+        self.dra = SocketServer("dra", lambda s: add_dra_services(s, preparer, board, self.claim_status))
+        await self.dra.start(self.paths.dra_socket)
         registration = RegistrationService(opts.driver_name, str(self.paths.dra_socket))
-        reg = SocketServer("registration", lambda s: add_registration(s, registration))
-        await reg.start(self.paths.registration_socket)
-        self._servers.insert(0, reg)
+        self.registration = SocketServer("registration", lambda s: add_registration(s, registration))
+        await self.registration.start(self.paths.registration_socket)
         await self._after_registration()
 
     async def _after_registration(self) -> None:
+        opts = self.opts
+        # Loaded in a worker thread: the event loop keeps answering the kubelet meanwhile.
+        await asyncio.to_thread(_load_late_modules, opts.publish_slices)
         from dra_driver.probes import Heartbeat, plugin_probes
 
-        opts = self.opts
         heartbeat = Heartbeat("slice-publisher", stuck_after=PUBLISHER_STUCK_SECONDS)
         self.probes = plugin_probes(self.paths.dra_socket, self.paths.registration_socket,
                                     heartbeat if opts.publish_slices else None)
@@ -135,8 +136,10 @@ class PluginNode:
     async def stop(self) -> None:
         if self.probes is not None:
             await self.probes.stop()
-        for server, grace in zip(self._servers, (None, 5), strict=False):
-            await server.stop(grace=grace)
+        if self.registration is not None:  # first: the kubelet stops sending calls
+            await self.registration.stop(grace=None)
+        if self.dra is not None:
+            await self.dra.stop(grace=5)
         for task in self.tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -147,6 +150,14 @@ class PluginNode:
         self.lease.release()
         await self.api.close()
         log.info("stopped")
+
+
+def _load_late_modules(publishing: bool) -> None:
+    """Import what starts after registration: the probe server (aiohttp.web) and the slice
+    publisher (the controller and its API capability checks)."""
+    import dra_driver.probes
+    if publishing:
+        import dra_driver.node.publishing  # noqa: F401
 
 
 async def build(opts: NodeOptions) -> PluginNode:
