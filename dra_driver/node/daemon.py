@@ -155,6 +155,9 @@ class PluginNode:
 def _load_late_modules(publishing: bool) -> None:
     """Import what starts after registration: the probe server (aiohttp.web) and the slice
     publisher (the controller and its API capability checks)."""
+    # aiohttp: the API client's HTTP stack, should kube not have loaded it yet (not the first Prepare's job)
+    import aiohttp  # noqa: F401
+
     import dra_driver.probes
     if publishing:
         import dra_driver.node.publishing  # noqa: F401
