@@ -493,7 +493,7 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
     ),
     "start": (
         "Kubelet plugin start",
-        "`python -m benchmarks.start`: CPU and wall from exec to the registration socket answering GetInfo.",
+        "`python -m benchmarks.start`: CPU and wall from exec to the registration socket being served.",
         _flat,
     ),
     "scheduler": (
