@@ -491,6 +491,11 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
         ),
         _scheduler,
     ),
+    "start": (
+        "Kubelet plugin start",
+        "`python -m benchmarks.start`: CPU and wall from exec to the registration socket being served.",
+        _flat,
+    ),
     "scheduler": (
         "Scheduler, 100 nodes",
         "`python -m benchmarks.scheduler` (`make bench`), before the fitted shapes.",

@@ -13,10 +13,11 @@ guard.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -55,6 +56,16 @@ class Lease:
             return False
         self._fd = fd
         return True
+
+    async def wait_held(self, poll: float, waiting: Callable[[], None] | None = None) -> None:
+        """Poll until this process holds the lease; `waiting()` once if it has to wait (the
+        holder, another instance, releases it when it exits, or the kernel when it dies)."""
+        if self.try_acquire():
+            return
+        if waiting is not None:
+            waiting()
+        while not self.try_acquire():
+            await asyncio.sleep(poll)
 
     def release(self) -> None:
         if self._fd is not None:

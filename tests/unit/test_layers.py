@@ -11,6 +11,7 @@ The layers, lowest first (LAYERS; units of one layer are separated by commas):
     cdi, health
     sharing, probes
     plugin, controller
+    node                               the daemon assembled: plugin and controller joined
     commands
     cli
     __main__
@@ -59,6 +60,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dra_driver.cdi", "dra_driver.health"),
     ("dra_driver.sharing", "dra_driver.probes"),
     ("dra_driver.plugin", "controller"),
+    ("dra_driver.node",),
     ("dra_driver.commands",),
     ("dra_driver.cli",),
     ("dra_driver.__main__",),

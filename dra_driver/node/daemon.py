@@ -1,0 +1,235 @@
+"""The node daemon, assembled in one place: `build(options)` gathers the node's hardware,
+state and API client into a `PluginNode`; `start()` serves the kubelet; `stop()` undoes it.
+
+Start order matters to the kubelet: discover the hardware, recover the prepared-claim state,
+serve the DRA socket, and only then create the registration socket (the kubelet calls GetInfo
+and connects as soon as it appears). What the kubelet does not wait for starts after that:
+the probe port and the slice publisher (imported then: most of the daemon's import time is
+theirs). On stop the registration socket goes first (the kubelet stops sending calls), then
+the DRA server drains. Slices are left in place: the kubelet removes them if no plugin comes
+back, and a restarting plugin must not make the pool vanish.
+
+Wiring only: every loop lives beside what it keeps. Must not parse options (`commands` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from dra_driver import kube, metrics
+from dra_driver.devices import NodeDevice, node_devices
+from dra_driver.driver_root import scan_driver_files
+from dra_driver.gpu import discover
+from dra_driver.gpu.mig import MigInstances
+from dra_driver.gpu.model import Inventory
+from dra_driver.health.node import NodeHealth
+from dra_driver.kube import ApiClient
+from dra_driver.node.nvml import compute_modes, mig_api
+from dra_driver.node.options import NodeOptions
+from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.claim_source import ClaimReader
+from dra_driver.plugin.claim_status import ClaimStatus, nvlink_peers
+from dra_driver.plugin.claims import ClaimRef
+from dra_driver.plugin.health import NOT_MONITORED, DeviceHealthBoard, keep_fresh
+from dra_driver.plugin.lock import Lease
+from dra_driver.plugin.mig_steps import CreatedDevices, dynamic_devices, without_own
+from dra_driver.plugin.node_health import health_tasks, start_health
+from dra_driver.plugin.recorded import RecordedInstances
+from dra_driver.plugin.recovery import ListAllocated, StartPaths, asked_once, instances_at_start
+from dra_driver.plugin.registration import RegistrationService, add_registration
+from dra_driver.plugin.server import SocketServer, raise_open_files_limit
+from dra_driver.plugin.service import add_dra_services
+from dra_driver.plugin.sockets import PluginPaths, plugin_paths
+from dra_driver.plugin.state import NodePreparer
+from dra_driver.sharing.mps import MpsControl, MpsRootRefused
+from dra_driver.sharing.mps import default_root as mps_default_root
+from dra_driver.sharing.policy import Sharing
+from dra_driver.sharing.shares import share_views
+
+if TYPE_CHECKING:
+    from dra_driver.probes import ProbeServer
+
+log = structlog.get_logger(__name__)
+
+PUBLISHER_LEASE: Final = "publisher.lock"
+# A reconcile pass of one node's slices takes well under a second; minutes mean a hung call.
+PUBLISHER_STUCK_SECONDS: Final = 180.0
+# What refuses a start (another driver's state dir or MPS root): said once, no traceback.
+REFUSALS: Final = (ckpt.CheckpointRefused, MpsRootRefused)
+
+
+@dataclass
+class PluginNode:
+    """One node's daemon, built and not yet serving."""
+
+    opts: NodeOptions
+    api: ApiClient
+    inventory: Inventory
+    devices: dict[str, NodeDevice]
+    described: Mapping[str, NodeDevice]  # devices, and the MIG instances claims created
+    paths: PluginPaths
+    preparer: NodePreparer
+    claim_status: ClaimStatus
+    allocated: ListAllocated
+    lease: Lease
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    health: NodeHealth | None = None
+    probes: ProbeServer | None = None
+    dra: SocketServer | None = None
+    registration: SocketServer | None = None
+
+    async def start(self) -> None:
+        """Recover, serve the DRA socket, register with the kubelet; then the probes and publisher."""
+        opts, preparer = self.opts, self.preparer
+        await preparer.recover(self.allocated)
+        # a restarted plugin reports again what it holds (the kubelet does not prepare again)
+        for entry in preparer.read_checkpoint().claims.values():
+            if entry.phase is ckpt.ClaimPhase.COMPLETED:
+                self.claim_status.prepared(ClaimRef(entry.namespace, entry.name, entry.uid), entry.devices)
+        self.health = await start_health(self.inventory, self.described, opts.driver_name, opts.health,
+                                         opts.simulate, opts.simulate_health_events)
+        if self.health is None:
+            board = DeviceHealthBoard(opts.node_name, self.devices, "UNKNOWN", NOT_MONITORED)
+            self._task(keep_fresh(board, lambda: True), "health-heartbeat")
+        else:
+            board = DeviceHealthBoard(opts.node_name, self.devices)
+            self.tasks += health_tasks(self.api, opts.driver_name, opts.node_name, self.health, board,
+                                       preparer, self.paths.data_dir)
+            self._task(self.claim_status.follow(self.health.keeper), "claim-status-health")
+        self.dra = SocketServer("dra", lambda s: add_dra_services(s, preparer, board, self.claim_status))
+        await self.dra.start(self.paths.dra_socket)
+        registration = RegistrationService(opts.driver_name, str(self.paths.dra_socket))
+        self.registration = SocketServer("registration", lambda s: add_registration(s, registration))
+        await self.registration.start(self.paths.registration_socket)
+        await self._after_registration()
+
+    async def _after_registration(self) -> None:
+        opts = self.opts
+        # Loaded in a worker thread: the event loop keeps answering the kubelet meanwhile.
+        await asyncio.to_thread(_load_late_modules, opts.publish_slices)
+        from dra_driver.probes import Heartbeat, plugin_probes
+
+        heartbeat = Heartbeat("slice-publisher", stuck_after=PUBLISHER_STUCK_SECONDS)
+        self.probes = plugin_probes(self.paths.dra_socket, self.paths.registration_socket,
+                                    heartbeat if opts.publish_slices else None)
+        if opts.metrics_port:
+            await self.probes.start(opts.metrics_bind_address, opts.metrics_port)
+        if opts.publish_slices:
+            from dra_driver.node.publishing import publish
+
+            keeper = self.health.keeper if self.health else None
+            publisher = publish(self.api, opts, self.inventory, self.lease, keeper, heartbeat)
+            self._task(publisher, "slice-publisher")
+            self.tasks[-1].add_done_callback(heartbeat.task_ended)
+
+    def _task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self.tasks.append(asyncio.create_task(coro, name=name))
+
+    async def stop(self) -> None:
+        if self.probes is not None:
+            await self.probes.stop()
+        if self.registration is not None:  # first: the kubelet stops sending calls
+            await self.registration.stop(grace=None)
+        if self.dra is not None:
+            await self.dra.stop(grace=5)
+        for task in self.tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.claim_status.stop()
+        if self.health is not None:
+            await self.health.stop()
+        self.lease.release()
+        await self.api.close()
+        log.info("stopped")
+
+
+def _load_late_modules(publishing: bool) -> None:
+    """Import what starts after registration: the probe server (aiohttp.web) and the slice
+    publisher (the controller and its API capability checks)."""
+    # aiohttp: the API client's HTTP stack, should kube not have loaded it yet (not the first Prepare's job)
+    import aiohttp  # noqa: F401
+
+    import dra_driver.probes
+    if publishing:
+        import dra_driver.node.publishing  # noqa: F401
+
+
+async def build(opts: NodeOptions) -> PluginNode:
+    """Discover the hardware, read the API client's config, make the dirs, and refuse another
+    driver's state dir or MPS root before recovery touches anything."""
+    raise_open_files_limit()
+    metrics.serve_claim_identity(opts.claim_identity_metric)
+    inventory = await asyncio.to_thread(discover, opts.simulate, opts.simulated_mig_state)
+    api = await kube.load_client(opts.kubeconfig)
+    claims = ClaimReader(api, timeout=opts.claim_read_timeout)
+    allocated = asked_once(lambda: claims.allocated_here(opts.driver_name, opts.node_name))
+    # The instances this plugin made for claims are no static MIG: published as placements.
+    # With an unreadable checkpoint they come from the claims recovery adopts (same answer).
+    at_start = StartPaths(ckpt.checkpoint_path(opts.state), ckpt.read_boot_id(), opts.driver_name,
+                          opts.node_name, opts.cdi_dir)
+    own = await instances_at_start(inventory, at_start, allocated, ask_api=opts.dynamic_mig)
+    inventory = without_own(inventory, own)
+    # Share views resolve whether or not they are published now: claims allocated while
+    # --memory-shares was on must still prepare and recover after it is turned off.
+    devices = node_devices(inventory)
+    devices.update(share_views(devices))
+    placements, carved = dynamic_devices(inventory) if opts.dynamic_mig else ({}, {})
+    devices.update(carved)
+    driver_files = await asyncio.to_thread(functools.partial(
+        scan_driver_files, opts.driver_root, opts.dev_root, opts.simulate is not None,
+        host_driver_root=opts.host_driver_root, gpu_minors=[g.minor for g in inventory.gpus],
+    ))
+    log.info(
+        "hardware discovered", gpus=len(inventory.gpus), devices=sorted(devices), source=inventory.source
+    )
+    paths = plugin_paths(opts.kubelet_dir, opts.driver_name, opts.rolling_update_uid)
+    paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    opts.state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mps = MpsControl(
+        opts.mps_root or mps_default_root(opts.driver_name),
+        opts.driver_root or Path("/"),
+        host_cgroup=opts.mps_host_cgroup,
+        compute=compute_modes(opts) if opts.mps_exclusive_compute_mode else None,
+    )
+    preparer = NodePreparer(
+        driver=opts.driver_name,
+        pool=opts.node_name,
+        devices=devices,
+        claims=claims,
+        driver_files=driver_files,
+        cdi_dir=opts.cdi_dir,
+        state_dir=opts.state,
+        sharing=Sharing(opts.driver_name, opts.node_name, mps),
+        mig=MigInstances(mig_api(opts)) if opts.dynamic_mig else None,
+        placements=placements,
+    )
+    # Another driver's state dir is refused first (its message names --state-dir, the usual
+    # mistake), then another driver's MPS root, both before recovery touches anything.
+    with contextlib.suppress(ckpt.CheckpointUnreadable):  # recovery quarantines it, keeping what pods use
+        preparer.read_checkpoint()
+    mps.claim_root(opts.driver_name)
+    described = CreatedDevices(devices, placements, RecordedInstances(preparer)) if placements else devices
+    claim_status = ClaimStatus(api, opts.driver_name, opts.node_name, described,
+                               nvlink_peers(inventory, devices))
+    metrics.prepared_claims.set_function(lambda: len(preparer.read_checkpoint().claims))
+    return PluginNode(opts, api, inventory, devices, described, paths, preparer, claim_status, allocated,
+                      Lease(paths.data_dir / PUBLISHER_LEASE))
+
+
+async def run(opts: NodeOptions) -> None:
+    """Build, start and serve until cancelled (a signal), then stop."""
+    node = await build(opts)
+    try:
+        await node.start()
+        await asyncio.Event().wait()
+    finally:
+        await node.stop()
