@@ -9,7 +9,8 @@ registration_socket, stop, proc): its registration socket in `<root>/kubelet/plu
 its plugin dir (the DRA socket and its checkpoint) and its CDI dir on `run_root`, a tmpfs,
 as ours keeps its state and CDI specs there; `--num-devices` GPUs named gpu-0, gpu-1, ...,
 driver `EXAMPLE_DRIVER`; it logs at klog's default verbosity (its chart's default is
-higher), to a file.
+higher), to a file; its API client is not rate-limited (client-go's default of 5 requests/s
+makes its sequential Prepare p50 about 200 ms, the limiter's wait, not the plugin's work).
 
 This module only runs the example for measurements: it must not be imported by the driver,
 and must not download anything itself (the script does, once, through the Go module proxy).
@@ -90,6 +91,10 @@ class ExampleProcess:
             "--kubelet-registrar-directory-path", str(registry),
             "--kubelet-plugins-directory-path", str(self.run_root / "plugins"),
             "--kubeconfig", str(self.kubeconfig),
+            # client-go's defaults (5/s, burst 10) hold each sequential GET of the claim for
+            # about 200 ms; ours has no client-side limit, so the example gets none either
+            "--kube-api-qps", "10000",
+            "--kube-api-burst", "10000",
         ]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(

@@ -45,7 +45,22 @@ faster or smaller). The floor is measured once, after all starts. `--current-ref
 a commit instead of the working tree on the current side (to check the method with the
 same code on both sides, or when the working tree's plugin does not start).
 
-Run alone: `python -m benchmarks.prepare [--baseline-ref REF] [--current-ref REF]
+Beside dra-example-driver (`--example`): the baseline side is the example driver's kubelet
+plugin, `sigs.k8s.io/dra-example-driver` at a pinned version (benchmarks.example_driver;
+built by hack/bench/example-driver.sh from the Go module proxy, cached outside the
+repository), on the same control plane, with claims of its own allocated to its driver
+name, its plugin dir (checkpoint) and CDI dir on the same tmpfs, in the same alternation.
+It does not write the claim's status; ours does (in the background).
+
+CPU: `start_cpu_s` is the plugin's utime+stime from exec to registered; over the `--cycles`
+Prepare/Unprepare cycles the plugin's utime+stime is read from /proc before and after each
+call, and `cpu_ms_per_prepare` / `cpu_ms_per_unprepare` are the sums over the calls of
+each kind divided by their count (the kernel reports in 10 ms ticks: each reading is
+rounded, the sums over 1,000 calls are not biased by it; `cpu_ms_per_cycle`, read once
+around all the cycles, is the check). Work a plugin does in the background after answering
+(ours: the claim's status write) is counted to whichever call is in flight then.
+
+Run alone: `python -m benchmarks.prepare [--example | --baseline-ref REF] [--current-ref REF]
 [--starts N] [--rounds N] [--cycles N]` (prints each start's progress and, with a baseline,
 a table of both sides and their ratios on stderr; the figures as JSON on stdout; writes
 benchmarks/results/prepare.json).

@@ -143,11 +143,17 @@ def _prepare(d: Any) -> list[str]:
         )
     for label, key in (
         ("start to registered (s)", "start_to_registered_s"),
+        ("CPU from exec to registered (s)", "start_cpu_s"),
+        ("CPU per Prepare (ms)", "cpu_ms_per_prepare"),
+        ("CPU per Unprepare (ms)", "cpu_ms_per_unprepare"),
         ("RSS after warm-up (KiB)", "rss_kib_after_warmup"),
         ("RSS after 1,000 more cycles (KiB)", "rss_kib_after_1000_cycles"),
     ):
+        if key.startswith(("start_cpu", "cpu_")) and key not in d["current"]:
+            continue  # results from before these were measured
         rows.append((label, fmt(get(d, f"current.{key}")), "", fmt(get(d, f"baseline.{key}")), ""))
-    lines = table(("call (ms)", "current p50", "current p99", "baseline p50", "baseline p99"), rows)
+    lines = [f"current: {fmt(get(d, 'code.current'))}; baseline: {fmt(get(d, 'code.baseline'))}", ""]
+    lines += table(("call (ms)", "current p50", "current p99", "baseline p50", "baseline p99"), rows)
     floor = [
         (name, fmt(get(d, f"floor.{name}.p50_ms")), fmt(get(d, f"floor.{name}.p99_ms")))
         for name in get(d, "floor")
