@@ -45,7 +45,22 @@ faster or smaller). The floor is measured once, after all starts. `--current-ref
 a commit instead of the working tree on the current side (to check the method with the
 same code on both sides, or when the working tree's plugin does not start).
 
-Run alone: `python -m benchmarks.prepare [--baseline-ref REF] [--current-ref REF]
+Beside dra-example-driver (`--example`): the baseline side is the example driver's kubelet
+plugin, `sigs.k8s.io/dra-example-driver` at a pinned version (benchmarks.example_driver;
+built by hack/bench/example-driver.sh from the Go module proxy, cached outside the
+repository), on the same control plane, with claims of its own allocated to its driver
+name, its plugin dir (checkpoint) and CDI dir on the same tmpfs, in the same alternation.
+It does not write the claim's status; ours does (in the background).
+
+CPU: `start_cpu_s` is the plugin's utime+stime from exec to registered; over the `--cycles`
+Prepare/Unprepare cycles the plugin's utime+stime is read from /proc before and after each
+call, and `cpu_ms_per_prepare` / `cpu_ms_per_unprepare` are the sums over the calls of
+each kind divided by their count (the kernel reports in 10 ms ticks: each reading is
+rounded, the sums over 1,000 calls are not biased by it; `cpu_ms_per_cycle`, read once
+around all the cycles, is the check). Work a plugin does in the background after answering
+(ours: the claim's status write) is counted to whichever call is in flight then.
+
+Run alone: `python -m benchmarks.prepare [--example | --baseline-ref REF] [--current-ref REF]
 [--starts N] [--rounds N] [--cycles N]` (prints each start's progress and, with a baseline,
 a table of both sides and their ratios on stderr; the figures as JSON on stdout; writes
 benchmarks/results/prepare.json).
@@ -71,7 +86,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks import fresh_control_plane, kubelet_client, report
+from benchmarks import example_driver, fresh_control_plane, kubelet_client, report
 from benchmarks.kubelet_client import REPO
 from dra_driver.driver_root.user_space import COMPUTE_LIBRARIES, UTILITY_BINARIES
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
@@ -273,14 +288,21 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _claims(api: Any) -> list[ClaimName]:
-    """GPUS claims in namespace bench, each allocated one GPU of NODE by an admin write."""
-    sync_request(
-        api,
-        "POST",
-        "/api/v1/namespaces",
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bench"}},
-    )
+def _cpu_s(pid: int) -> float:
+    """utime + stime of the process (all its threads, those ended included), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _claims(api: Any, driver: str = DRIVER, prefix: str = "c") -> list[ClaimName]:
+    """GPUS claims in namespace bench, each allocated one GPU of NODE of `driver` by an admin write."""
+    if prefix == "c":
+        sync_request(
+            api,
+            "POST",
+            "/api/v1/namespaces",
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "bench"}},
+        )
     claims: list[ClaimName] = []
     for i in range(GPUS):
         claim = sync_request(
@@ -290,30 +312,32 @@ def _claims(api: Any) -> list[ClaimName]:
             {
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
-                "metadata": {"name": f"c{i}"},
+                "metadata": {"name": f"{prefix}{i}"},
                 "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "any"}}]}},
             },
         )
         claim["status"] = {
             "allocation": {
                 "devices": {
-                    "results": [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}]
+                    "results": [{"request": "gpu", "driver": driver, "pool": NODE, "device": f"gpu-{i}"}]
                 }
             }
         }
-        claim = sync_request(api, "PUT", f"{CLAIMS}/c{i}/status", claim)
-        claims.append(ClaimName("bench", f"c{i}", claim["metadata"]["uid"]))
+        claim = sync_request(api, "PUT", f"{CLAIMS}/{prefix}{i}/status", claim)
+        claims.append(ClaimName("bench", f"{prefix}{i}", claim["metadata"]["uid"]))
     return claims
 
 
 @dataclass(frozen=True)
 class Side:
     """One version of the plugin: `code` is put first on the plugin's PYTHONPATH (the
-    checkout itself for the working tree, a git worktree for a commit)."""
+    checkout itself for the working tree, a git worktree for a commit); or, with
+    `example`, dra-example-driver's kubelet plugin (that binary; `code` unused)."""
 
     label: str
     code: Path
     describe: str  # "<sha>" or "working tree at <sha> (...)"
+    example: Path | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -363,10 +387,18 @@ print(json.dumps({"files": files, "failed": failed}))
 """
 
 
+def example_side(label: str = "baseline") -> Side:
+    binary = example_driver.build()
+    version = os.environ.get("DRA_EXAMPLE_DRIVER_VERSION", example_driver.EXAMPLE_VERSION)
+    return Side(label, REPO, f"dra-example-driver {version} (Go, from the Go module proxy)", binary)
+
+
 def check_imports(side: Side) -> None:
     """Every module of the side's dra_driver and controller imports with this interpreter,
     from the side's own code (not the checkout's); byte-compiled first, so that no start
     timed later compiles."""
+    if side.example is not None:
+        return
     subprocess.run(
         [
             sys.executable,
@@ -411,6 +443,11 @@ class Block:
     phases: dict[str, list[float]]
     rss_kib_after_warmup: int
     rss_kib_after_cycles: int
+    start_cpu_s: float = 0.0  # utime+stime from exec to registered
+    cycles_cpu_s: float = 0.0  # utime+stime over the cycles
+    prepare_cpu_s: float = 0.0  # ... over the cycles' Prepares alone (sampled around each call)
+    unprepare_cpu_s: float = 0.0
+    cycles: int = 0
 
 
 def measure_block(
@@ -425,22 +462,30 @@ def measure_block(
 ) -> tuple[Block, Path]:
     """Start one plugin of `side` (fresh dirs), time it, stop it. Returns the block and its data dir."""
     run_root, _ = _run_root()
-    plugin = DriverProcess(
-        NODE,
-        str(_profile(work / "bench16.yaml")),
-        cp.kubeconfig,
-        work / f"p-{side.label}-{index}",
-        extra_args=("--driver-root", str(work / "driver-root")),
-        env=side.env,
-        log_level="info",  # as the chart runs it
-        run_root=run_root,
-    )
+    plugin: DriverProcess | example_driver.ExampleProcess
+    if side.example is not None:
+        plugin = example_driver.ExampleProcess(
+            side.example, NODE, cp.kubeconfig, work / f"p-{side.label}-{index}", run_root, GPUS
+        )
+    else:
+        plugin = DriverProcess(
+            NODE,
+            str(_profile(work / "bench16.yaml")),
+            cp.kubeconfig,
+            work / f"p-{side.label}-{index}",
+            extra_args=("--driver-root", str(work / "driver-root")),
+            env=side.env,
+            log_level="info",  # as the chart runs it
+            run_root=run_root,
+        )
     try:
         t0 = time.perf_counter()
         plugin.start(wait=False)
         plugin.wait_serving(timeout=60)
         start_to_registered = time.perf_counter() - t0
         assert plugin.proc is not None
+        pid = plugin.proc.pid
+        start_cpu = _cpu_s(pid)
         kubelet = KubeletSide(plugin.registration_socket())  # registers, as the kubelet does
         refs = [(c.namespace, c.name, c.uid) for c in claims]
         token_file = work / "bench.token"
@@ -449,16 +494,29 @@ def measure_block(
         phases = kubelet_client.run(
             binary, Path(kubelet.info.endpoint), refs, rounds, max(rounds // 10, 5), api=api_server
         )
-        rss_before = _rss_kib(plugin.proc.pid)
+        rss_before = _rss_kib(pid)
+        prepare_cpu = unprepare_cpu = 0.0
+        cycles_start = _cpu_s(pid)
         for _ in range(cycles):
+            before = _cpu_s(pid)
             kubelet.prepare(claims[1])
+            between = _cpu_s(pid)
             kubelet.unprepare(claims[1])
-        rss_after = _rss_kib(plugin.proc.pid)
+            after = _cpu_s(pid)
+            prepare_cpu += between - before
+            unprepare_cpu += after - between
+        cycles_cpu = _cpu_s(pid) - cycles_start
+        rss_after = _rss_kib(pid)
         kubelet.close()
     finally:
         plugin.stop()
         shutil.rmtree(run_root, ignore_errors=True)
-    return Block(side.label, start_to_registered, phases, rss_before, rss_after), plugin.data_dir
+    block = Block(
+        side.label, start_to_registered, phases, rss_before, rss_after,
+        start_cpu, cycles_cpu, prepare_cpu, unprepare_cpu, cycles,
+    )
+    # the floor's durable write goes into a dir on disk: the example's plugin dir is on the tmpfs
+    return block, plugin.data_dir if side.example is None else plugin.kubelet_dir
 
 
 def _side_result(blocks: list[Block], cycles: int) -> dict[str, Any]:
@@ -470,8 +528,17 @@ def _side_result(blocks: list[Block], cycles: int) -> dict[str, Any]:
 
     rss_before = round(middle([b.rss_kib_after_warmup for b in blocks]))
     rss_after = round(middle([b.rss_kib_after_cycles for b in blocks]))
+    calls = sum(b.cycles for b in blocks) or 1
+
+    def per_call_ms(total: float) -> float:
+        return round(total / calls * 1000, 3)
+
     result: dict[str, Any] = {
         "start_to_registered_s": round(middle([b.start_to_registered_s for b in blocks]), 3),
+        "start_cpu_s": round(middle([b.start_cpu_s for b in blocks]), 3),
+        "cpu_ms_per_prepare": per_call_ms(sum(b.prepare_cpu_s for b in blocks)),
+        "cpu_ms_per_unprepare": per_call_ms(sum(b.unprepare_cpu_s for b in blocks)),
+        "cpu_ms_per_cycle": per_call_ms(sum(b.cycles_cpu_s for b in blocks)),
         "prepare_sequential": _percentiles(pooled("prepare_sequential")),
         "unprepare_sequential": _percentiles(pooled("unprepare_sequential")),
         "prepare_16_concurrent": _percentiles(pooled("prepare_concurrent")),
@@ -486,6 +553,7 @@ def _side_result(blocks: list[Block], cycles: int) -> dict[str, Any]:
         result["per_start"] = [
             {
                 "start_to_registered_s": round(b.start_to_registered_s, 3),
+                "start_cpu_s": round(b.start_cpu_s, 3),
                 "rss_kib_after_warmup": b.rss_kib_after_warmup,
                 f"rss_kib_after_{cycles}_cycles": b.rss_kib_after_cycles,
             }
@@ -509,8 +577,11 @@ def _current_to_baseline(current: dict[str, Any], baseline: dict[str, Any], cycl
         return round(a / b, 2) if b else float("nan")
 
     out: dict[str, float] = {
-        "start_to_registered": ratio(current["start_to_registered_s"], baseline["start_to_registered_s"])
+        "start_to_registered": ratio(current["start_to_registered_s"], baseline["start_to_registered_s"]),
+        "start_cpu": ratio(current["start_cpu_s"], baseline["start_cpu_s"]),
     }
+    for key in ("cpu_ms_per_prepare", "cpu_ms_per_unprepare", "cpu_ms_per_cycle"):
+        out[key.removesuffix("_ms")] = ratio(current[key], baseline[key])
     for phase in COMPARED_PHASES:
         for stat in ("p50_ms", "p99_ms"):
             out[f"{phase}.{stat.removesuffix('_ms')}"] = ratio(current[phase][stat], baseline[phase][stat])
@@ -525,13 +596,18 @@ def run(
     baseline_ref: str | None = None,
     current_ref: str | None = None,
     starts: int | None = None,
+    example: bool = False,
 ) -> dict[str, Any]:
     """The figures of the working tree's plugin (or `current_ref`'s); with `baseline_ref`,
     also of that commit's, in the same run: `starts` plugin starts of each side (default
     2; 1 without a baseline), in the order B C C B B C ..., `rounds` timed calls per phase
-    and side shared among them, `cycles` per start."""
+    and side shared among them, `cycles` per start. With `example`, dra-example-driver's
+    plugin is the baseline side instead of a commit."""
     sides = [commit_side(current_ref, "current") if current_ref else working_tree_side()]
-    if baseline_ref:
+    if example:
+        sides.insert(0, example_side())
+        baseline_ref = baseline_ref or "example"
+    elif baseline_ref:
         sides.insert(0, commit_side(baseline_ref, "baseline"))
     starts = starts or (2 if baseline_ref else 1)
     for side in sides:
@@ -544,12 +620,18 @@ def run(
         api = sync_client(str(cp.kubeconfig))
         create_node(api, NODE)
         claims = _claims(api)
+        side_claims = {
+            side.label: _claims(api, example_driver.EXAMPLE_DRIVER, "e") if side.example else claims
+            for side in sides
+        }
         _driver_root(work / "driver-root")
         binary = kubelet_client.build()
         blocks: dict[str, list[Block]] = {side.label: [] for side in sides}
         data_dir = work
         for index, side in enumerate(order):
-            block, data_dir = measure_block(side, index, cp, work, claims, binary, per_start_rounds, cycles)
+            block, data_dir = measure_block(
+                side, index, cp, work, side_claims[side.label], binary, per_start_rounds, cycles
+            )
             blocks[side.label].append(block)
             p50_ms = statistics.median(block.phases["prepare_sequential"]) * 1000
             print(
@@ -605,6 +687,11 @@ def main() -> None:
         help="also measure this commit's plugin (a git worktree /tmp/bench-baseline-<sha12>), interleaved",
     )
     parser.add_argument(
+        "--example",
+        action="store_true",
+        help="the baseline side is dra-example-driver's kubelet plugin (hack/bench/example-driver.sh)",
+    )
+    parser.add_argument(
         "--current-ref",
         metavar="REF",
         help="measure this commit's plugin as the current side instead of the working tree's",
@@ -617,7 +704,7 @@ def main() -> None:
         "--cycles", type=int, default=1000, help="prepare/unprepare cycles per start before RSS"
     )
     args = parser.parse_args()
-    result = run(args.cycles, args.rounds, args.baseline_ref, args.current_ref, args.starts)
+    result = run(args.cycles, args.rounds, args.baseline_ref, args.current_ref, args.starts, args.example)
     report("prepare", result)
     if "current_to_baseline" in result:
         print(comparison_table(result, args.cycles), file=sys.stderr, flush=True)
@@ -635,6 +722,9 @@ def comparison_table(result: dict[str, Any], cycles: int) -> str:
             str(ratio["start_to_registered"]),
         )
     )
+    for key in ("start_cpu_s", "cpu_ms_per_prepare", "cpu_ms_per_unprepare", "cpu_ms_per_cycle"):
+        name = key.removesuffix("_s").removesuffix("_ms")
+        rows.append((key, str(base[key]), str(cur[key]), str(ratio[name])))
     for phase in COMPARED_PHASES[:-1]:  # the printed table leaves out the 16 empty calls
         for stat in ("p50", "p99"):
             rows.append(

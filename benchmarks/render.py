@@ -143,9 +143,14 @@ def _prepare(d: Any) -> list[str]:
         )
     for label, key in (
         ("start to registered (s)", "start_to_registered_s"),
+        ("CPU from exec to registered (s)", "start_cpu_s"),
+        ("CPU per Prepare (ms)", "cpu_ms_per_prepare"),
+        ("CPU per Unprepare (ms)", "cpu_ms_per_unprepare"),
         ("RSS after warm-up (KiB)", "rss_kib_after_warmup"),
         ("RSS after 1,000 more cycles (KiB)", "rss_kib_after_1000_cycles"),
     ):
+        if key.startswith(("start_cpu", "cpu_")) and key not in d["current"]:
+            continue  # results from before these were measured
         rows.append((label, fmt(get(d, f"current.{key}")), "", fmt(get(d, f"baseline.{key}")), ""))
     lines = table(("call (ms)", "current p50", "current p99", "baseline p50", "baseline p99"), rows)
     floor = [
@@ -407,6 +412,14 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
             "scheduler, pods with and without a GPU claim interleaved."
         ),
         _node,
+    ),
+    "prepare_f5272b8_example": (
+        "Prepare and Unprepare before issue 37's node work, beside the example driver",
+        (
+            "`python -m benchmarks.prepare --example --current-ref f5272b8`: the commit before the "
+            "metrics port got its own thread, and dra-example-driver v0.2.0, in one interleaved run."
+        ),
+        _prepare,
     ),
     "huge_prepare": ("One call with many claims", "`python -m benchmarks.huge_prepare`.", _huge_prepare),
     "probe_flood": (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -219,3 +220,33 @@ def test_a_probe_flood_runs_the_checks_at_most_once_a_second_and_is_capped() -> 
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_the_port_is_served_off_the_daemons_loop_and_a_blocked_loop_fails_liveness() -> None:
+    """Scrapes do not queue on the loop that serves the kubelet: with that loop blocked,
+    /metrics is still answered, and /livez says that the loop does not run (503)."""
+    answers: dict[str, tuple[int, str]] = {}
+    done = threading.Event()
+
+    def client(port: int) -> None:
+        try:
+            answers["/metrics"] = _get(port, "/metrics")
+            answers["/livez"] = _get(port, "/livez")
+        finally:
+            done.set()
+
+    async def main() -> None:
+        server = ProbeServer(metrics.SERVED, liveness=[_ok], interval=0.0, loop_timeout=0.5)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            thread = threading.Thread(target=client, args=(port,))
+            thread.start()
+            done.wait(timeout=30)  # blocks this loop, the daemon's, on purpose, until the client is done
+            thread.join()
+            assert (await _fetch(port, "/livez"))[0] == 200, "the loop runs again: live again"
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+    assert answers["/metrics"][0] == 200
+    assert answers["/livez"][0] == 503 and "event-loop" in answers["/livez"][1], answers["/livez"]

@@ -1,0 +1,143 @@
+"""dra-example-driver's kubelet plugin as a side of benchmarks.prepare: build it, run it.
+
+`build()` runs hack/bench/example-driver.sh (the module `sigs.k8s.io/dra-example-driver`
+from the Go module proxy at a pinned version, `EXAMPLE_VERSION` unless
+`$DRA_EXAMPLE_DRIVER_VERSION` names another, compiled into a cache outside the
+repository). `ExampleProcess` runs `dra-example-kubeletplugin` for the benchmark's node
+with the same shape as tests.harness.driver.DriverProcess (start, wait_serving,
+registration_socket, stop, proc): its registration socket in `<root>/kubelet/plugins_registry`,
+its plugin dir (the DRA socket and its checkpoint) and its CDI dir on `run_root`, a tmpfs,
+as ours keeps its state and CDI specs there; `--num-devices` GPUs named gpu-0, gpu-1, ...,
+driver `EXAMPLE_DRIVER`; it logs at klog's default verbosity (its chart's default is
+higher), to a file; its API client is not rate-limited (client-go's default of 5 requests/s
+makes its sequential Prepare p50 about 200 ms, the limiter's wait, not the plugin's work).
+
+This module only runs the example for measurements: it must not be imported by the driver,
+and must not download anything itself (the script does, once, through the Go module proxy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from benchmarks.kubelet_client import REPO
+from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
+from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
+from tests.harness.driver import with_parent_death_signal
+from tests.harness.kubelet import find_registration_socket
+
+EXAMPLE_VERSION = "v0.2.0"
+EXAMPLE_DRIVER = "gpu.example.com"
+BUILD_SCRIPT = REPO / "hack" / "bench" / "example-driver.sh"
+
+
+def build() -> Path:
+    """Build (or find cached) dra-example-kubeletplugin; its progress goes to our stderr."""
+    version = os.environ.get("DRA_EXAMPLE_DRIVER_VERSION", EXAMPLE_VERSION)
+    done = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), version],
+        stdout=subprocess.PIPE,
+        stderr=sys.stderr,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.splitlines()
+    if done.returncode != 0 or not lines or not Path(lines[-1]).is_file():
+        raise RuntimeError(f"{BUILD_SCRIPT} {version} failed (exit {done.returncode}): {done.stdout}")
+    return Path(lines[-1])
+
+
+@dataclass
+class ExampleProcess:
+    """One dra-example-kubeletplugin for `node`, its plugin and CDI dirs under `run_root`."""
+
+    binary: Path
+    node: str
+    kubeconfig: Path
+    root: Path
+    run_root: Path
+    gpus: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def kubelet_dir(self) -> Path:
+        return self.root / "kubelet"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.run_root / "plugins" / EXAMPLE_DRIVER
+
+    @property
+    def log_path(self) -> Path:
+        return self.root / "plugin.log"
+
+    def start(self, wait: bool = True) -> ExampleProcess:
+        registry = self.kubelet_dir / "plugins_registry"
+        registry.mkdir(parents=True, exist_ok=True)
+        argv = [
+            str(self.binary),
+            "--node-name", self.node,
+            "--cdi-root", str(self.run_root / "cdi"),
+            "--num-devices", str(self.gpus),
+            "--kubelet-registrar-directory-path", str(registry),
+            "--kubelet-plugins-directory-path", str(self.run_root / "plugins"),
+            "--kubeconfig", str(self.kubeconfig),
+            # client-go's defaults (5/s, burst 10) hold each sequential GET of the claim for
+            # about 200 ms; ours has no client-side limit, so the example gets none either
+            "--kube-api-qps", "10000",
+            "--kube-api-burst", "10000",
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                with_parent_death_signal(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        if wait:
+            self.wait_serving()
+        return self
+
+    def registration_socket(self, timeout: float = 30.0) -> Path:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"example plugin exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(TimeoutError):
+                return find_registration_socket(self.kubelet_dir, EXAMPLE_DRIVER, timeout=0.2)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"example plugin did not register:\n{self.log_tail()}")
+
+    def wait_serving(self, timeout: float = 60.0) -> Path:
+        deadline = time.monotonic() + timeout
+        while True:
+            socket = self.registration_socket(timeout=max(deadline - time.monotonic(), 0.1))
+            with grpc.insecure_channel(f"unix://{socket}") as channel:
+                try:
+                    RegistrationStub(channel).GetInfo(InfoRequest(), timeout=1)
+                    return socket
+                except grpc.RpcError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"example plugin does not answer:\n{self.log_tail()}") from None
+                    time.sleep(0.02)  # the poll interval
+
+    def log_tail(self, size: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-size:] if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
