@@ -94,7 +94,7 @@ from typing import Any
 from benchmarks import fresh_control_plane, report
 from controller.attributes import NVLINK_CLIQUE_SIZE
 from controller.claim_fit import fit_linked_claim
-from controller.claim_shapes import fleet_layers, linked_gpus_ga
+from controller.claim_shapes import fleet_layers, linked_class, linked_gpus_ga
 from controller.plan import MANAGED_BY_LABEL, SLICES, PoolSpec, desired_objects
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME, kube
@@ -150,6 +150,9 @@ class Shape:
     # (K = the fleet's largest clique + 1; as generated, or as `claim` says for -before shapes)
     build: str = ""
     fail_fast: bool = True  # the NVLink claims' fits_selector (False: as d20fbb0)
+    # generated / 8-layer claims: the gpu-linked-<K> class (its selector carries the fail-fast
+    # test; no selector in the claim); False: the whole-GPU class, the selector in the claim
+    linked_class: bool = False
 
 
 def _one(device_class: str, selectors: Sequence[str] = ()) -> JSON:
@@ -168,13 +171,23 @@ _OLD = {"fail_fast": False}
 SHAPES: tuple[Shape, ...] = (
     Shape("reference", "reference", 1, _one(REFERENCE_CLASS)),
     Shape("reference-impossible", "reference", 1, _one(REFERENCE_CLASS, [_NOTHING]), build="never"),
+    # the same unschedulable claim on our slices: the difference is what their attributes cost
+    Shape("ours-impossible", "ours", 1, _one(REFERENCE_CLASS, [_NOTHING]), build="never"),
     Shape("one-gpu", "ours", 1, _one(GPU_CLASS)),
     Shape("cel-memory", "ours", 1, _one(GPU_CLASS, [CEL_MEMORY])),
-    Shape("linked2", "ours", 2, {}, build="generated"),
-    Shape("linked3", "ours", 3, {}, build="generated"),
-    Shape("linked4", "ours", 4, {}, build="generated"),
-    Shape("impossible", "ours", 0, {}, build="impossible"),
-    Shape("impossible-8", "ours", 0, {}, build="impossible-8"),  # the 8-layer fallback
+    Shape("linked2", "ours", 2, {}, build="generated", linked_class=True),
+    Shape("linked3", "ours", 3, {}, build="generated", linked_class=True),
+    Shape("linked4", "ours", 4, {}, build="generated", linked_class=True),
+    Shape("impossible", "ours", 0, {}, build="impossible", linked_class=True),
+    Shape("impossible-8", "ours", 0, {}, build="impossible-8", linked_class=True),  # the 8-layer fallback
+    Shape("pair-linked", "ours", 2, {}, build="eight", linked_class=True),
+    Shape("quad-linked", "ours", 4, {}, build="eight", linked_class=True),
+    # the generated claims before the gpu-linked-<K> classes: whole-GPU class + selector
+    Shape("linked2-sel", "ours", 2, {}, build="generated"),
+    Shape("linked3-sel", "ours", 3, {}, build="generated"),
+    Shape("linked4-sel", "ours", 4, {}, build="generated"),
+    Shape("impossible-sel", "ours", 0, {}, build="impossible"),
+    Shape("impossible-8-sel", "ours", 0, {}, build="impossible-8"),
     Shape("pair", "ours", 2, linked_gpus_ga(2)),
     Shape("quad", "ours", 4, linked_gpus_ga(4)),
     Shape("pair-fit", "ours", 2, linked_gpus_ga(2), fit=True),
@@ -678,7 +691,8 @@ def _healthy(cp: ControlPlane, name: str) -> bool:
 
 
 def device_classes(api: Any) -> None:
-    for path in ("deploy/deviceclasses/gpu.yaml", "deploy/deviceclasses/gpu-share.yaml"):
+    for path in ("deploy/deviceclasses/gpu.yaml", "deploy/deviceclasses/gpu-share.yaml",
+                 "deploy/deviceclasses/gpu-linked.yaml"):
         for doc in load_yaml_documents(REPO / path):
             create_object(api, doc)
     create_object(api, {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
@@ -690,8 +704,11 @@ def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     """`shape` with its claim built for the fleet (fitted layers, generated, impossible), else as it is."""
     k = largest_clique(fleet) + 1 if shape.build.startswith("impossible") else shape.gpus
     eight_layers = shape.build == "impossible" and not shape.fail_fast and not shape.fit
-    if shape.build == "impossible-8" or eight_layers:
-        return dataclasses.replace(shape, gpus=k, claim=linked_gpus_ga(k, fail_fast=shape.fail_fast))
+    cls = (linked_class(k, DRIVER) if shape.linked_class else None) or GPU_CLASS
+    if shape.build in ("impossible-8", "eight") or eight_layers:
+        fail_fast = shape.fail_fast and cls == GPU_CLASS
+        claim = linked_gpus_ga(k, device_class=cls, fail_fast=fail_fast)
+        return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.fit:
         topologies = [published_topology(inv) for inv in set(fleet.values())]
         claim = linked_gpus_ga(k, layers=fleet_layers(k, topologies), fail_fast=shape.fail_fast)
@@ -699,7 +716,8 @@ def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     if shape.build in ("generated", "impossible"):
         slices = [{"spec": s} for i, inv in enumerate(set(fleet.values()))
                   for s in node_specs("ours", inv, f"n{i}")]
-        return dataclasses.replace(shape, gpus=k, claim=fit_linked_claim(k, slices, DRIVER).devices)
+        chosen = None if shape.linked_class else GPU_CLASS
+        return dataclasses.replace(shape, gpus=k, claim=fit_linked_claim(k, slices, DRIVER, chosen).devices)
     return shape
 
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.attributes import NVLINK_CLIQUES, NVLINK_LAYER_PREFIX, TYPE
-from controller.claim_shapes import REQUEST, layers_for, linked_gpus_ga, linked_gpus_list
+from controller.claim_shapes import REQUEST, layers_for, linked_class, linked_gpus_ga, linked_gpus_list
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.jsontypes import JSON
 
@@ -106,33 +106,39 @@ def fit_linked_claim(
     k: int,
     slices: Sequence[JSON],
     driver: str = DEFAULT_DRIVER_NAME,
-    device_class: str = DEFAULT_DRIVER_NAME,
+    device_class: str | None = None,
     selectors: Sequence[str] = (),
     request: str = REQUEST,
 ) -> FittedClaim:
     """The claim for k linked GPUs with the fewest subrequests that is complete for this fleet.
+    `device_class` None: the shipped `gpu-linked-<k>` class (its selector carries the fail-fast
+    test), or for k above 8 the whole-GPU class with the fail-fast selector where it helps.
     Raises ValueError for k < 2."""
     if k < 2:
         raise ValueError(f"--linked {k}: ask for 2 or more GPUs (one GPU needs no NVLink constraint)")
+    linked = linked_class(k, driver) if device_class is None else None
+    device_class = linked or device_class or driver
     nodes = node_cliques(slices, driver)
     layers = layers_for(k, (n.layers for n in nodes.values()))
     fit = sum(1 for n in nodes.values() if any(size >= k for sizes in n.layers.values() for size in sizes))
     lists = bool(nodes) and all(n.cliques is not None for n in nodes.values())
     # a maximal clique that no layer holds: the GA shape cannot give it on that node
     uncovered = lists and any(not (n.cliques or frozenset()) <= n.layer_groups for n in nodes.values())
-    fail_fast = fit < len(nodes) and len(layers) == 1
+    fail_fast = not linked and fit < len(nodes) and len(layers) == 1
     ga = linked_gpus_ga(k, driver=driver, device_class=device_class, selectors=selectors, layers=layers,
                         request=request, fail_fast=fail_fast)
     if lists and (len(layers) > 1 or uncovered):
         why = ("some node has more cliques than its layers hold" if uncovered
                else f"the layers would need {len(layers)} subrequests")
         devices = linked_gpus_list(k, driver=driver, device_class=device_class, selectors=selectors,
-                                   request=request, fail_fast=fit < len(nodes))
+                                   request=request, fail_fast=not linked and fit < len(nodes))
         return FittedClaim(devices, "list", layers, len(nodes), fit,
                            f"list form (one request): the server keeps list-type attributes and {why}")
     note = f"clique layers {', '.join(map(str, layers))} ({len(layers)} subrequest{'s' * (len(layers) > 1)})"
     if fail_fast:
         note += f", with the selector nvlinkCliqueSize >= {k} (some nodes have no {k} linked GPUs)"
+    if linked:
+        note += f", class {linked} (nvlinkCliqueSize >= {k} in the class's own selector)"
     if not fit:
         note += f"; NO node of the fleet has {k} linked GPUs: this claim stays Pending"
     elif not lists:

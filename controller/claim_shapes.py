@@ -54,6 +54,22 @@ def _selectors(selectors: Sequence[str]) -> list[JSON]:
     return [{"cel": {"expression": s}} for s in selectors]
 
 
+LINKED_CLASS_KS = range(2, 9)  # deploy/deviceclasses/gpu-linked.yaml, the chart's deviceClasses.linked
+
+
+def linked_class(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str | None:
+    """The DeviceClass whose own selector carries `fits_selector(k)` (None above 8: none shipped)."""
+    return f"gpu-linked-{k}.{driver}" if k in LINKED_CLASS_KS else None
+
+
+def linked_class_selector(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str:
+    """That class's CEL: the whole-GPU class's test with the clique size second (a node without
+    k linked GPUs fails on it for every GPU)."""
+    d = f'device.attributes["{driver}"]'
+    return (f'device.driver == "{driver}" && {fits_selector(k, driver)} && {d}.type == "gpu" && '
+            f'!("migEnabled" in {d} && {d}.migEnabled)')
+
+
 def fits_selector(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str:
     """CEL: the device is in a clique of k or more GPUs (or does not say: an older driver)."""
     return f'device.attributes["{driver}"].?{NVLINK_CLIQUE_SIZE}.orValue({k}) >= {k}'

@@ -49,7 +49,7 @@ def _fit(linked: int, driver: str, device_class: str | None, selectors: tuple[st
         raise click.ClickException(f"no ResourceSlices of driver {driver}: is the driver installed, and is "
                                    "--driver-name right?")
     try:
-        return fit_linked_claim(linked, slices, driver, device_class or driver, selectors)
+        return fit_linked_claim(linked, slices, driver, device_class, selectors)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--linked") from None
 
