@@ -10,14 +10,15 @@ one with the fewest subrequests that still finds k linked GPUs wherever the flee
 - else the list shape (one request, `matchAttribute: nvlinkCliques`), which is complete on
   any node; it is also taken when some node's layers leave a maximal clique out (a
   topology with more cliques than 8 layers can hold), as the GA shape would miss it there.
-The fail-fast selector (`claim_shapes.fits_selector`) goes in only where some node of the
-fleet has no set of k linked GPUs and the claim has one subrequest: there it stops the
-search before any `matchAttribute` (a claim no node can hold: 99 -> 52 ms of scheduler CPU
-per attempt at 100 DGX-1 nodes), but where every node has one it drops nothing and costs one
-more CEL evaluation per device looked at (the scheduler rebuilds a device's attribute map
-for every expression: a quad claim 18 -> 25 ms per pod), and over several subrequests it is
-evaluated again in each (claim_shapes). Every subrequest the scheduler cannot satisfy on a node is one
-more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
+The claim names the class `gpu-linked-<k>` (claim_shapes.linked_class), whose own selector
+carries the fail-fast test `nvlinkCliqueSize >= k`: on a node without k linked GPUs every GPU
+is dropped before any `matchAttribute` search, at no extra CEL evaluation (a claim no node can
+hold: 460 -> 229 ms of scheduler CPU per attempt at 500 random-4 nodes against the same test
+as a claim selector). With a class of the caller's (`device_class`), or k above 8, the test
+goes in as a claim selector (`claim_shapes.fits_selector`) only where some node of the fleet
+has no set of k linked GPUs and the claim has one subrequest: elsewhere it would cost one
+more evaluation per device looked at and drop nothing. Every subrequest the scheduler cannot
+satisfy on a node is one more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
 
 Pure: slices in, a claim out; reading the cluster is `dra_driver.commands.claim`'s.
 It must NOT decide what a slice publishes.
