@@ -87,13 +87,26 @@ def test_the_command_prints_a_template_and_says_why(monkeypatch: pytest.MonkeyPa
     async def read(kubeconfig: str | None, driver: str) -> list[dict[str, Any]]:
         return slices
 
+    served = {f"gpu-linked-4.{DRIVER}"}
+
+    async def exists(kubeconfig: str | None, name: str) -> bool:
+        return name in served
+
     monkeypatch.setattr(claim_cmd, "read_slices", read)
+    monkeypatch.setattr(claim_cmd, "class_served", exists)
     result = CliRunner().invoke(claim_cmd.claim, ["--linked", "4", "--selector", "true", "-n", "ml"])
     assert result.exit_code == 0, result.output
     template = yaml.safe_load(result.stdout)
     assert template["metadata"] == {"name": "linked-4-gpus", "namespace": "ml"}
     assert template["spec"]["spec"]["devices"] == fit_linked_claim(4, slices, selectors=["true"]).devices
     assert "1 of 1 nodes can hold 4 linked GPUs" in result.stderr
+    # a cluster without the linked classes (deviceClasses.linked off): the whole-GPU class
+    served.clear()
+    plain = CliRunner().invoke(claim_cmd.claim, ["--linked", "4"])
+    assert plain.exit_code == 0, plain.output
+    assert "not found" in plain.stderr
+    sub = yaml.safe_load(plain.stdout)["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"][0]
+    assert sub["deviceClassName"] == DRIVER
     monkeypatch.setattr(claim_cmd, "read_slices", lambda *a: _none())
     empty = CliRunner().invoke(claim_cmd.claim, ["--linked", "2"])
     assert empty.exit_code != 0 and "no ResourceSlices" in empty.output
