@@ -542,6 +542,15 @@ def capacity(shape: Shape, fleet: dict[str, Inventory]) -> int:
     return total
 
 
+def pods_for(shape: Shape, fleet: dict[str, Inventory], pods: int, fill: float | None = None) -> int:
+    """How many pods the shape runs: `pods`, capped at what the fleet holds, and with `fill` at
+    that fraction of it (claims that can never fit: not capped by fill)."""
+    held = capacity(shape, fleet)
+    if fill and not (shape.build.startswith("impossible") or shape.build == "never"):
+        held = max(1, round(fill * held))
+    return min(pods, held)
+
+
 @functools.cache
 def first_found_packing(inventory: Inventory, k: int) -> int:
     """Disjoint sets of k mutually linked GPUs, each the lowest-numbered free one first."""
@@ -565,9 +574,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
     ns = f"s{next(_RUNS)}-{shape.name}"  # a namespace of its own: the last one may still be terminating
     create_namespace(api, ns)
     create_object(api, _claim_template(shape), ns)
-    count = min(pods, capacity(shape, fleet))
-    if fill and not (shape.build.startswith("impossible") or shape.build == "never"):
-        count = min(count, max(1, round(fill * capacity(shape, fleet))))
+    count = pods_for(shape, fleet, pods, fill)
     bodies = [(f"/api/v1/namespaces/{ns}/pods", _pod(shape, i)) for i in range(count)]
     metrics = ComponentClient(cp, "kube-scheduler")
     before, cpu0 = scheduler_metrics(metrics), cpu_all(cp)
