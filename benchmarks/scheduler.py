@@ -13,7 +13,11 @@ the slices carry them, as our publisher's probe would decide.
 
 Per shape, in a namespace of its own: one ResourceClaimTemplate, then P pods created at once
 (64 requests in flight); P is the pod count asked for, capped at what the fleet can hold for
-that shape (an 8-GPU node holds 8 one-GPU pods, 4 pairs, 2 quads). Figures:
+that shape (an 8-GPU node holds 8 one-GPU pods, 4 pairs, 2 quads), and with `--fill F` at F
+of that. Compare shapes at one fill: a pod looks at nodes until it has found enough that fit
+(kube-scheduler's percentageOfNodesToScore: 230 of 500), so on a fleet nearly full of a shape
+its last pods look at every node, most of which fail only after a whole search; 600 one-GPU
+pods fill 15% of 500 8-GPU nodes, 600 triples may fill it. Figures:
 - `pods_per_s`: bound pods / (last binding - first creation). The binding count is the
   scheduler's own `scheduler_schedule_attempts_total{result="scheduled"}` (counted after the
   bind succeeds), polled every second (every 0.25 s cost the scheduler 8% of its CPU: its
@@ -94,7 +98,7 @@ from typing import Any
 from benchmarks import fresh_control_plane, report
 from controller.attributes import NVLINK_CLIQUE_SIZE
 from controller.claim_fit import fit_linked_claim
-from controller.claim_shapes import fleet_layers, linked_gpus_ga
+from controller.claim_shapes import fleet_layers, linked_class, linked_gpus_ga
 from controller.plan import MANAGED_BY_LABEL, SLICES, PoolSpec, desired_objects
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME, kube
@@ -150,6 +154,9 @@ class Shape:
     # (K = the fleet's largest clique + 1; as generated, or as `claim` says for -before shapes)
     build: str = ""
     fail_fast: bool = True  # the NVLink claims' fits_selector (False: as d20fbb0)
+    # generated / 8-layer claims: the gpu-linked-<K> class (its selector carries the fail-fast
+    # test; no selector in the claim); False: the whole-GPU class, the selector in the claim
+    linked_class: bool = False
 
 
 def _one(device_class: str, selectors: Sequence[str] = ()) -> JSON:
@@ -168,23 +175,35 @@ _OLD = {"fail_fast": False}
 SHAPES: tuple[Shape, ...] = (
     Shape("reference", "reference", 1, _one(REFERENCE_CLASS)),
     Shape("reference-impossible", "reference", 1, _one(REFERENCE_CLASS, [_NOTHING]), build="never"),
+    # the same unschedulable claim on our slices: the difference is what their attributes cost
+    Shape("ours-impossible", "ours", 1, _one(REFERENCE_CLASS, [_NOTHING]), build="never"),
     Shape("one-gpu", "ours", 1, _one(GPU_CLASS)),
     Shape("cel-memory", "ours", 1, _one(GPU_CLASS, [CEL_MEMORY])),
-    Shape("linked2", "ours", 2, {}, build="generated"),
-    Shape("linked3", "ours", 3, {}, build="generated"),
-    Shape("linked4", "ours", 4, {}, build="generated"),
-    Shape("impossible", "ours", 0, {}, build="impossible"),
-    Shape("impossible-8", "ours", 0, {}, build="impossible-8"),  # the 8-layer fallback
-    Shape("pair", "ours", 2, linked_gpus_ga(2)),
-    Shape("quad", "ours", 4, linked_gpus_ga(4)),
-    Shape("pair-fit", "ours", 2, linked_gpus_ga(2), fit=True),
-    Shape("quad-fit", "ours", 4, linked_gpus_ga(4), fit=True),
+    Shape("linked2", "ours", 2, {}, build="generated", linked_class=True),
+    Shape("linked3", "ours", 3, {}, build="generated", linked_class=True),
+    Shape("linked4", "ours", 4, {}, build="generated", linked_class=True),
+    Shape("impossible", "ours", 0, {}, build="impossible", linked_class=True),
+    Shape("impossible-8", "ours", 0, {}, build="impossible-8", linked_class=True),  # the 8-layer fallback
+    Shape("pair-linked", "ours", 2, {}, build="eight", linked_class=True),
+    Shape("quad-linked", "ours", 4, {}, build="eight", linked_class=True),
+    # the generated claims before the gpu-linked-<K> classes: whole-GPU class + selector
+    Shape("linked2-sel", "ours", 2, {}, build="generated"),
+    Shape("linked3-sel", "ours", 3, {}, build="generated"),
+    Shape("linked4-sel", "ours", 4, {}, build="generated"),
+    Shape("impossible-sel", "ours", 0, {}, build="impossible"),
+    Shape("impossible-8-sel", "ours", 0, {}, build="impossible-8"),
+    Shape("pair", "ours", 2, linked_gpus_ga(2, device_class=GPU_CLASS)),
+    Shape("quad", "ours", 4, linked_gpus_ga(4, device_class=GPU_CLASS)),
+    Shape("pair-fit", "ours", 2, {}, fit=True),
+    Shape("quad-fit", "ours", 4, {}, fit=True),
     Shape("share", "shares", 0, _SHARE),
     Shape("share-only", "shares-only", 0, _SHARE),
     # d20fbb0's slices and claims
     Shape("one-gpu-before", "before", 1, _one(GPU_CLASS)),
-    Shape("pair-before", "before", 2, linked_gpus_ga(2, fail_fast=False), fail_fast=False),
-    Shape("quad-before", "before", 4, linked_gpus_ga(4, fail_fast=False), fail_fast=False),
+    Shape("pair-before", "before", 2, linked_gpus_ga(2, device_class=GPU_CLASS, fail_fast=False),
+          fail_fast=False),
+    Shape("quad-before", "before", 4, linked_gpus_ga(4, device_class=GPU_CLASS, fail_fast=False),
+          fail_fast=False),
     Shape("pair-fit-before", "before", 2, {}, fit=True, fail_fast=False),
     Shape("quad-fit-before", "before", 4, {}, fit=True, fail_fast=False),
     Shape("triple-fit-before", "before", 3, {}, fit=True, fail_fast=False),
@@ -523,6 +542,15 @@ def capacity(shape: Shape, fleet: dict[str, Inventory]) -> int:
     return total
 
 
+def pods_for(shape: Shape, fleet: dict[str, Inventory], pods: int, fill: float | None = None) -> int:
+    """How many pods the shape runs: `pods`, capped at what the fleet holds, and with `fill` at
+    that fraction of it (claims that can never fit: not capped by fill)."""
+    held = capacity(shape, fleet)
+    if fill and not (shape.build.startswith("impossible") or shape.build == "never"):
+        held = max(1, round(fill * held))
+    return min(pods, held)
+
+
 @functools.cache
 def first_found_packing(inventory: Inventory, k: int) -> int:
     """Disjoint sets of k mutually linked GPUs, each the lowest-numbered free one first."""
@@ -542,11 +570,11 @@ def largest_clique(fleet: dict[str, Inventory]) -> int:
 
 
 def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Inventory], pods: int,
-              stall_s: float, pprof_s: int, work: Path) -> JSON:
+              stall_s: float, pprof_s: int, work: Path, fill: float | None = None) -> JSON:
     ns = f"s{next(_RUNS)}-{shape.name}"  # a namespace of its own: the last one may still be terminating
     create_namespace(api, ns)
     create_object(api, _claim_template(shape), ns)
-    count = min(pods, capacity(shape, fleet))
+    count = pods_for(shape, fleet, pods, fill)
     bodies = [(f"/api/v1/namespaces/{ns}/pods", _pod(shape, i)) for i in range(count)]
     metrics = ComponentClient(cp, "kube-scheduler")
     before, cpu0 = scheduler_metrics(metrics), cpu_all(cp)
@@ -678,7 +706,8 @@ def _healthy(cp: ControlPlane, name: str) -> bool:
 
 
 def device_classes(api: Any) -> None:
-    for path in ("deploy/deviceclasses/gpu.yaml", "deploy/deviceclasses/gpu-share.yaml"):
+    for path in ("deploy/deviceclasses/gpu.yaml", "deploy/deviceclasses/gpu-share.yaml",
+                 "deploy/deviceclasses/gpu-linked.yaml"):
         for doc in load_yaml_documents(REPO / path):
             create_object(api, doc)
     create_object(api, {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
@@ -690,16 +719,21 @@ def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     """`shape` with its claim built for the fleet (fitted layers, generated, impossible), else as it is."""
     k = largest_clique(fleet) + 1 if shape.build.startswith("impossible") else shape.gpus
     eight_layers = shape.build == "impossible" and not shape.fail_fast and not shape.fit
-    if shape.build == "impossible-8" or eight_layers:
-        return dataclasses.replace(shape, gpus=k, claim=linked_gpus_ga(k, fail_fast=shape.fail_fast))
+    cls = (linked_class(k, DRIVER) if shape.linked_class else None) or GPU_CLASS
+    if shape.build in ("impossible-8", "eight") or eight_layers:
+        fail_fast = shape.fail_fast and cls == GPU_CLASS
+        claim = linked_gpus_ga(k, device_class=cls, fail_fast=fail_fast)
+        return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.fit:
         topologies = [published_topology(inv) for inv in set(fleet.values())]
-        claim = linked_gpus_ga(k, layers=fleet_layers(k, topologies), fail_fast=shape.fail_fast)
+        claim = linked_gpus_ga(k, device_class=GPU_CLASS, layers=fleet_layers(k, topologies),
+                               fail_fast=shape.fail_fast)
         return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.build in ("generated", "impossible"):
         slices = [{"spec": s} for i, inv in enumerate(set(fleet.values()))
                   for s in node_specs("ours", inv, f"n{i}")]
-        return dataclasses.replace(shape, gpus=k, claim=fit_linked_claim(k, slices, DRIVER).devices)
+        chosen = None if shape.linked_class else GPU_CLASS
+        return dataclasses.replace(shape, gpus=k, claim=fit_linked_claim(k, slices, DRIVER, chosen).devices)
     return shape
 
 
@@ -720,7 +754,8 @@ def fleet_of(profile: str, nodes: int) -> dict[str, Inventory]:
 
 def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *, raised: bool,
                 stall_s: float, pprof_s: int, log: Callable[[str], None],
-                pprof_dir: Path | None = None, scheduler_gates: Sequence[str] = ()) -> JSON:
+                pprof_dir: Path | None = None, scheduler_gates: Sequence[str] = (),
+                fill: float | None = None) -> JSON:
     fleet = fleet_of(profile, nodes)
     shapes = [for_fleet(s, fleet) for s in shapes]
     for s in [s for s in shapes if not capacity(s, fleet)]:
@@ -753,9 +788,9 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
                 published[kind_now] = round(publish(cp, api, kind_now, fleet), 1)
                 log(f"{profile}: {kind_now} slices in {published[kind_now]}s")
             if warm:
-                run_shape(cp, api, shape, fleet, max(pods // 10, 20), stall_s, 0, work)
+                run_shape(cp, api, shape, fleet, max(pods // 10, 20), stall_s, 0, work, fill)
                 warm = False
-            r = run_shape(cp, api, shape, fleet, pods, stall_s, pprof_s, keep)
+            r = run_shape(cp, api, shape, fleet, pods, stall_s, pprof_s, keep, fill)
             if any(x["shape"] == shape.name for x in results):
                 r["shape"] = f"{shape.name}-again"
             log(f"{profile} {nodes} nodes {r['shape']}: {r['bound']}/{r['pods']} pods, "
@@ -785,6 +820,7 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
             "profile": profile,
             "nodes": nodes,
             "client_limits": "raised" if raised else "default",
+            "fill": fill,
             "scheduler_feature_gates_added": list(scheduler_gates),
             "reference_pods_per_s_mean": round(ref, 1) if ref else None,
             "reference_scheduler_cpu_ms_per_bound_pod_mean": round(ref_cpu, 1) if ref_cpu else None,
@@ -807,7 +843,8 @@ FULL = {"sizes": [(100, 5000), (500, 5000), (1000, 5000)], "profiles": list(PROF
 def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
         profiles: Sequence[str] | None = None, shapes: Sequence[str] | None = None,
         defaults: bool = True, stall_s: float = 30.0, pprof_s: int = 0,
-        pprof_dir: Path | None = None, scheduler_gates: Sequence[str] = ()) -> JSON:
+        pprof_dir: Path | None = None, scheduler_gates: Sequence[str] = (),
+        fill: float | None = None) -> JSON:
     plan = FULL if full else SMALL
     chosen = [s for s in SHAPES if not shapes or s.name in shapes]
     cases: list[JSON] = []
@@ -819,7 +856,7 @@ def run(full: bool = False, sizes: Sequence[tuple[int, int]] | None = None,
         for profile in profiles or plan["profiles"]:  # type: ignore[attr-defined]
             cases.append(run_profile(profile, nodes, pods, chosen, raised=True, stall_s=stall_s,
                                      pprof_s=pprof_s, log=log, pprof_dir=pprof_dir,
-                                     scheduler_gates=scheduler_gates))
+                                     scheduler_gates=scheduler_gates, fill=fill))
     if defaults:
         nodes, pods = plan["default_limits"]  # type: ignore[misc]
         two = [s for s in chosen if s.name in ("reference", "one-gpu")]
@@ -859,10 +896,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--pprof-dir", type=Path, help="keep the profiles here (for go tool pprof -peek)")
     parser.add_argument("--scheduler-feature-gate", action="append", default=[], metavar="NAME=true",
                         help="add to kube-scheduler's feature gates (e.g. SchedulerPreQueueingHints=true)")
+    parser.add_argument("--fill", type=float, metavar="F",
+                        help="every shape fills the same fraction F of what the fleet holds for it")
     parser.add_argument("--out", default="scheduler", help="results file name under benchmarks/results")
     args = parser.parse_args(argv)
     result = run(args.full, args.size, args.profile, args.shape, not args.no_defaults, args.stall,
-                 args.pprof_seconds, args.pprof_dir, args.scheduler_feature_gate)
+                 args.pprof_seconds, args.pprof_dir, args.scheduler_feature_gate, args.fill)
     report(args.out, result)
 
 

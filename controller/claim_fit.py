@@ -10,14 +10,15 @@ one with the fewest subrequests that still finds k linked GPUs wherever the flee
 - else the list shape (one request, `matchAttribute: nvlinkCliques`), which is complete on
   any node; it is also taken when some node's layers leave a maximal clique out (a
   topology with more cliques than 8 layers can hold), as the GA shape would miss it there.
-The fail-fast selector (`claim_shapes.fits_selector`) goes in only where some node of the
-fleet has no set of k linked GPUs and the claim has one subrequest: there it stops the
-search before any `matchAttribute` (a claim no node can hold: 99 -> 52 ms of scheduler CPU
-per attempt at 100 DGX-1 nodes), but where every node has one it drops nothing and costs one
-more CEL evaluation per device looked at (the scheduler rebuilds a device's attribute map
-for every expression: a quad claim 18 -> 25 ms per pod), and over several subrequests it is
-evaluated again in each (claim_shapes). Every subrequest the scheduler cannot satisfy on a node is one
-more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
+The claim names the class `gpu-linked-<k>` (claim_shapes.linked_class), whose own selector
+carries the fail-fast test `nvlinkCliqueSize >= k`: on a node without k linked GPUs every GPU
+is dropped before any `matchAttribute` search, at no extra CEL evaluation (a claim no node can
+hold: 460 -> 229 ms of scheduler CPU per attempt at 500 random-4 nodes against the same test
+as a claim selector). With a class of the caller's (`device_class`), or k above 8, the test
+goes in as a claim selector (`claim_shapes.fits_selector`) only where some node of the fleet
+has no set of k linked GPUs and the claim has one subrequest: elsewhere it would cost one
+more evaluation per device looked at and drop nothing. Every subrequest the scheduler cannot
+satisfy on a node is one more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
 
 Pure: slices in, a claim out; reading the cluster is `dra_driver.commands.claim`'s.
 It must NOT decide what a slice publishes.
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.attributes import NVLINK_CLIQUES, NVLINK_LAYER_PREFIX, TYPE
-from controller.claim_shapes import REQUEST, layers_for, linked_gpus_ga, linked_gpus_list
+from controller.claim_shapes import REQUEST, layers_for, linked_class, linked_gpus_ga, linked_gpus_list
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.jsontypes import JSON
 
@@ -106,33 +107,39 @@ def fit_linked_claim(
     k: int,
     slices: Sequence[JSON],
     driver: str = DEFAULT_DRIVER_NAME,
-    device_class: str = DEFAULT_DRIVER_NAME,
+    device_class: str | None = None,
     selectors: Sequence[str] = (),
     request: str = REQUEST,
 ) -> FittedClaim:
     """The claim for k linked GPUs with the fewest subrequests that is complete for this fleet.
+    `device_class` None: the shipped `gpu-linked-<k>` class (its selector carries the fail-fast
+    test), or for k above 8 the whole-GPU class with the fail-fast selector where it helps.
     Raises ValueError for k < 2."""
     if k < 2:
         raise ValueError(f"--linked {k}: ask for 2 or more GPUs (one GPU needs no NVLink constraint)")
+    linked = linked_class(k, driver) if device_class is None else None
+    device_class = linked or device_class or driver
     nodes = node_cliques(slices, driver)
     layers = layers_for(k, (n.layers for n in nodes.values()))
     fit = sum(1 for n in nodes.values() if any(size >= k for sizes in n.layers.values() for size in sizes))
     lists = bool(nodes) and all(n.cliques is not None for n in nodes.values())
     # a maximal clique that no layer holds: the GA shape cannot give it on that node
     uncovered = lists and any(not (n.cliques or frozenset()) <= n.layer_groups for n in nodes.values())
-    fail_fast = fit < len(nodes) and len(layers) == 1
+    fail_fast = not linked and fit < len(nodes) and len(layers) == 1
     ga = linked_gpus_ga(k, driver=driver, device_class=device_class, selectors=selectors, layers=layers,
                         request=request, fail_fast=fail_fast)
     if lists and (len(layers) > 1 or uncovered):
         why = ("some node has more cliques than its layers hold" if uncovered
                else f"the layers would need {len(layers)} subrequests")
         devices = linked_gpus_list(k, driver=driver, device_class=device_class, selectors=selectors,
-                                   request=request, fail_fast=fit < len(nodes))
+                                   request=request, fail_fast=not linked and fit < len(nodes))
         return FittedClaim(devices, "list", layers, len(nodes), fit,
                            f"list form (one request): the server keeps list-type attributes and {why}")
     note = f"clique layers {', '.join(map(str, layers))} ({len(layers)} subrequest{'s' * (len(layers) > 1)})"
     if fail_fast:
         note += f", with the selector nvlinkCliqueSize >= {k} (some nodes have no {k} linked GPUs)"
+    if linked:
+        note += f", class {linked} (nvlinkCliqueSize >= {k} in the class's own selector)"
     if not fit:
         note += f"; NO node of the fleet has {k} linked GPUs: this claim stays Pending"
     elif not lists:

@@ -22,16 +22,18 @@ tries it on every node where the ones before it failed: with 8 subrequests, the 
 spent 60% of the scheduler's time in the DRA filter. `linked_gpus_ga(k, layers=...)` with
 those layers finds the same GPUs as with all 8.
 
-A one-subrequest shape (the list form, or the GA form over one layer) carries by default
-`fits_selector(k)`: the device's `nvlinkCliqueSize` (the largest clique it is in) is at least
-k. A GPU that fails it is in no k-clique, so the claim finds the same GPUs; but on a node
-where no GPU passes, the allocator gives up on the selector alone, before any
-`matchAttribute` search: a claim no node can hold fails fast (98.7 -> 51.7 ms of scheduler
-CPU per attempt at 100 DGX-1 nodes). With several subrequests it is left out: the scheduler
-evaluates every subrequest's selectors on every device again (an impossible claim over 8
-layers cost 416 ms per attempt without it and 520 with it), and on a node that has k linked
-GPUs it drops nothing and costs one more CEL evaluation per device. Devices of an older
-driver without the attribute pass it (`orValue(k)`): nothing is lost.
+Every shape names by default the DeviceClass `gpu-linked-<k>.<driver>` (k = 2..8, shipped in
+deploy/deviceclasses/gpu-linked.yaml and the chart): the whole-GPU class's selector plus
+`fits_selector(k)`, the device's `nvlinkCliqueSize` (the largest clique it is in) at least k.
+A GPU that fails it is in no k-clique, so the claim finds the same GPUs; but on a node where
+no GPU passes, the allocator gives up on the class alone, before any `matchAttribute` search.
+In the class the test costs nothing: upstream's allocator evaluates the class's selector on
+every device it looks at anyway (once per subrequest), and copies the device's attributes for
+each expression it evaluates, so the same test as a selector of the claim cost one more copy
+per device and subrequest (an impossible claim over 8 layers: 416 ms per attempt without it,
+520 with it, at 100 DGX-1 nodes). With another class (`device_class=`), a one-subrequest
+shape carries `fits_selector(k)` as a claim selector instead. Devices of an older driver
+without the attribute pass it (`orValue(k)`): nothing is lost.
 """
 
 from __future__ import annotations
@@ -54,6 +56,22 @@ def _selectors(selectors: Sequence[str]) -> list[JSON]:
     return [{"cel": {"expression": s}} for s in selectors]
 
 
+LINKED_CLASS_KS = range(2, 9)  # deploy/deviceclasses/gpu-linked.yaml, the chart's deviceClasses.linked
+
+
+def linked_class(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str | None:
+    """The DeviceClass whose own selector carries `fits_selector(k)` (None above 8: none shipped)."""
+    return f"gpu-linked-{k}.{driver}" if k in LINKED_CLASS_KS else None
+
+
+def linked_class_selector(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str:
+    """That class's CEL: the whole-GPU class's test with the clique size second (a node without
+    k linked GPUs fails on it for every GPU)."""
+    d = f'device.attributes["{driver}"]'
+    return (f'device.driver == "{driver}" && {fits_selector(k, driver)} && {d}.type == "gpu" && '
+            f'!("migEnabled" in {d} && {d}.migEnabled)')
+
+
 def fits_selector(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str:
     """CEL: the device is in a clique of k or more GPUs (or does not say: an older driver)."""
     return f'device.attributes["{driver}"].?{NVLINK_CLIQUE_SIZE}.orValue({k}) >= {k}'
@@ -63,18 +81,26 @@ def _with_fits(k: int, driver: str, selectors: Sequence[str], fail_fast: bool) -
     return [fits_selector(k, driver), *selectors] if fail_fast and k >= 2 else list(selectors)
 
 
+def _class(k: int, driver: str, device_class: str | None) -> tuple[str, bool]:
+    """The class to name, and whether it carries the fail-fast test (a gpu-linked-<k> class)."""
+    linked = linked_class(k, driver) if device_class is None else None
+    return (linked, True) if linked else (device_class or driver, False)
+
+
 def linked_gpus_ga(
     k: int,
     driver: str = DEFAULT_DRIVER_NAME,
-    device_class: str = DEFAULT_DRIVER_NAME,
+    device_class: str | None = None,
     selectors: Sequence[str] = (),
     layers: int | Sequence[int] = NVLINK_LAYERS,
     request: str = REQUEST,
     fail_fast: bool | None = None,
 ) -> JSON:
     """k mutually linked GPUs through the clique layers (GA API: firstAvailable + matchAttribute).
-    `layers`: how many (layer 0 up), or which (`fleet_layers`), in order. `fail_fast`: with
-    `fits_selector(k)` in every subrequest; None: when there is one subrequest (module doc)."""
+    `layers`: how many (layer 0 up), or which (`fleet_layers`), in order. `device_class` None:
+    the shipped gpu-linked-<k> class, which carries the fail-fast test, and no selector of ours.
+    `fail_fast` (another class): with `fits_selector(k)` in every subrequest; None: when there
+    is one subrequest (module doc)."""
     chosen = list(range(layers)) if isinstance(layers, int) else list(layers)
     if not chosen or len(chosen) > NVLINK_LAYERS or len(set(chosen)) != len(chosen) or not all(
         0 <= n < NVLINK_LAYERS for n in chosen
@@ -82,7 +108,9 @@ def linked_gpus_ga(
         raise ValueError(
             f"layers {layers!r}: give 1 to {NVLINK_LAYERS} distinct layers of 0..{NVLINK_LAYERS - 1}"
         )
-    selectors = _with_fits(k, driver, selectors, len(chosen) == 1 if fail_fast is None else fail_fast)
+    device_class, carried = _class(k, driver, device_class)
+    fits = len(chosen) == 1 if fail_fast is None else fail_fast
+    selectors = _with_fits(k, driver, selectors, fits and not carried)
     subrequests: list[JSON] = []
     for layer in chosen:
         sub: JSON = {"name": layer_subrequest(layer), "deviceClassName": device_class, "count": k}
@@ -116,13 +144,15 @@ def layers_for(k: int, nodes: Iterable[Mapping[int, Sequence[int]]]) -> tuple[in
 def linked_gpus_list(
     k: int,
     driver: str = DEFAULT_DRIVER_NAME,
-    device_class: str = DEFAULT_DRIVER_NAME,
+    device_class: str | None = None,
     selectors: Sequence[str] = (),
     request: str = REQUEST,
     fail_fast: bool = True,
 ) -> JSON:
-    """k mutually linked GPUs through the list attribute nvlinkCliques (DRAListTypeAttributes)."""
-    selectors = _with_fits(k, driver, selectors, fail_fast)
+    """k mutually linked GPUs through the list attribute nvlinkCliques (DRAListTypeAttributes).
+    `device_class` and `fail_fast` as for `linked_gpus_ga`."""
+    device_class, carried = _class(k, driver, device_class)
+    selectors = _with_fits(k, driver, selectors, fail_fast and not carried)
     exactly: JSON = {"deviceClassName": device_class, "count": k}
     if selectors:
         exactly["selectors"] = _selectors(selectors)

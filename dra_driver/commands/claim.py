@@ -2,8 +2,9 @@
 
 Reads the driver's ResourceSlices from the API server and prints, as YAML, the
 ResourceClaimTemplate for K mutually NVLink-linked GPUs that is cheapest for the scheduler
-and still complete for this fleet (`controller.claim_fit`: fewest subrequests, fail-fast
-selector); what it chose and why goes to stderr, so that stdout pipes into
+and still complete for this fleet (`controller.claim_fit`: fewest subrequests, the
+gpu-linked-K class that fails fast, or the whole-GPU class and a selector where that class is
+not served); what it chose and why goes to stderr, so that stdout pipes into
 `kubectl apply -f -` as it is. Wiring only: the choice is `controller.claim_fit`'s.
 It must NOT write anything to the cluster.
 """
@@ -16,6 +17,7 @@ import click
 import yaml
 
 from controller.claim_fit import FittedClaim, claim_template, fit_linked_claim
+from controller.claim_shapes import linked_class
 from dra_driver import DEFAULT_DRIVER_NAME, kube, log
 from dra_driver.jsontypes import JSON
 
@@ -39,17 +41,37 @@ async def read_slices(kubeconfig: str | None, driver: str) -> list[JSON]:
         await api.close()
 
 
+async def class_served(kubeconfig: str | None, name: str) -> bool:
+    """Whether the DeviceClass exists (the chart's deviceClasses.linked may be off)."""
+    api = await kube.load_client(kubeconfig)
+    try:
+        await kube.request(api, "GET", f"{RESOURCE_API}/deviceclasses/{name}")
+        return True
+    except kube.ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    finally:
+        await api.close()
+
+
 def _fit(linked: int, driver: str, device_class: str | None, selectors: tuple[str, ...],
          kubeconfig: str | None) -> FittedClaim:
     try:
         slices = asyncio.run(read_slices(kubeconfig, driver))
+        wanted = linked_class(linked, driver) if device_class is None else None
+        if wanted and not asyncio.run(class_served(kubeconfig, wanted)):
+            click.echo(f"# DeviceClass {wanted} not found (chart value deviceClasses.linked off?): "
+                       f"the claim uses {driver} and a selector instead", err=True)
+            device_class = driver
     except (kube.ApiException, OSError, TimeoutError) as e:
-        raise click.ClickException(f"reading the ResourceSlices of {driver} failed: {e}") from None
+        raise click.ClickException(
+            f"reading the ResourceSlices or DeviceClasses of {driver} failed: {e}") from None
     if not slices:
         raise click.ClickException(f"no ResourceSlices of driver {driver}: is the driver installed, and is "
                                    "--driver-name right?")
     try:
-        return fit_linked_claim(linked, slices, driver, device_class or driver, selectors)
+        return fit_linked_claim(linked, slices, driver, device_class, selectors)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--linked") from None
 
@@ -70,7 +92,9 @@ _OPTIONS = [
     click.option("--namespace", "-n", default=None, help="Put this namespace in the template's metadata."),
     click.option("--selector", "selectors", multiple=True, metavar="CEL",
                  help="A CEL selector added to every subrequest (memory, product...); repeatable."),
-    click.option("--device-class", default=None, help="The DeviceClass [default: the driver name]."),
+    click.option("--device-class", default=None,
+                 help="The DeviceClass [default: gpu-linked-K.<driver name> where served, "
+                      "else the driver name]."),
     click.option("--driver-name", default=DEFAULT_DRIVER_NAME, show_default=True),
     click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,
                  help="Kubeconfig file; default: in-cluster, then $KUBECONFIG or ~/.kube/config."),

@@ -296,8 +296,10 @@ def test_every_example_file_has_an_intent_test() -> None:
     assert numbers <= tests, f"examples without a test_NN_ function: {sorted(numbers - tests)}"
     # gpu-share.yaml and examples/memory-shares/: tests/integration/test_memory_shares.py;
     # mig-dynamic.yaml and examples/mig/: tests/integration/test_dynamic_mig.py
+    # gpu-linked.yaml: tests/integration/test_nvlink_claims.py (the classes dra-driver claim names)
     assert {p.name for p in device_class_files()} == {
-        "gpu.yaml", "mig.yaml", "gpu-extended-resource.yaml", "gpu-share.yaml", "mig-dynamic.yaml"
+        "gpu.yaml", "mig.yaml", "gpu-extended-resource.yaml", "gpu-share.yaml", "mig-dynamic.yaml",
+        "gpu-linked.yaml",
     }
 
 

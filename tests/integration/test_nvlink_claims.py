@@ -15,7 +15,7 @@ against the simulated hardware's own links) or stays Pending with the scheduler'
 At the end the processes stop and the nodes, slices and DeviceClass are deleted.
 `test_ga_cluster_stable_allocator` repeats the GA cases on a control plane of its own
 whose gates keep the scheduler on its GA ("stable") allocator and serve no list attributes.
-`test_random_topology_*`: three more nodes, each a seeded random 8-GPU NVLink graph
+`test_random_topology_*`: six more nodes, each a seeded random 8-GPU NVLink graph
 (tests/harness/topologies.py, not hand-picked), with seeded random busy sets: the claim
 `dra-driver claim --linked k` prints for the node (controller.claim_fit) and the 8-layer
 fallback get a set of mutually linked GPUs whenever brute force finds a free one, and stay
@@ -38,7 +38,13 @@ import pytest
 from kubernetes import client
 
 from controller.claim_fit import fit_linked_claim
-from controller.claim_shapes import linked_gpus_ga, linked_gpus_list
+from controller.claim_shapes import (
+    LINKED_CLASS_KS,
+    linked_class,
+    linked_class_selector,
+    linked_gpus_ga,
+    linked_gpus_list,
+)
 from dra_driver.gpu import discover
 from dra_driver.gpu.topology import nvlink_topology
 from dra_driver.jsontypes import JSON
@@ -76,7 +82,7 @@ class Node:
         return all(frozenset(p) in self.links for p in itertools.combinations(members, 2))
 
 
-RANDOM_SEEDS = {1: 2, 4: 4, 6: 5}  # seed -> its graph's largest clique (asserted below)
+RANDOM_SEEDS = {1: 2, 2: 5, 3: 2, 4: 4, 5: 4, 6: 5}  # seed -> its graph's largest clique (asserted below)
 
 
 def _node(kind: str, profile: str, list_attributes: str) -> Node:
@@ -100,6 +106,11 @@ def published(kubeconfig: Path, api: client.ApiClient, nodes: dict[str, Node], l
         "spec": {"selectors": [{"cel": {"expression":
             f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'}}]},
     })
+    for k in LINKED_CLASS_KS:  # the chart's gpu-linked-<k> classes, for this test's driver name
+        sync_request(api, "POST", f"{RESOURCE_API}/deviceclasses", {
+            "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+            "metadata": {"name": linked_class(k, DRIVER)},
+            "spec": {"selectors": [{"cel": {"expression": linked_class_selector(k, DRIVER)}}]}})
     try:
         for node in nodes.values():
             create_node(api, node.name)
@@ -121,6 +132,8 @@ def published(kubeconfig: Path, api: client.ApiClient, nodes: dict[str, Node], l
         for node in nodes.values():
             sync_request(api, "DELETE", f"/api/v1/nodes/{node.name}")
         sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{CLASS}")
+        for k in LINKED_CLASS_KS:
+            sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{linked_class(k, DRIVER)}")
 
 
 @pytest.fixture(scope="module")
@@ -333,8 +346,11 @@ def test_random_topology_linked_sets_found_exactly_when_free(case: Case) -> None
     slices = sync_request(case.api, "GET", SLICES, query=query)["items"]
     found = pending = 0
     for k in range(2, largest + 2):
-        generated = fit_linked_claim(k, slices, DRIVER, CLASS).devices
-        for shape in (generated, ga(k)) if k <= largest else (generated,):
+        # what `dra-driver claim` prints (the gpu-linked-<k> class), the same with a class of one's
+        # own (the selector in the claim), the 8-layer fallback
+        generated = fit_linked_claim(k, slices, DRIVER).devices
+        own_class = fit_linked_claim(k, slices, DRIVER, CLASS).devices
+        for shape in (generated, own_class, ga(k)) if k <= largest else (generated, own_class):
             busy = sorted(rnd.sample(range(8), rnd.randint(0, 8 - k)))
             case.busy(*busy)
             if free_cliques(k, busy, links):

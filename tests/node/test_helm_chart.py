@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
+from controller.claim_shapes import LINKED_CLASS_KS, linked_class, linked_class_selector
 from tests.harness.driver_image import CHART, build_helm
 from tests.harness.helm import Helm
 
@@ -57,6 +58,17 @@ def test_default_render(helm: Helm) -> None:
     assert "--no-dynamic-mig" in container["args"]
     assert "--health-taint-effect=NoSchedule" in container["args"]
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
+
+
+def test_the_linked_classes_are_the_ones_dra_driver_claim_names(helm: Helm) -> None:
+    """deviceClasses.linked: gpu-linked-<k>.<driverName>, k = 2..8, with claim_shapes' selector."""
+    for driver in ("gpu.dra-driver.dev", "gpu.example.com"):
+        classes = {d["metadata"]["name"]: " ".join(d["spec"]["selectors"][0]["cel"]["expression"].split())
+                   for d in _render(helm, f"driverName={driver}") if d["kind"] == "DeviceClass"}
+        linked = {n: e for n, e in classes.items() if n.startswith("gpu-linked-")}
+        assert linked == {linked_class(k, driver): linked_class_selector(k, driver) for k in LINKED_CLASS_KS}
+    off = _render(helm, "deviceClasses.linked=false")
+    assert not [d for d in off if d["metadata"]["name"].startswith("gpu-linked-")]
 
 
 def test_an_image_digest_pins_the_pods_to_that_image(helm: Helm) -> None:

@@ -83,6 +83,17 @@ def test_linked_shapes_are_the_documented_eight_layers() -> None:
         assert len(SHAPE[name].claim["constraints"]) == 8
 
 
+def test_fill_gives_every_shape_the_same_fraction_of_what_the_fleet_holds() -> None:
+    from benchmarks.scheduler import for_fleet, pods_for
+
+    fleet = fleet_of("dgx1-v100", 500)
+    assert pods_for(SHAPE["reference"], fleet, 400, 0.1) == 400  # 10% of 4,000 GPUs
+    assert pods_for(SHAPE["reference"], fleet, 5000, 0.1) == 400
+    assert pods_for(for_fleet(SHAPE["linked4"], fleet), fleet, 400, 0.1) == 100  # 2 quads a node
+    assert pods_for(for_fleet(SHAPE["linked4"], fleet), fleet, 400) == 400  # no fill: as many as asked
+    assert pods_for(for_fleet(SHAPE["impossible"], fleet), fleet, 400, 0.1) == 100  # never capped by fill
+
+
 def test_linked_shapes_are_built_for_the_fleet_and_sized_to_a_first_found_packing() -> None:
     from benchmarks.scheduler import first_found_packing, for_fleet, largest_clique, node_specs
     from controller.attributes import LEGACY_ATTRIBUTES, NVLINK_CLIQUE_SIZE
@@ -92,7 +103,12 @@ def test_linked_shapes_are_built_for_the_fleet_and_sized_to_a_first_found_packin
     impossible = for_fleet(SHAPE["impossible"], dgx1)
     assert impossible.gpus == 5 and capacity(impossible, dgx1) == 100
     (sub,) = impossible.claim["requests"][0]["firstAvailable"]
-    assert "nvlinkCliqueSize" in sub["selectors"][0]["cel"]["expression"]
+    assert sub["deviceClassName"] == "gpu-linked-5.gpu.dra-driver.dev" and "selectors" not in sub
+    (sel,) = for_fleet(SHAPE["impossible-sel"], dgx1).claim["requests"][0]["firstAvailable"]
+    assert sel["deviceClassName"] == "gpu.dra-driver.dev"
+    assert "nvlinkCliqueSize" in sel["selectors"][0]["cel"]["expression"]
+    eight = for_fleet(SHAPE["pair-linked"], dgx1).claim["requests"][0]["firstAvailable"]
+    assert len(eight) == 8 and {s["deviceClassName"] for s in eight} == {"gpu-linked-2.gpu.dra-driver.dev"}
     before = for_fleet(SHAPE["impossible-before"], dgx1)
     assert len(before.claim["requests"][0]["firstAvailable"]) == 8
     assert not any("selectors" in s for s in before.claim["requests"][0]["firstAvailable"])

@@ -37,7 +37,13 @@ import yaml
 
 from controller import attributes as A
 from controller.claim_fit import fit_linked_claim
-from controller.claim_shapes import fits_selector, linked_gpus_ga, linked_gpus_list
+from controller.claim_shapes import (
+    LINKED_CLASS_KS,
+    fits_selector,
+    linked_class,
+    linked_gpus_ga,
+    linked_gpus_list,
+)
 from controller.publisher import warn_uncovered_cliques
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
@@ -195,13 +201,18 @@ def value_set(device: Device, qualified: str, list_semantics: bool) -> frozenset
 
 def fits(device: Device, sub: dict[str, Any]) -> bool:
     """The subrequest's selectors on the device: the documented shapes carry fits_selector alone,
-    evaluated as CEL's `.?nvlinkCliqueSize.orValue(k) >= k` does."""
+    evaluated as CEL's `.?nvlinkCliqueSize.orValue(k) >= k` does; the gpu-linked-<k> classes carry
+    it in their own selector (claim_shapes.linked_class_selector)."""
     for selector in sub.get("selectors", []):
         assert selector["cel"]["expression"] == fits_selector(sub["count"], DRIVER), selector
-        size = device.attributes.get(A.NVLINK_CLIQUE_SIZE, {"int": sub["count"]})["int"]
-        if size < sub["count"]:
-            return False
-    return True
+    tests = [sub["count"] for _ in sub.get("selectors", [])]
+    classes = {linked_class(k, DRIVER): k for k in LINKED_CLASS_KS}
+    if sub["deviceClassName"] in classes:
+        tests.append(classes[sub["deviceClassName"]])
+    else:
+        assert sub["deviceClassName"] == DRIVER, sub
+    size = device.attributes.get(A.NVLINK_CLIQUE_SIZE, {})
+    return all(size.get("int", k) >= k for k in tests)
 
 
 def alternatives(claim: dict[str, Any]) -> list[tuple[str, int, list[str], dict[str, Any]]]:
