@@ -181,6 +181,11 @@ def _allocated(env: Cluster, name: str) -> list[JSON]:
     return results
 
 
+def test_the_kubelet_is_the_control_planes_version(env: Cluster) -> None:
+    found = sync_request(env.api, "GET", f"/api/v1/nodes/{NODE.name}")
+    assert found["status"]["nodeInfo"]["kubeletVersion"] == "v" + ".".join(map(str, env.cp.version))
+
+
 def test_features_on_where_carried_else_one_warning_each(env: Cluster) -> None:
     devices = _devices(env.api)
     shares = [d for d in devices if d.endswith("-share")]
