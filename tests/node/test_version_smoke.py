@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from tests.harness.cluster import ControlPlane, gate_mode
 from tests.harness.driver import DRIVER
@@ -92,9 +93,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         api = sync_client(str(cp.kubeconfig))
         node = nodes[NODE.name]
         node.import_images({image.name: image.archive})
-        found = sync_request(api, "GET", f"/api/v1/nodes/{NODE.name}")
-        found["metadata"].setdefault("labels", {})["nvidia.com/gpu.present"] = "true"
-        sync_request(api, "PUT", f"/api/v1/nodes/{NODE.name}", found)
+        wait_for("the GPU label on the node", lambda: _label_gpu_node(api), timeout=30)
         install_fake_mps_control(node.host_path(FAKE_ROOT), python=IMAGE_PYTHON)
         service = wait_for(
             "the kubernetes Service",
@@ -121,6 +120,19 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         if nodes is not None:
             nodes.stop()
         cp.stop(remove=False)
+
+
+def _label_gpu_node(api: client.ApiClient) -> bool | None:
+    """True once labelled; None when the kubelet's status update came between GET and PUT (409)."""
+    found = sync_request(api, "GET", f"/api/v1/nodes/{NODE.name}")
+    found["metadata"].setdefault("labels", {})["nvidia.com/gpu.present"] = "true"
+    try:
+        sync_request(api, "PUT", f"/api/v1/nodes/{NODE.name}", found)
+    except ApiException as e:
+        if e.status == 409:
+            return None
+        raise
+    return True
 
 
 def _record(env: Cluster, feature: str, outcome: str) -> None:
