@@ -110,7 +110,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}"]',
             "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
         )
-        wait_for("a published pool", lambda: _slices(api) or None, timeout=180, interval=0.5)
+        wait_for("the node's whole pool published", lambda: _pool_complete(api), timeout=180, interval=0.5)
         create_namespace(api, PODS_NS)
         yield Cluster(cp, api, node, helm, image)
     finally:
@@ -149,6 +149,16 @@ def _slices(api: client.ApiClient) -> list[JSON]:
     items: list[JSON] = sync_request(api, "GET", f"{RESOURCE_API}/resourceslices", query={
         "fieldSelector": f"spec.driver={DRIVER},spec.nodeName={NODE.name}"})["items"]
     return items
+
+
+def _pool_complete(api: client.ApiClient) -> bool | None:
+    """Every slice of the pool's newest generation is there (a pool is published slice by slice)."""
+    slices = _slices(api)
+    if not slices:
+        return None
+    newest = max(s["spec"]["pool"]["generation"] for s in slices)
+    current = [s for s in slices if s["spec"]["pool"]["generation"] == newest]
+    return len(current) == current[0]["spec"]["pool"]["resourceSliceCount"] or None
 
 
 def _devices(api: client.ApiClient) -> dict[str, JSON]:
