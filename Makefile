@@ -55,7 +55,7 @@ test: setup cluster-build node-build image-build helm-build lint
 # (cached per version; a cold build of one is tens of minutes) and runs the version tests on
 # each with its default gates and with its DRA gates on; prints the table. Outside CI's budget.
 test-versions: setup helm-build
-	@$(PY) -m tests.harness.versions $(if $(VERSIONS),--versions $(VERSIONS))
+	@$(PY) -m tests.harness.versions $(if $(VERSIONS),--versions $(VERSIONS)) $(if $(NO_NODE),--no-node)
 
 test-unit: setup
 	@$(VENV)/bin/pytest -q -ra tests/unit

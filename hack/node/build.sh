@@ -61,12 +61,21 @@ log "building kubelet $k8s_version into $bin (cold: about 4 minutes on 2 cores; 
   k8s.io/kubernetes/cmd/kubelet 2>&1) | go_progress kubelet 200
 [ -x "$tmp/kubelet" ] || { log "kubelet build failed"; exit 1; }
 
+# Containerd does not depend on the Kubernetes version: take it from another version's
+# complete build of the same containerd when there is one.
+have_cd=$(ls -d "$cache_root"/*-"$containerd_version"-*/ 2>/dev/null | while read -r d; do
+  [ -f "$d/.complete" ] && echo "$d"; done | head -n1)
+if [ -n "$have_cd" ]; then
+  log "containerd $containerd_version: copied from $have_cd"
+  cp "$have_cd"/containerd "$have_cd"/containerd-shim-runc-v2 "$have_cd"/ctr "$tmp/"
+else
 log "building containerd $containerd_version, containerd-shim-runc-v2, ctr (cold: about 2 minutes)"
 cd_ldflags="-s -w -X github.com/containerd/containerd/v2/version.Version=$containerd_version"
 (cd "$tmp" && GOFLAGS= GOBIN="$tmp" go install -v -trimpath -ldflags "$cd_ldflags" \
   "github.com/containerd/containerd/v2/cmd/containerd@$containerd_version" \
   "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$containerd_version" \
   "github.com/containerd/containerd/v2/cmd/ctr@$containerd_version" 2>&1) | go_progress containerd 200
+fi
 for b in containerd containerd-shim-runc-v2 ctr; do
   [ -x "$tmp/$b" ] || { log "$b build failed"; exit 1; }
 done

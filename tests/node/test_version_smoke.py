@@ -1,0 +1,276 @@
+"""The node-tier smoke of `make test-versions` (issue 41): on the session's Kubernetes version
+(DRA_K8S_VERSION; the kubelet is built for it by hack/node/build.sh, the control plane by
+hack/cluster/build.sh, both with the gates that version knows) and its gates (DRA_FEATURE_GATES),
+the chart installed with helm as users install it, with --memory-shares and --dynamic-mig asked,
+on one real kubelet + containerd + runc node (simulated hgx-h200-mig: one whole GPU, one in MIG
+mode without instances, one with a static 3g).
+
+In turn: a whole-GPU pod runs and sees the device of its allocation (CDI-injected); a memory
+share and a dynamic MIG slice run where the version carries them (1.36 on, or the DRA gates on);
+elsewhere the plugin turned them off with one Warning Event each on the Node, and neither
+claim is allocated (no share or placement is published for the scheduler to give out).
+
+Skipped unless DRA_K8S_VERSION is set (tests.harness.versions sets it): `make test` keeps
+its node tier on the default version and its time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tests.harness.cluster import ControlPlane, gate_mode
+from tests.harness.driver import DRIVER
+from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
+from tests.harness.fake_mps import install_fake_mps_control
+from tests.harness.helm import Helm
+from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
+from tests.harness.objects import (
+    RESOURCE_API,
+    create_namespace,
+    get_pod,
+    scheduler_reason,
+    sync_client,
+    sync_request,
+    wait_for,
+)
+from tests.harness.service_proxy import ServiceProxy
+from tests.node import pods
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("DRA_K8S_VERSION"), reason="make test-versions sets DRA_K8S_VERSION"
+)
+
+JSON = dict[str, Any]
+NODE = NodeSpec("smoke-a", "hgx-h200-mig")
+RELEASE = "gpu-dra-driver"
+NAMESPACE = "gpu-dra-driver"
+PODS_NS = "smoke"
+RUN_DIR = Path(f"/run/{DRIVER}")
+FAKE_ROOT = RUN_DIR / "state" / "fake-driver"
+IMAGE_PYTHON = "/opt/dra-driver/bin/python3"
+PLUGIN_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=kubelet-plugin"
+# What the operator names in kubernetesFeatureGates: the chart then renders shares and MIG on
+# 1.34/1.35 too, and it is the plugin that must find out what the API server keeps.
+GATES = "{DRAPartitionableDevices,DRAConsumableCapacity}"
+
+
+@dataclass
+class Cluster:
+    cp: ControlPlane
+    api: client.ApiClient
+    node: Node
+    helm: Helm
+    image: DriverImage
+
+
+def carries(cp: ControlPlane) -> bool:
+    """Whether this control plane keeps shared counters and consumable capacity."""
+    return cp.version[1] >= 36 or gate_mode() == "all"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
+    image = build_driver_image()
+    helm_binary = build_helm()
+    work = tmp_path_factory.mktemp("version-smoke")
+    cp = ControlPlane.start(work_dir=work / "cp", node_lifecycle=True, extra_tokens=node_tokens([NODE.name]))
+    nodes: Nodes | None = None
+    proxy: ServiceProxy | None = None
+    helm = Helm(helm_binary, cp.kubeconfig, work / "helm")
+    try:
+        nodes = Nodes.start(cp, (NODE,), daemonset=True, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
+        api = sync_client(str(cp.kubeconfig))
+        node = nodes[NODE.name]
+        node.import_images({image.name: image.archive})
+        wait_for("the GPU label on the node", lambda: _label_gpu_node(api), timeout=30)
+        install_fake_mps_control(node.host_path(FAKE_ROOT), python=IMAGE_PYTHON)
+        service = wait_for(
+            "the kubernetes Service",
+            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
+        )
+        port = int(service["spec"]["ports"][0]["port"])
+        target = ("127.0.0.1", cp.api_port)
+        proxy = ServiceProxy(service["spec"]["clusterIP"], port, target, node.link).start()
+        helm.run(
+            "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
+            "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
+            "--set", f"image.tag={image.tag}", "--set", "memoryShares.enabled=true",
+            "--set", "dynamicMig.enabled=true", "--set", f"kubernetesFeatureGates={GATES}",
+            "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}"]',
+            "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
+        )
+        wait_for("the node's whole pool published", lambda: _pool_complete(api), timeout=180, interval=0.5)
+        create_namespace(api, PODS_NS)
+        yield Cluster(cp, api, node, helm, image)
+    finally:
+        helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
+        if proxy is not None:
+            proxy.stop()
+        if nodes is not None:
+            nodes.stop()
+        cp.stop(remove=False)
+
+
+def _label_gpu_node(api: client.ApiClient) -> bool | None:
+    """True once labelled; None when the kubelet's status update came between GET and PUT (409)."""
+    found = sync_request(api, "GET", f"/api/v1/nodes/{NODE.name}")
+    found["metadata"].setdefault("labels", {})["nvidia.com/gpu.present"] = "true"
+    try:
+        sync_request(api, "PUT", f"/api/v1/nodes/{NODE.name}", found)
+    except ApiException as e:
+        if e.status == 409:
+            return None
+        raise
+    return True
+
+
+def _record(env: Cluster, feature: str, outcome: str) -> None:
+    """One cell of tests.harness.versions' node-tier table, written once the test passed."""
+    report = os.environ.get("DRA_VERSIONS_REPORT")
+    if report:
+        version = "v" + ".".join(map(str, env.cp.version))
+        with open(report, "a") as f:
+            f.write(json.dumps({"node": True, "version": version, "gates": gate_mode(),
+                                "feature": feature, "outcome": outcome}) + "\n")
+
+
+def _slices(api: client.ApiClient) -> list[JSON]:
+    items: list[JSON] = sync_request(api, "GET", f"{RESOURCE_API}/resourceslices", query={
+        "fieldSelector": f"spec.driver={DRIVER},spec.nodeName={NODE.name}"})["items"]
+    return items
+
+
+def _pool_complete(api: client.ApiClient) -> bool | None:
+    """Every slice of the pool's newest generation is there (a pool is published slice by slice)."""
+    slices = _slices(api)
+    if not slices:
+        return None
+    newest = max(s["spec"]["pool"]["generation"] for s in slices)
+    current = [s for s in slices if s["spec"]["pool"]["generation"] == newest]
+    return len(current) == current[0]["spec"]["pool"]["resourceSliceCount"] or None
+
+
+def _devices(api: client.ApiClient) -> dict[str, JSON]:
+    return {d["name"]: d for s in _slices(api) for d in s["spec"].get("devices", [])}
+
+
+def _feature_events(api: client.ApiClient) -> list[JSON]:
+    selector = f"involvedObject.kind=Node,involvedObject.name={NODE.name},reason=DRAFeatureOff"
+    items: list[JSON] = sync_request(api, "GET", "/api/v1/namespaces/default/events",
+                                     query={"fieldSelector": selector})["items"]
+    return items
+
+
+def _run(env: Cluster, name: str, claim: JSON, command: str = "ls -l /dev/nvidia*; sleep 3600",
+         ) -> JSON | None:
+    """Creates the claim and a pod using it; returns the Running pod where the claim can be
+    served, else None once the scheduler said why not (the claim must then be unallocated)."""
+    claim["metadata"]["name"] = name
+    pod = pods.gpu_pod(name, {"gpu": name}, command=command)
+    pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": NODE.name}
+    pods.create(env.api, PODS_NS, claim, pod)
+    decided = wait_for(
+        f"{name} Running or refused by the scheduler",
+        lambda: ("running" if get_pod(env.api, PODS_NS, name).get("status", {}).get("phase") == "Running"
+                 else "refused" if scheduler_reason(env.api, PODS_NS, name) and not
+                 get_pod(env.api, PODS_NS, name)["spec"].get("nodeName") else None),
+        timeout=120, interval=0.5,
+    )
+    return get_pod(env.api, PODS_NS, name) if decided == "running" else None
+
+
+def _done(env: Cluster, name: str) -> None:
+    pods.delete_pod(env.api, PODS_NS, name)
+    pods.wait_gone(env.api, PODS_NS, name, timeout=60)
+    sync_request(env.api, "DELETE", f"{RESOURCE_API}/namespaces/{PODS_NS}/resourceclaims/{name}")
+
+
+def _allocated(env: Cluster, name: str) -> list[JSON]:
+    claim = sync_request(env.api, "GET", f"{RESOURCE_API}/namespaces/{PODS_NS}/resourceclaims/{name}")
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    results: list[JSON] = allocation.get("devices", {}).get("results", [])
+    return results
+
+
+def test_the_kubelet_is_the_control_planes_version(env: Cluster) -> None:
+    found = sync_request(env.api, "GET", f"/api/v1/nodes/{NODE.name}")
+    assert found["status"]["nodeInfo"]["kubeletVersion"] == "v" + ".".join(map(str, env.cp.version))
+
+
+def test_features_on_where_carried_else_one_warning_each(env: Cluster) -> None:
+    devices = _devices(env.api)
+    shares = [d for d in devices if d.endswith("-share")]
+    placements = [d for d in devices if "-mig-" in d and "uuid" not in devices[d]["attributes"]]
+    if carries(env.cp):
+        assert shares and placements, f"shares and MIG placements published: {sorted(devices)}"
+        assert not _feature_events(env.api)
+        _record(env, "warnings", "none")
+        return
+    assert not shares and not placements, f"published what the server would not keep: {sorted(devices)}"
+    events = wait_for("one DRAFeatureOff Event per feature", lambda: (
+        e if len(e := _feature_events(env.api)) >= 2 else None), timeout=30)
+    off = sorted(e["message"].split(" is off")[0] for e in events)
+    # health taints (the chart's default) are off too where DRADeviceTaints is
+    assert {"--dynamic-mig", "--memory-shares"} <= set(off) and len(off) == len(set(off)), off
+    assert all(e.get("count", 1) == 1 and e["type"] == "Warning" for e in events), "warned once"
+    generations = {s["metadata"]["generation"] for s in _slices(env.api)}
+    assert generations == {1}, f"no slice rewritten: {generations}"
+    _record(env, "warnings", "one each: " + ", ".join(off))
+
+
+def test_a_whole_gpu_pod_sees_its_cdi_injected_device(env: Cluster) -> None:
+    pod = _run(env, "whole", pods.gpu_claim("whole"))
+    assert pod is not None, "a whole GPU is served on every version"
+    (result,) = pods.container_allocations(env.api, pod, "main")
+    minor = int(_devices(env.api)[result["device"]]["attributes"]["minor"]["int"])
+    seen = pods.gpu_minors(pods.logged_devices(env.node, pod, "main"))
+    assert seen == {minor}, f"the pod sees GPUs {seen}, allocated minor {minor}"
+    _done(env, "whole")
+    _record(env, "whole GPU", "works")
+
+
+def test_a_memory_share_runs_where_carried(env: Cluster) -> None:
+    claim = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {},
+        "spec": {"devices": {"requests": [{"name": "mem", "exactly": {
+            "deviceClassName": f"gpu-share.{DRIVER}", "capacity": {"requests": {"memory": "4Gi"}}}}]}},
+    }
+    pod = _run(env, "share", claim, command="sleep 3600")
+    if carries(env.cp):
+        assert pod is not None, scheduler_reason(env.api, PODS_NS, "share")
+        (result,) = _allocated(env, "share")
+        assert result["device"].endswith("-share"), result
+    else:
+        assert pod is None and not _allocated(env, "share"), "a share allocated where shares are off"
+    _done(env, "share")
+    _record(env, "share", "works" if carries(env.cp) else "off (warning)")
+
+
+def test_a_mig_slice_runs_where_carried(env: Cluster) -> None:
+    a = f'device.attributes["{DRIVER}"]'
+    claim = {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {},
+        "spec": {"devices": {"requests": [{"name": "mig", "exactly": {
+            "deviceClassName": f"mig-dynamic.{DRIVER}",
+            "selectors": [{"cel": {"expression": f'{a}.profile == "1g.18gb"'}}]}}]}},
+    }
+    pod = _run(env, "mig", claim, command="ls -l /dev/nvidia* /dev/nvidia-caps; sleep 3600")
+    if carries(env.cp):
+        assert pod is not None, scheduler_reason(env.api, PODS_NS, "mig")
+        (result,) = _allocated(env, "mig")
+        assert "-mig-1g-18gb-" in result["device"], result
+    else:
+        assert pod is None and not _allocated(env, "mig"), "a MIG placement allocated where MIG is off"
+    _done(env, "mig")
+    _record(env, "MIG", "works" if carries(env.cp) else "off (warning)")
