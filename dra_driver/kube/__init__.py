@@ -42,11 +42,12 @@ import random
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode, urlsplit
 
-import aiohttp
-from yarl import URL
+if TYPE_CHECKING:  # imported on first use: aiohttp is a third of the plugin's start CPU
+    import aiohttp
+    from yarl import URL
 
 from dra_driver.jsontypes import JSON
 from dra_driver.kube.credentials import SERVICE_ACCOUNT, Credentials, from_kubeconfig, in_cluster, unverified
@@ -132,6 +133,8 @@ class ApiClient:
 
     def url(self, path: str, query: Mapping[str, str] | None) -> URL:
         # Encoded here, not by yarl: a continue token's '+' must reach the server as %2B.
+        from yarl import URL
+
         return URL(self.server + path + (f"?{urlencode(query)}" if query else ""), encoded=True)
 
     async def headers(self, content_type: str | None) -> dict[str, str]:
@@ -144,6 +147,8 @@ class ApiClient:
         return headers
 
     def _http(self) -> aiohttp.ClientSession:
+        import aiohttp
+
         # Made on first use: a session belongs to the running event loop.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
@@ -188,9 +193,12 @@ async def load_client(kubeconfig: str | None = None) -> ApiClient:
 
 # --- requests ----------------------------------------------------------------------------
 
-# A connection error before the request left: safe to repeat for any method.
-_NOT_SENT = (aiohttp.ClientConnectorError,)
-_BROKEN = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)
+def _broken(with_api_errors: bool = False) -> tuple[type[Exception], ...]:
+    """The errors of a connection that broke (read where a request has loaded aiohttp)."""
+    import aiohttp
+
+    broken = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)
+    return (ApiException, *broken) if with_api_errors else broken
 
 
 def _backoff(attempt: int) -> float:
@@ -210,9 +218,12 @@ def _delay(method: str, error: BaseException, attempt: int) -> float | None:
         if error.status >= 500 and method in RETRIED_AFTER_SENDING and error.complete:
             return error.retry_after if error.retry_after is not None else _backoff(attempt)
         return None
+    import aiohttp
+
     if isinstance(error, aiohttp.ClientSSLError):  # a certificate that failed will fail again
         return None
-    if isinstance(error, _NOT_SENT) or method in RETRIED_AFTER_SENDING:
+    # A connection error before the request left: safe to repeat for any method.
+    if isinstance(error, aiohttp.ClientConnectorError) or method in RETRIED_AFTER_SENDING:
         return _backoff(attempt)
     return None
 
@@ -261,7 +272,7 @@ async def _retrying(method: str, deadline: float, attempt: Callable[[], Awaitabl
     for n in range(1, ATTEMPTS + 1):
         try:
             return await attempt()
-        except (ApiException, *_BROKEN) as e:
+        except _broken(with_api_errors=True) as e:
             delay = _delay(method, e, n)
             if delay is None or n == ATTEMPTS or loop.time() + delay >= deadline:
                 failure = _connection_error(e)
@@ -391,7 +402,7 @@ async def watch(
                     breaks = 0
                     version = (event["object"].get("metadata") or {}).get("resourceVersion") or version
                     yield event["type"], event["object"]
-        except _BROKEN as e:
+        except _broken() as e:
             breaks += 1
             delay = _backoff(breaks)
             if breaks == ATTEMPTS or loop.time() + delay >= deadline:

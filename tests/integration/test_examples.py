@@ -21,7 +21,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from controller.attributes import CAPACITIES, VOCABULARY
+from controller.attribute_docs import CAPACITIES, VOCABULARY
 from controller.claim_shapes import linked_gpus_ga
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import GpuInfo, Inventory

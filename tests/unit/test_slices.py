@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes.client import V1ResourceSliceSpec
 
+from controller import attribute_docs
 from controller import attributes as A
 from controller.slices import (
     MAX_DEVICES_PER_SLICE,
@@ -620,11 +621,11 @@ def test_long_free_text_is_shortened_and_long_ids_left_out() -> None:
 
 def test_docs_table_is_the_vocabulary() -> None:
     doc = (REPO / "docs" / "attributes.md").read_text()
-    assert A.markdown_table() in doc
+    assert attribute_docs.markdown_table() in doc
 
 
 def test_every_published_name_is_in_the_vocabulary() -> None:
-    documented = {a.name for a in A.VOCABULARY} | {c.name for c in A.CAPACITIES}
+    documented = {a.name for a in attribute_docs.VOCABULARY} | {c.name for c in attribute_docs.CAPACITIES}
     patterns = [re.compile("^" + re.sub(r"<[NiL]>", r"\\d+", re.escape(n)) + "$") for n in documented]
     invs = [hgx_h100(), dgx1_cube_mesh(), mig_inventory(),
             inventory(gpu(0, fabric_clique=FabricClique("x", 1), links=[1]), gpu(1, links=[0]))]
