@@ -63,8 +63,13 @@ log "building kubelet $k8s_version into $bin (cold: about 4 minutes on 2 cores; 
 
 # Containerd does not depend on the Kubernetes version: take it from another version's
 # complete build of the same containerd when there is one.
-have_cd=$(ls -d "$cache_root"/*-"$containerd_version"-*/ 2>/dev/null | while read -r d; do
-  [ -f "$d/.complete" ] && echo "$d"; done | head -n1)
+# (A loop, not `ls | while`: under pipefail that pipeline fails, and set -e ends the build,
+# whenever no complete build exists, as on a cold machine where only this build's own
+# temporary directory matches.)
+have_cd=
+for d in "$cache_root"/*-"$containerd_version"-*/; do
+  if [ -f "$d/.complete" ]; then have_cd=$d; break; fi
+done
 if [ -n "$have_cd" ]; then
   log "containerd $containerd_version: copied from $have_cd"
   cp "$have_cd"/containerd "$have_cd"/containerd-shim-runc-v2 "$have_cd"/ctr "$tmp/"
