@@ -55,7 +55,7 @@ from dra_driver.kube.credentials import SERVICE_ACCOUNT, Credentials, from_kubec
 ATTEMPTS = 4
 FIRST_BACKOFF_SECONDS = 0.25
 MAX_RETRY_AFTER_SECONDS = 10.0
-CONNECTIONS = 64  # the claim reads of a Prepare burst and the publisher's writes share them
+CONNECTIONS = 64  # default per client: its requests at once (the controller's writes for a fleet share them)
 WATCH_GRACE_SECONDS = 30  # how long past its timeoutSeconds a watch may take to end
 RETRIED_AFTER_SENDING = frozenset({"GET"})
 MAX_BODY_BYTES = 16 * 2**20  # one answer or watch event; lists are paged to fit
@@ -116,7 +116,7 @@ __all__ = [
 class ApiClient:
     """Keep-alive connections to one API server, and who we are to it."""
 
-    def __init__(self, credentials: Credentials) -> None:
+    def __init__(self, credentials: Credentials, connections: int = CONNECTIONS) -> None:
         self.server = credentials.server.rstrip("/")
         url = urlsplit(self.server)
         if url.scheme not in ("https", "http") or not url.hostname:
@@ -129,6 +129,7 @@ class ApiClient:
         self._ssl: ssl.SSLContext = context
         self._server_hostname = credentials.server_hostname
         self._authorization = credentials.authorization
+        self._connections = connections  # at most: a request past them waits for a free one
         self._session: aiohttp.ClientSession | None = None
 
     def url(self, path: str, query: Mapping[str, str] | None) -> URL:
@@ -152,7 +153,7 @@ class ApiClient:
         # Made on first use: a session belongs to the running event loop.
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=CONNECTIONS),
+                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=self._connections),
                 timeout=aiohttp.ClientTimeout(total=None),  # deadlines are the callers', below
                 trust_env=False,
             )
@@ -181,14 +182,15 @@ class ApiClient:
             await self._session.close()
 
 
-async def load_client(kubeconfig: str | None = None) -> ApiClient:
-    """A client for `kubeconfig`, else the in-cluster service account, else ~/.kube/config."""
+async def load_client(kubeconfig: str | None = None, connections: int = CONNECTIONS) -> ApiClient:
+    """A client for `kubeconfig`, else the in-cluster service account, else ~/.kube/config,
+    with at most `connections` connections open at once."""
     if kubeconfig:
-        return ApiClient(await from_kubeconfig(Path(kubeconfig)))
+        return ApiClient(await from_kubeconfig(Path(kubeconfig)), connections)
     if os.environ.get("KUBERNETES_SERVICE_HOST") and (SERVICE_ACCOUNT / "token").exists():
-        return ApiClient(in_cluster(os.environ, SERVICE_ACCOUNT))
+        return ApiClient(in_cluster(os.environ, SERVICE_ACCOUNT), connections)
     default = Path(os.environ.get("KUBECONFIG", "~/.kube/config")).expanduser()
-    return ApiClient(await from_kubeconfig(default))
+    return ApiClient(await from_kubeconfig(default), connections)
 
 
 # --- requests ----------------------------------------------------------------------------

@@ -380,6 +380,27 @@ def test_a_204_without_content_length_does_not_wait_for_the_connection_to_end(
     assert first.client_port == second.client_port, "the keep-alive connection was not used again"
 
 
+def test_a_client_opens_at_most_its_connections(pki: Pki, serve: Callable[..., _Server]) -> None:
+    """A burst past the cap waits for a free connection (the node's client: fewer TLS
+    buffers held); the same burst with room opens one connection per request."""
+
+    def ports_for(connections: int) -> set[int]:
+        server = serve([answer(200, {"n": i}) for i in range(6)])
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        api = kube.ApiClient(Credentials(server.url, context, static(None)), connections=connections)
+
+        async def run(api: kube.ApiClient) -> list[Any]:
+            return list(await asyncio.gather(*(
+                kube.request(api, "GET", f"/api/v1/namespaces/n/events/e{i}", timeout=5) for i in range(6)
+            )))
+
+        assert sorted(r["n"] for r in asyncio.run(_closing(api, run))) == list(range(6))
+        return {s.client_port for s in server.seen}
+
+    assert len(ports_for(2)) <= 2
+    assert len(ports_for(6)) > 2
+
+
 def test_a_429_is_retried_after_its_retry_after(pki: Pki, serve: Callable[..., _Server]) -> None:
     """(e) Even a POST: API Priority and Fairness rejected it before acting on it."""
     busy = {"kind": "Status", "code": 429, "reason": "TooManyRequests"}
