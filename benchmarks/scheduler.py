@@ -154,8 +154,8 @@ class Shape:
     # (K = the fleet's largest clique + 1; as generated, or as `claim` says for -before shapes)
     build: str = ""
     fail_fast: bool = True  # the NVLink claims' fits_selector (False: as d20fbb0)
-    # generated / 8-layer claims: the gpu-linked-<K> class (its selector carries the fail-fast
-    # test; no selector in the claim); False: the whole-GPU class, the selector in the claim
+    # generated / 8-layer claims: the selector-free gpu-linked class (the constraint picks the
+    # GPUs; no CEL at all); False: the whole-GPU class, the fail-fast selector in the claim
     linked_class: bool = False
 
 
@@ -186,7 +186,7 @@ SHAPES: tuple[Shape, ...] = (
     Shape("impossible-8", "ours", 0, {}, build="impossible-8", linked_class=True),  # the 8-layer fallback
     Shape("pair-linked", "ours", 2, {}, build="eight", linked_class=True),
     Shape("quad-linked", "ours", 4, {}, build="eight", linked_class=True),
-    # the generated claims before the gpu-linked-<K> classes: whole-GPU class + selector
+    # the generated claims on the whole-GPU class + the fail-fast selector (as before the linked class)
     Shape("linked2-sel", "ours", 2, {}, build="generated"),
     Shape("linked3-sel", "ours", 3, {}, build="generated"),
     Shape("linked4-sel", "ours", 4, {}, build="generated"),
@@ -719,7 +719,7 @@ def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     """`shape` with its claim built for the fleet (fitted layers, generated, impossible), else as it is."""
     k = largest_clique(fleet) + 1 if shape.build.startswith("impossible") else shape.gpus
     eight_layers = shape.build == "impossible" and not shape.fail_fast and not shape.fit
-    cls = (linked_class(k, DRIVER) if shape.linked_class else None) or GPU_CLASS
+    cls = linked_class(DRIVER) if shape.linked_class else GPU_CLASS
     if shape.build in ("impossible-8", "eight") or eight_layers:
         fail_fast = shape.fail_fast and cls == GPU_CLASS
         claim = linked_gpus_ga(k, device_class=cls, fail_fast=fail_fast)
