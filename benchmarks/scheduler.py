@@ -196,6 +196,10 @@ SHAPES: tuple[Shape, ...] = (
     Shape("quad", "ours", 4, linked_gpus_ga(4, device_class=GPU_CLASS)),
     Shape("pair-fit", "ours", 2, {}, fit=True),
     Shape("quad-fit", "ours", 4, {}, fit=True),
+    # the fitted layers on the selector-free class, where the generator may take the list form
+    Shape("pair-fit-linked", "ours", 2, {}, fit=True, linked_class=True, fail_fast=False),
+    Shape("triple-fit-linked", "ours", 3, {}, fit=True, linked_class=True, fail_fast=False),
+    Shape("quad-fit-linked", "ours", 4, {}, fit=True, linked_class=True, fail_fast=False),
     Shape("share", "shares", 0, _SHARE),
     Shape("share-only", "shares-only", 0, _SHARE),
     # d20fbb0's slices and claims
@@ -726,8 +730,8 @@ def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
         return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.fit:
         topologies = [published_topology(inv) for inv in set(fleet.values())]
-        claim = linked_gpus_ga(k, device_class=GPU_CLASS, layers=fleet_layers(k, topologies),
-                               fail_fast=shape.fail_fast)
+        claim = linked_gpus_ga(k, device_class=None if shape.linked_class else GPU_CLASS,
+                               layers=fleet_layers(k, topologies), fail_fast=shape.fail_fast)
         return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.build in ("generated", "impossible"):
         slices = [{"spec": s} for i, inv in enumerate(set(fleet.values()))

@@ -37,9 +37,10 @@ from dra_driver.jsontypes import JSON
 
 # A node's largest linked group from which the scheduler's search for k GPUs it cannot give
 # there (every subset of the group: 2^g steps, upstream's allocator has no count bound) costs
-# more than the fail-fast selector's one CEL evaluation per device (docs/nvlink.md, "Cost"):
-# 9 linked GPUs on 500 HGX nodes (g = 8) 624 ms of scheduler CPU per attempt without it.
-SEARCH_BOUND_GROUP = 6
+# more than the fail-fast selector's one CEL evaluation per device (docs/nvlink.md, "Cost"). At
+# 500 nodes, per attempt, against a plain pod that cannot fit: without the selector 1.09-1.28x
+# on groups of 2, 2.44x on DGX-1 (groups of 4), 9.9x for 9 GPUs on HGX (8); with it 1.12x.
+SEARCH_BOUND_GROUP = 4
 _LAYER = re.compile(re.escape(NVLINK_LAYER_PREFIX) + r"(\d+)$")
 
 
@@ -131,7 +132,7 @@ def fit_linked_claim(
     uncovered = lists and any(not (n.cliques or frozenset()) <= n.layer_groups for n in nodes.values())
     largest = [max((size for sizes in n.layers.values() for size in sizes), default=0) for n in nodes.values()]
     # the selector-free class: the search alone drops a node that cannot hold k, at 2^g steps
-    # for its largest group of g, dearer than one CEL evaluation per device from g = 6 on
+    # for its largest group of g, dearer than one CEL evaluation per device from g = 4 on
     dear = any(SEARCH_BOUND_GROUP <= g < k for g in largest)
     cannot = fit < len(nodes)
     fail_fast = (dear if linked else cannot) and len(layers) == 1

@@ -62,9 +62,13 @@ def test_a_fleet_without_k_linked_gpus_says_the_claim_stays_pending() -> None:
     none = fit_linked_claim(5, fleet(GA, "ring8-v100", "dgx1-v100"))
     assert none.nodes_that_fit == 0 and "stays Pending" in none.note
     assert subrequests(none.devices) == ["layer0"]
-    # the shipped class has no selector and the claim none either: the search alone fails there
+    # the shipped class has no selector; the claim gets the fail-fast one, as the DGX-1's groups
+    # of 4 are dear to search (SEARCH_BOUND_GROUP), but no 3 on a ring with pairs only
     assert none.devices["requests"][0]["firstAvailable"][0]["deviceClassName"] == f"gpu-linked.{DRIVER}"
-    assert "selectors" not in none.devices["requests"][0]["firstAvailable"][0]
+    assert none.devices["requests"][0]["firstAvailable"][0]["selectors"] == [
+        {"cel": {"expression": fits_selector(5)}}]
+    ring = fit_linked_claim(3, fleet(GA, "ring8-v100")).devices["requests"][0]["firstAvailable"][0]
+    assert "selectors" not in ring
     listed = fit_linked_claim(3, fleet(LISTS, "ring8-v100", "dgx1-v100"))
     assert listed.form == "layers"  # one layer: no need for the list form
     assert fit_linked_claim(2, fleet(LISTS, "ring8-v100", "dgx1-v100")).devices["requests"][0]["exactly"].get(
@@ -123,12 +127,12 @@ def test_the_generated_claim_names_the_linked_class_and_no_selector(features: Sl
     """The selector-free class, and no selector (any selector costs the scheduler a copy of the
     device's attributes per device it looks at) unless a node that cannot hold k has a linked
     group of SEARCH_BOUND_GROUP or more, whose subsets the scheduler's search would go through:
-    here the HGX node's 8 for k = 9."""
+    here the DGX-1 node's 4 for k = 5 to 8, the HGX node's 8 for k = 9."""
     fitted = fit_linked_claim(k, fleet(features, "ring8-v100", "dgx1-v100", "hgx-h200"))
     (request,) = fitted.devices["requests"]
     for sub in request.get("firstAvailable") or [request["exactly"]]:
         assert sub["deviceClassName"] == f"gpu-linked.{DRIVER}"
-        assert sub.get("selectors") == ([{"cel": {"expression": fits_selector(k)}}] if k > 8 else None)
+        assert sub.get("selectors") == ([{"cel": {"expression": fits_selector(k)}}] if k > 4 else None)
     # with a class of one's own, the fail-fast test goes into the claim where some node cannot hold k
     own = fit_linked_claim(k, fleet(features, "ring8-v100"), device_class="mine").devices["requests"][0]
     sub = (own.get("firstAvailable") or [own["exactly"]])[0]
