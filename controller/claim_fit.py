@@ -130,7 +130,8 @@ def fit_linked_claim(
     lists = bool(nodes) and all(n.cliques is not None for n in nodes.values())
     # a maximal clique that no layer holds: the GA shape cannot give it on that node
     uncovered = lists and any(not (n.cliques or frozenset()) <= n.layer_groups for n in nodes.values())
-    largest = [max((size for sizes in n.layers.values() for size in sizes), default=0) for n in nodes.values()]
+    largest = [max((size for sizes in n.layers.values() for size in sizes), default=0)
+               for n in nodes.values()]
     # the selector-free class: the search alone drops a node that cannot hold k, at 2^g steps
     # for its largest group of g, dearer than one CEL evaluation per device from g = 4 on
     dear = any(SEARCH_BOUND_GROUP <= g < k for g in largest)
@@ -147,9 +148,9 @@ def fit_linked_claim(
                            f"list form (one request): the server keeps list-type attributes and {why}")
     note = f"clique layers {', '.join(map(str, layers))} ({len(layers)} subrequest{'s' * (len(layers) > 1)})"
     if fail_fast:
-        note += f", with the selector nvlinkCliqueSize >= {k} (some nodes have no {k} linked GPUs" + (
-            f" but a linked group of {SEARCH_BOUND_GROUP} or more, which the scheduler would search)" if linked
-            else ")")
+        dear_why = f" but a linked group of {SEARCH_BOUND_GROUP} or more, which the scheduler would search"
+        note += (f", with the selector nvlinkCliqueSize >= {k} "
+                 f"(some nodes have no {k} linked GPUs{dear_why if linked else ''})")
     if linked:
         note += f", class {linked} (no selector: the constraint picks the GPUs)"
     if not fit:
