@@ -5,8 +5,8 @@ groups of each clique layer `nvlinkClique<L>`, and `nvlinkCliques` where the ser
 list-type attributes) and picks, of the documented shapes in `controller.claim_shapes`, the
 one with the fewest subrequests that still finds k linked GPUs wherever the fleet has them:
 - the GA shape over the layers where some node has a group of k or more GPUs
-  (`claim_shapes.layers_for`, as `fleet_layers` does from topologies), when that is one
-  layer, or when the server keeps no list-type attributes;
+  (`claim_shapes.layers_for`, as `fleet_layers` does from topologies), when that is fewer
+  than `LIST_FORM_FROM_LAYERS` layers, or when the server keeps no list-type attributes;
 - else the list shape (one request, `matchAttribute: nvlinkCliques`), which is complete on
   any node; it is also taken when some node's layers leave a maximal clique out (a
   topology with more cliques than 8 layers can hold), as the GA shape would miss it there.
@@ -41,6 +41,12 @@ from dra_driver.jsontypes import JSON
 # 500 nodes, per attempt, against a plain pod that cannot fit: without the selector 1.09-1.28x
 # on groups of 2, 2.44x on DGX-1 (groups of 4), 9.9x for 9 GPUs on HGX (8); with it 1.12x.
 SEARCH_BOUND_GROUP = 4
+# From this many fitted layers on, the list form costs the scheduler's search less than the
+# layers (each a search of its own on a node where the earlier ones fail); below it, the list
+# form's intersections cost more where cliques overlap. At 500 nodes, per bound pod: random-4
+# triple, 3 layers 17.8 ms, list 14.8; random-5 quad (two 4-cliques sharing 3 GPUs), 2 layers
+# 17.8 ms, list 44.0; DGX-1 pair, 2 layers 13.1, list 10.7 (a plain one-GPU pod: 11).
+LIST_FORM_FROM_LAYERS = 3
 _LAYER = re.compile(re.escape(NVLINK_LAYER_PREFIX) + r"(\d+)$")
 
 
@@ -139,7 +145,7 @@ def fit_linked_claim(
     fail_fast = (dear if linked else cannot) and len(layers) == 1
     ga = linked_gpus_ga(k, driver=driver, device_class=device_class, selectors=selectors, layers=layers,
                         request=request, fail_fast=fail_fast)
-    if lists and (len(layers) > 1 or uncovered):
+    if lists and (len(layers) >= LIST_FORM_FROM_LAYERS or uncovered):
         why = ("some node has more cliques than its layers hold" if uncovered
                else f"the layers would need {len(layers)} subrequests")
         devices = linked_gpus_list(k, driver=driver, device_class=device_class, selectors=selectors,

@@ -43,13 +43,18 @@ def test_nvswitch_fleet_gets_one_layer(features: SliceFeatures, k: int) -> None:
     assert "selectors" not in fitted.devices["requests"][0]["firstAvailable"][0]
 
 
-def test_cube_mesh_pairs_take_the_list_form_where_served_else_two_layers() -> None:
-    listed = fit_linked_claim(2, fleet(LISTS, "dgx1-v100"))
-    assert (listed.form, listed.layers) == ("list", (0, 1))
+def test_the_list_form_from_three_layers_where_served(tmp_path: Any) -> None:
+    """Cube-mesh pairs need 2 layers: the layers, with or without list attributes; random-5's
+    pairs need 7: the list form where it is served (LIST_FORM_FROM_LAYERS)."""
+    for features in (GA, LISTS):
+        pairs = fit_linked_claim(2, fleet(features, "dgx1-v100"))
+        assert (pairs.form, subrequests(pairs.devices)) == ("layers", ["layer0", "layer1"])
+    seven = str(random_profile(5, tmp_path))
+    listed = fit_linked_claim(2, fleet(LISTS, seven))
+    assert listed.form == "list" and len(listed.layers) == 7
     constraint = {"requests": ["gpus"], "matchAttribute": f"{DRIVER}/nvlinkCliques"}
     assert listed.devices["constraints"] == [constraint]
-    ga = fit_linked_claim(2, fleet(GA, "dgx1-v100"))
-    assert (ga.form, subrequests(ga.devices)) == ("layers", ["layer0", "layer1"])
+    assert fit_linked_claim(2, fleet(GA, seven)).form == "layers"
     quad = fit_linked_claim(4, fleet(LISTS, "dgx1-v100"))
     assert (quad.form, subrequests(quad.devices)) == ("layers", ["layer0"])
 
@@ -71,8 +76,8 @@ def test_a_fleet_without_k_linked_gpus_says_the_claim_stays_pending() -> None:
     assert "selectors" not in ring
     listed = fit_linked_claim(3, fleet(LISTS, "ring8-v100", "dgx1-v100"))
     assert listed.form == "layers"  # one layer: no need for the list form
-    assert fit_linked_claim(2, fleet(LISTS, "ring8-v100", "dgx1-v100")).devices["requests"][0]["exactly"].get(
-        "selectors") is None  # every node has a linked pair
+    pairs = fit_linked_claim(2, fleet(LISTS, "ring8-v100", "dgx1-v100")).devices["requests"][0]
+    assert "selectors" not in pairs["firstAvailable"][0]  # every node has a linked pair
 
 
 def test_a_mixed_fleet_lists_the_layers_of_every_node(tmp_path: Any) -> None:
