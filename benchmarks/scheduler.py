@@ -154,8 +154,8 @@ class Shape:
     # (K = the fleet's largest clique + 1; as generated, or as `claim` says for -before shapes)
     build: str = ""
     fail_fast: bool = True  # the NVLink claims' fits_selector (False: as d20fbb0)
-    # generated / 8-layer claims: the gpu-linked-<K> class (its selector carries the fail-fast
-    # test; no selector in the claim); False: the whole-GPU class, the selector in the claim
+    # generated / 8-layer claims: the selector-free gpu-linked class (the constraint picks the
+    # GPUs; no CEL at all); False: the whole-GPU class, the fail-fast selector in the claim
     linked_class: bool = False
 
 
@@ -186,7 +186,7 @@ SHAPES: tuple[Shape, ...] = (
     Shape("impossible-8", "ours", 0, {}, build="impossible-8", linked_class=True),  # the 8-layer fallback
     Shape("pair-linked", "ours", 2, {}, build="eight", linked_class=True),
     Shape("quad-linked", "ours", 4, {}, build="eight", linked_class=True),
-    # the generated claims before the gpu-linked-<K> classes: whole-GPU class + selector
+    # the generated claims on the whole-GPU class + the fail-fast selector (as before the linked class)
     Shape("linked2-sel", "ours", 2, {}, build="generated"),
     Shape("linked3-sel", "ours", 3, {}, build="generated"),
     Shape("linked4-sel", "ours", 4, {}, build="generated"),
@@ -196,6 +196,10 @@ SHAPES: tuple[Shape, ...] = (
     Shape("quad", "ours", 4, linked_gpus_ga(4, device_class=GPU_CLASS)),
     Shape("pair-fit", "ours", 2, {}, fit=True),
     Shape("quad-fit", "ours", 4, {}, fit=True),
+    # the fitted layers on the selector-free class, where the generator may take the list form
+    Shape("pair-fit-linked", "ours", 2, {}, fit=True, linked_class=True, fail_fast=False),
+    Shape("triple-fit-linked", "ours", 3, {}, fit=True, linked_class=True, fail_fast=False),
+    Shape("quad-fit-linked", "ours", 4, {}, fit=True, linked_class=True, fail_fast=False),
     Shape("share", "shares", 0, _SHARE),
     Shape("share-only", "shares-only", 0, _SHARE),
     # d20fbb0's slices and claims
@@ -719,15 +723,15 @@ def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     """`shape` with its claim built for the fleet (fitted layers, generated, impossible), else as it is."""
     k = largest_clique(fleet) + 1 if shape.build.startswith("impossible") else shape.gpus
     eight_layers = shape.build == "impossible" and not shape.fail_fast and not shape.fit
-    cls = (linked_class(k, DRIVER) if shape.linked_class else None) or GPU_CLASS
+    cls = linked_class(DRIVER) if shape.linked_class else GPU_CLASS
     if shape.build in ("impossible-8", "eight") or eight_layers:
         fail_fast = shape.fail_fast and cls == GPU_CLASS
         claim = linked_gpus_ga(k, device_class=cls, fail_fast=fail_fast)
         return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.fit:
         topologies = [published_topology(inv) for inv in set(fleet.values())]
-        claim = linked_gpus_ga(k, device_class=GPU_CLASS, layers=fleet_layers(k, topologies),
-                               fail_fast=shape.fail_fast)
+        claim = linked_gpus_ga(k, device_class=None if shape.linked_class else GPU_CLASS,
+                               layers=fleet_layers(k, topologies), fail_fast=shape.fail_fast)
         return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.build in ("generated", "impossible"):
         slices = [{"spec": s} for i, inv in enumerate(set(fleet.values()))

@@ -114,6 +114,15 @@ def nvlink_layer_attribute(layer: int) -> str:
     return f"{NVLINK_LAYER_PREFIX}{layer}"
 
 
+# The attributes whose one shared value says "these whole GPUs are all linked with each other":
+# what a linked claim's matchAttribute may name (the chart's linked-claims policy lists the same).
+# Only whole GPUs not in MIG mode carry them, which is what lets the linked claims' DeviceClass
+# have no selector (controller.claim_shapes); a share view of a GPU must not (controller.capacity).
+LINKED_SET_ATTRIBUTES: frozenset[str] = frozenset({
+    NVLINK_CLIQUES, NVLINK_DOMAIN, *(nvlink_layer_attribute(n) for n in range(NVLINK_LAYERS)),
+})
+
+
 def memory_slice_capacity(slice_index: int) -> str:
     return f"{MEMORY_SLICE_PREFIX}{slice_index}"
 

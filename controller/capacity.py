@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from controller.attributes import TYPE, binary_quantity
+from controller.attributes import LINKED_SET_ATTRIBUTES, TYPE, binary_quantity
 from dra_driver.devices import NodeDevice
 from dra_driver.jsontypes import JSON
 from dra_driver.sharing.shares import (
@@ -59,8 +59,10 @@ def share_view(device: NodeDevice, whole: JSON, counters: bool = True) -> JSON |
     policy = memory_policy(device.gpu.memory_bytes)
     if policy is None:
         return None
+    # not the clique attributes: a share is not a whole GPU, and the linked claims' class has no
+    # selector to tell them apart (controller.claim_shapes)
     attributes = {
-        **whole.get("attributes", {}),
+        **{k: v for k, v in whole.get("attributes", {}).items() if k not in LINKED_SET_ATTRIBUTES},
         TYPE: {"string": SHARE_TYPE},
         ISOLATION_ATTRIBUTE: {"string": COOPERATIVE},
     }

@@ -5,20 +5,20 @@ groups of each clique layer `nvlinkClique<L>`, and `nvlinkCliques` where the ser
 list-type attributes) and picks, of the documented shapes in `controller.claim_shapes`, the
 one with the fewest subrequests that still finds k linked GPUs wherever the fleet has them:
 - the GA shape over the layers where some node has a group of k or more GPUs
-  (`claim_shapes.layers_for`, as `fleet_layers` does from topologies), when that is one
-  layer, or when the server keeps no list-type attributes;
+  (`claim_shapes.layers_for`, as `fleet_layers` does from topologies), when that is fewer
+  than `LIST_FORM_FROM_LAYERS` layers, or when the server keeps no list-type attributes;
 - else the list shape (one request, `matchAttribute: nvlinkCliques`), which is complete on
   any node; it is also taken when some node's layers leave a maximal clique out (a
   topology with more cliques than 8 layers can hold), as the GA shape would miss it there.
-The claim names the class `gpu-linked-<k>` (claim_shapes.linked_class), whose own selector
-carries the fail-fast test `nvlinkCliqueSize >= k`: on a node without k linked GPUs every GPU
-is dropped before any `matchAttribute` search, at no extra CEL evaluation (a claim no node can
-hold: 460 -> 229 ms of scheduler CPU per attempt at 500 random-4 nodes against the same test
-as a claim selector). With a class of the caller's (`device_class`), or k above 8, the test
-goes in as a claim selector (`claim_shapes.fits_selector`) only where some node of the fleet
-has no set of k linked GPUs and the claim has one subrequest: elsewhere it would cost one
-more evaluation per device looked at and drop nothing. Every subrequest the scheduler cannot
-satisfy on a node is one more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
+The claim names the selector-free class `gpu-linked.<driver>` (claim_shapes.linked_class):
+the constraint alone picks the GPUs, and the scheduler evaluates no CEL for it (a claim no node
+can hold: 229 ms of scheduler CPU per attempt at 500 random-4 nodes with the fail-fast test in
+the class's selector, docs/nvlink.md for the figure without). With a class of the caller's
+(`device_class`), the test `nvlinkCliqueSize >= k` goes in as a claim selector
+(`claim_shapes.fits_selector`) only where some node of the fleet has no set of k linked GPUs
+and the claim has one subrequest: elsewhere it would cost one more evaluation per device
+looked at and drop nothing. Every subrequest the scheduler cannot satisfy on a node is one
+more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
 
 Pure: slices in, a claim out; reading the cluster is `dra_driver.commands.claim`'s.
 It must NOT decide what a slice publishes.
@@ -35,6 +35,18 @@ from controller.claim_shapes import REQUEST, layers_for, linked_class, linked_gp
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.jsontypes import JSON
 
+# A node's largest linked group from which the scheduler's search for k GPUs it cannot give
+# there (every subset of the group: 2^g steps, upstream's allocator has no count bound) costs
+# more than the fail-fast selector's one CEL evaluation per device (docs/nvlink.md, "Cost"). At
+# 500 nodes, per attempt, against a plain pod that cannot fit: without the selector 1.09-1.28x
+# on groups of 2, 2.44x on DGX-1 (groups of 4), 9.9x for 9 GPUs on HGX (8); with it 1.12x.
+SEARCH_BOUND_GROUP = 4
+# From this many fitted layers on, the list form costs the scheduler's search less than the
+# layers (each a search of its own on a node where the earlier ones fail); below it, the list
+# form's intersections cost more where cliques overlap. At 500 nodes, per bound pod: random-4
+# triple, 3 layers 17.8 ms, list 14.8; random-5 quad (two 4-cliques sharing 3 GPUs), 2 layers
+# 17.8 ms, list 44.0; DGX-1 pair, 2 layers 13.1, list 10.7 (a plain one-GPU pod: 11).
+LIST_FORM_FROM_LAYERS = 3
 _LAYER = re.compile(re.escape(NVLINK_LAYER_PREFIX) + r"(\d+)$")
 
 
@@ -112,34 +124,41 @@ def fit_linked_claim(
     request: str = REQUEST,
 ) -> FittedClaim:
     """The claim for k linked GPUs with the fewest subrequests that is complete for this fleet.
-    `device_class` None: the shipped `gpu-linked-<k>` class (its selector carries the fail-fast
-    test), or for k above 8 the whole-GPU class with the fail-fast selector where it helps.
+    `device_class` None: the shipped selector-free `gpu-linked.<driver>` class.
     Raises ValueError for k < 2."""
     if k < 2:
         raise ValueError(f"--linked {k}: ask for 2 or more GPUs (one GPU needs no NVLink constraint)")
-    linked = linked_class(k, driver) if device_class is None else None
-    device_class = linked or device_class or driver
+    linked = linked_class(driver) if device_class is None else None
+    device_class = linked or device_class
     nodes = node_cliques(slices, driver)
     layers = layers_for(k, (n.layers for n in nodes.values()))
     fit = sum(1 for n in nodes.values() if any(size >= k for sizes in n.layers.values() for size in sizes))
     lists = bool(nodes) and all(n.cliques is not None for n in nodes.values())
     # a maximal clique that no layer holds: the GA shape cannot give it on that node
     uncovered = lists and any(not (n.cliques or frozenset()) <= n.layer_groups for n in nodes.values())
-    fail_fast = not linked and fit < len(nodes) and len(layers) == 1
+    largest = [max((size for sizes in n.layers.values() for size in sizes), default=0)
+               for n in nodes.values()]
+    # the selector-free class: the search alone drops a node that cannot hold k, at 2^g steps
+    # for its largest group of g, dearer than one CEL evaluation per device from g = 4 on
+    dear = any(SEARCH_BOUND_GROUP <= g < k for g in largest)
+    cannot = fit < len(nodes)
+    fail_fast = (dear if linked else cannot) and len(layers) == 1
     ga = linked_gpus_ga(k, driver=driver, device_class=device_class, selectors=selectors, layers=layers,
                         request=request, fail_fast=fail_fast)
-    if lists and (len(layers) > 1 or uncovered):
+    if lists and (len(layers) >= LIST_FORM_FROM_LAYERS or uncovered):
         why = ("some node has more cliques than its layers hold" if uncovered
                else f"the layers would need {len(layers)} subrequests")
         devices = linked_gpus_list(k, driver=driver, device_class=device_class, selectors=selectors,
-                                   request=request, fail_fast=not linked and fit < len(nodes))
+                                   request=request, fail_fast=dear if linked else cannot)
         return FittedClaim(devices, "list", layers, len(nodes), fit,
                            f"list form (one request): the server keeps list-type attributes and {why}")
     note = f"clique layers {', '.join(map(str, layers))} ({len(layers)} subrequest{'s' * (len(layers) > 1)})"
     if fail_fast:
-        note += f", with the selector nvlinkCliqueSize >= {k} (some nodes have no {k} linked GPUs)"
+        dear_why = f" but a linked group of {SEARCH_BOUND_GROUP} or more, which the scheduler would search"
+        note += (f", with the selector nvlinkCliqueSize >= {k} "
+                 f"(some nodes have no {k} linked GPUs{dear_why if linked else ''})")
     if linked:
-        note += f", class {linked} (nvlinkCliqueSize >= {k} in the class's own selector)"
+        note += f", class {linked} (no selector: the constraint picks the GPUs)"
     if not fit:
         note += f"; NO node of the fleet has {k} linked GPUs: this claim stays Pending"
     elif not lists:

@@ -22,18 +22,23 @@ tries it on every node where the ones before it failed: with 8 subrequests, the 
 spent 60% of the scheduler's time in the DRA filter. `linked_gpus_ga(k, layers=...)` with
 those layers finds the same GPUs as with all 8.
 
-Every shape names by default the DeviceClass `gpu-linked-<k>.<driver>` (k = 2..8, shipped in
-deploy/deviceclasses/gpu-linked.yaml and the chart): the whole-GPU class's selector plus
-`fits_selector(k)`, the device's `nvlinkCliqueSize` (the largest clique it is in) at least k.
-A GPU that fails it is in no k-clique, so the claim finds the same GPUs; but on a node where
-no GPU passes, the allocator gives up on the class alone, before any `matchAttribute` search.
-In the class the test costs nothing: upstream's allocator evaluates the class's selector on
-every device it looks at anyway (once per subrequest), and copies the device's attributes for
-each expression it evaluates, so the same test as a selector of the claim cost one more copy
-per device and subrequest (an impossible claim over 8 layers: 416 ms per attempt without it,
-520 with it, at 100 DGX-1 nodes). With another class (`device_class=`), a one-subrequest
-shape carries `fits_selector(k)` as a claim selector instead. Devices of an older driver
-without the attribute pass it (`orValue(k)`): nothing is lost.
+Every shape names by default the DeviceClass `gpu-linked.<driver>` (`linked_class`, shipped in
+deploy/deviceclasses/gpu-linked.yaml and the chart), which has **no selector**: the claim's
+`matchAttribute` constraint does the selecting. Only whole GPUs of this driver that are not in
+MIG mode carry the clique attributes (`nvlinkClique<L>`, `nvlinkCliques`, `nvlinkDomain`): MIG
+devices, share views, GPUs in MIG mode and other drivers' devices have none, and a device
+without the constrained attribute is never picked. Upstream's allocator evaluates a class's
+selector on every device it looks at, copying all the device's attributes for each expression
+(docs/nvlink.md, "Where the CPU goes"); with no selector a linked claim costs no CEL at all,
+only the `matchAttribute` search, which is cheaper than one CEL evaluation per device even on a
+node that cannot hold k (it drops a device as soon as its clique value differs). A request that
+names this class without such a constraint would get any devices: the chart's admission policy
+`linked-claims.<driver>` refuses it (deploy/helm/.../linked-claim-policy.yaml).
+With another class (`device_class=`), a one-subrequest shape carries `fits_selector(k)` (the
+device's `nvlinkCliqueSize` at least k) as a claim selector, so that a node without k linked
+GPUs is dropped before the search; with the linked class only when asked (`fail_fast=True`:
+`controller.claim_fit` asks where the search would cost more than the selector). Devices of
+an older driver without the attribute pass it.
 """
 
 from __future__ import annotations
@@ -56,20 +61,9 @@ def _selectors(selectors: Sequence[str]) -> list[JSON]:
     return [{"cel": {"expression": s}} for s in selectors]
 
 
-LINKED_CLASS_KS = range(2, 9)  # deploy/deviceclasses/gpu-linked.yaml, the chart's deviceClasses.linked
-
-
-def linked_class(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str | None:
-    """The DeviceClass whose own selector carries `fits_selector(k)` (None above 8: none shipped)."""
-    return f"gpu-linked-{k}.{driver}" if k in LINKED_CLASS_KS else None
-
-
-def linked_class_selector(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str:
-    """That class's CEL: the whole-GPU class's test with the clique size second (a node without
-    k linked GPUs fails on it for every GPU)."""
-    d = f'device.attributes["{driver}"]'
-    return (f'device.driver == "{driver}" && {fits_selector(k, driver)} && {d}.type == "gpu" && '
-            f'!("migEnabled" in {d} && {d}.migEnabled)')
+def linked_class(driver: str = DEFAULT_DRIVER_NAME) -> str:
+    """The selector-free DeviceClass for linked claims (module doc)."""
+    return f"gpu-linked.{driver}"
 
 
 def fits_selector(k: int, driver: str = DEFAULT_DRIVER_NAME) -> str:
@@ -81,10 +75,15 @@ def _with_fits(k: int, driver: str, selectors: Sequence[str], fail_fast: bool) -
     return [fits_selector(k, driver), *selectors] if fail_fast and k >= 2 else list(selectors)
 
 
-def _class(k: int, driver: str, device_class: str | None) -> tuple[str, bool]:
-    """The class to name, and whether it carries the fail-fast test (a gpu-linked-<k> class)."""
-    linked = linked_class(k, driver) if device_class is None else None
-    return (linked, True) if linked else (device_class or driver, False)
+def _class(driver: str, device_class: str | None) -> tuple[str, bool]:
+    """The class to name, and whether it is the selector-free `linked_class`."""
+    return (linked_class(driver), True) if device_class is None else (device_class, False)
+
+
+def _fail_fast(asked: bool | None, linked: bool, one_subrequest: bool) -> bool:
+    """Whether `fits_selector` goes into the claim. `asked` None: with another class where the
+    claim has one subrequest (its selector is evaluated anyway), never with the linked class."""
+    return asked if asked is not None else one_subrequest and not linked
 
 
 def linked_gpus_ga(
@@ -98,9 +97,9 @@ def linked_gpus_ga(
 ) -> JSON:
     """k mutually linked GPUs through the clique layers (GA API: firstAvailable + matchAttribute).
     `layers`: how many (layer 0 up), or which (`fleet_layers`), in order. `device_class` None:
-    the shipped gpu-linked-<k> class, which carries the fail-fast test, and no selector of ours.
-    `fail_fast` (another class): with `fits_selector(k)` in every subrequest; None: when there
-    is one subrequest (module doc)."""
+    the shipped selector-free `linked_class`, and no selector of ours.
+    `fail_fast`: with `fits_selector(k)` in every subrequest; None: with another class where
+    there is one subrequest (module doc)."""
     chosen = list(range(layers)) if isinstance(layers, int) else list(layers)
     if not chosen or len(chosen) > NVLINK_LAYERS or len(set(chosen)) != len(chosen) or not all(
         0 <= n < NVLINK_LAYERS for n in chosen
@@ -108,9 +107,8 @@ def linked_gpus_ga(
         raise ValueError(
             f"layers {layers!r}: give 1 to {NVLINK_LAYERS} distinct layers of 0..{NVLINK_LAYERS - 1}"
         )
-    device_class, carried = _class(k, driver, device_class)
-    fits = len(chosen) == 1 if fail_fast is None else fail_fast
-    selectors = _with_fits(k, driver, selectors, fits and not carried)
+    device_class, linked = _class(driver, device_class)
+    selectors = _with_fits(k, driver, selectors, _fail_fast(fail_fast, linked, len(chosen) == 1))
     subrequests: list[JSON] = []
     for layer in chosen:
         sub: JSON = {"name": layer_subrequest(layer), "deviceClassName": device_class, "count": k}
@@ -147,12 +145,12 @@ def linked_gpus_list(
     device_class: str | None = None,
     selectors: Sequence[str] = (),
     request: str = REQUEST,
-    fail_fast: bool = True,
+    fail_fast: bool | None = None,
 ) -> JSON:
     """k mutually linked GPUs through the list attribute nvlinkCliques (DRAListTypeAttributes).
     `device_class` and `fail_fast` as for `linked_gpus_ga`."""
-    device_class, carried = _class(k, driver, device_class)
-    selectors = _with_fits(k, driver, selectors, fail_fast and not carried)
+    device_class, linked = _class(driver, device_class)
+    selectors = _with_fits(k, driver, selectors, _fail_fast(fail_fast, linked, True))
     exactly: JSON = {"deviceClassName": device_class, "count": k}
     if selectors:
         exactly["selectors"] = _selectors(selectors)

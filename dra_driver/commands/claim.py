@@ -59,7 +59,7 @@ def _fit(linked: int, driver: str, device_class: str | None, selectors: tuple[st
          kubeconfig: str | None) -> FittedClaim:
     try:
         slices = asyncio.run(read_slices(kubeconfig, driver))
-        wanted = linked_class(linked, driver) if device_class is None else None
+        wanted = linked_class(driver) if device_class is None else None
         if wanted and not asyncio.run(class_served(kubeconfig, wanted)):
             click.echo(f"# DeviceClass {wanted} not found (chart value deviceClasses.linked off?): "
                        f"the claim uses {driver} and a selector instead", err=True)

@@ -15,7 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from dra_driver import __version__
+from dra_driver.jsontypes import JSON
 from tests.harness.cluster import REPO_ROOT
 
 IMAGE_BUILD = REPO_ROOT / "hack" / "image" / "build.sh"
@@ -59,6 +62,17 @@ def build_driver_image() -> DriverImage:
     t0 = time.monotonic()
     archive = _run_script(IMAGE_BUILD, "the driver image build", {"DRA_IMAGE_NAME": IMAGE})
     return DriverImage(IMAGE, archive, time.monotonic() - t0)
+
+
+def render_chart(home: Path, *sets: str, show_only: str | None = None) -> list[JSON]:
+    """The chart as `helm template r` renders it with these `--set` values (`show_only`: that
+    template alone); `home` keeps helm's cache and config out of the user's."""
+    env = {**os.environ, **{k: str(home / k.lower())
+                            for k in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")}}
+    args = [a for s in sets for a in ("--set", s)] + (["--show-only", show_only] if show_only else [])
+    out = subprocess.run([str(build_helm()), "template", "r", str(CHART), *args],
+                         capture_output=True, text=True, check=True, env=env)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
 def build_helm() -> Path:

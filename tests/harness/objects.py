@@ -239,6 +239,15 @@ def create_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "
     return sync_request(api, "POST", _collection_path(doc, namespace), body=doc)
 
 
+def delete_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "default") -> None:
+    """DELETE the object `doc` names; one that is already gone is fine."""
+    try:
+        sync_request(api, "DELETE", f"{_collection_path(doc, namespace)}/{doc['metadata']['name']}")
+    except ApiException as e:
+        if e.status != 404:
+            raise
+
+
 # -- applying YAML ---------------------------------------------------------------------------
 
 

@@ -18,10 +18,8 @@ of at least 5,000 configs, sent in batches on several connections at once.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from kubernetes import client
@@ -39,7 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import parse_claim_config
 from tests.harness.cluster import ControlPlane
-from tests.harness.driver_image import CHART, build_helm
+from tests.harness.driver_image import render_chart
 from tests.harness.objects import api_error, sync_client, sync_request, wait_for
 
 DRIVER = "agree.dra-driver.dev"  # a release of its own: its policy is named after it
@@ -327,27 +324,7 @@ def policy_verdict(api: client.ApiClient, namespace: str, params: Any) -> Verdic
 
 
 def _rendered_policy(tmp: Path) -> list[dict[str, Any]]:
-    env = {
-        **os.environ,
-        **{k: str(tmp / k.lower()) for k in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")},
-    }
-    out = subprocess.run(
-        [
-            str(build_helm()),
-            "template",
-            "r",
-            str(CHART),
-            "--set",
-            f"driverName={DRIVER}",
-            "--show-only",
-            "templates/claim-config-policy.yaml",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
-    )
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    return render_chart(tmp, f"driverName={DRIVER}", show_only="templates/claim-config-policy.yaml")
 
 
 def _path(doc: dict[str, Any], name: bool = False) -> str:

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -35,7 +34,7 @@ from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import parse_claim_config
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
-from tests.harness.driver_image import CHART, build_helm
+from tests.harness.driver_image import render_chart
 from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import (
@@ -88,19 +87,7 @@ def _fake_driver_root(root: Path) -> Path:
 
 
 def _rendered_policy(tmp: Path) -> list[JSON]:
-    helm = build_helm()
-    env = {
-        **os.environ,
-        **{k: str(tmp / k.lower()) for k in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME")},
-    }
-    out = subprocess.run(
-        [str(helm), "template", "r", str(CHART), "--show-only", "templates/claim-config-policy.yaml"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=env,
-    )
-    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    docs = render_chart(tmp, show_only="templates/claim-config-policy.yaml")
     assert [d["kind"] for d in docs] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     return docs
 

@@ -296,7 +296,7 @@ def test_every_example_file_has_an_intent_test() -> None:
     assert numbers <= tests, f"examples without a test_NN_ function: {sorted(numbers - tests)}"
     # gpu-share.yaml and examples/memory-shares/: tests/integration/test_memory_shares.py;
     # mig-dynamic.yaml and examples/mig/: tests/integration/test_dynamic_mig.py
-    # gpu-linked.yaml: tests/integration/test_nvlink_claims.py (the classes dra-driver claim names)
+    # gpu-linked.yaml: tests/integration/test_nvlink_claims.py (the class dra-driver claim names)
     assert {p.name for p in device_class_files()} == {
         "gpu.yaml", "mig.yaml", "gpu-extended-resource.yaml", "gpu-share.yaml", "mig-dynamic.yaml",
         "gpu-linked.yaml",
@@ -538,7 +538,9 @@ def test_10_claim_written_for_nvidias_driver(scope: Scope, cluster: Cluster) -> 
 
 
 def example_05_on_a100(name: str, with_constraint: bool) -> JSON:
-    """Example 05's claim template, pinned to the bridged A100 box, with or without its constraint."""
+    """Example 05's claim template, pinned to the bridged A100 box, with or without its constraint
+    (without: on the whole-GPU class, as the selector-free gpu-linked class is refused without
+    one by the chart's policy)."""
     docs = load_yaml_documents(EXAMPLES["05-nvlink-pair.yaml"])
     template = next(d for d in docs if d["kind"] == "ResourceClaimTemplate")
     template["metadata"]["name"] = name
@@ -548,6 +550,8 @@ def example_05_on_a100(name: str, with_constraint: bool) -> JSON:
         del devices["constraints"]
     for sub in devices["requests"][0]["firstAvailable"]:
         sub["selectors"] = [{"cel": {"expression": product_is("A100")}}]
+        if not with_constraint:
+            sub["deviceClassName"] = DRIVER
     return template
 
 

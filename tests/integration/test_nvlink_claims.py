@@ -36,24 +36,23 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from controller.claim_fit import fit_linked_claim
-from controller.claim_shapes import (
-    LINKED_CLASS_KS,
-    linked_class,
-    linked_class_selector,
-    linked_gpus_ga,
-    linked_gpus_list,
-)
+from controller.claim_shapes import linked_class, linked_gpus_ga, linked_gpus_list
 from dra_driver.gpu import discover
 from dra_driver.gpu.topology import nvlink_topology
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import FEATURE_GATES, ControlPlane
 from tests.harness.driver import spawn_dra_driver
+from tests.harness.driver_image import render_chart
 from tests.harness.objects import (
     RESOURCE_API,
     allocation_results,
+    api_error,
     create_node,
+    create_object,
+    delete_object,
     get_claim,
     get_pod,
     scheduler_reason,
@@ -106,11 +105,14 @@ def published(kubeconfig: Path, api: client.ApiClient, nodes: dict[str, Node], l
         "spec": {"selectors": [{"cel": {"expression":
             f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'}}]},
     })
-    for k in LINKED_CLASS_KS:  # the chart's gpu-linked-<k> classes, for this test's driver name
-        sync_request(api, "POST", f"{RESOURCE_API}/deviceclasses", {
-            "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
-            "metadata": {"name": linked_class(k, DRIVER)},
-            "spec": {"selectors": [{"cel": {"expression": linked_class_selector(k, DRIVER)}}]}})
+    # the chart's selector-free gpu-linked class and its policy, for this test's driver name
+    sync_request(api, "POST", f"{RESOURCE_API}/deviceclasses", {
+        "apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass",
+        "metadata": {"name": linked_class(DRIVER)}, "spec": {}})
+    policy = render_chart(logs / "helm", f"driverName={DRIVER}",
+                          show_only="templates/linked-claim-policy.yaml")
+    for doc in policy:
+        create_object(api, doc)
     try:
         for node in nodes.values():
             create_node(api, node.name)
@@ -132,8 +134,9 @@ def published(kubeconfig: Path, api: client.ApiClient, nodes: dict[str, Node], l
         for node in nodes.values():
             sync_request(api, "DELETE", f"/api/v1/nodes/{node.name}")
         sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{CLASS}")
-        for k in LINKED_CLASS_KS:
-            sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{linked_class(k, DRIVER)}")
+        sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{linked_class(DRIVER)}")
+        for doc in reversed(policy):
+            delete_object(api, doc)
 
 
 @pytest.fixture(scope="module")
@@ -268,11 +271,12 @@ class Case:
 
 
 def ga(k: int) -> JSON:
-    return linked_gpus_ga(k, driver=DRIVER, device_class=CLASS)
+    """The 8-layer fallback on the selector-free gpu-linked class, as documented."""
+    return linked_gpus_ga(k, driver=DRIVER)
 
 
 def lists(k: int) -> JSON:
-    return linked_gpus_list(k, driver=DRIVER, device_class=CLASS)
+    return linked_gpus_list(k, driver=DRIVER)
 
 
 @pytest.fixture
@@ -367,8 +371,8 @@ def test_random_topology_linked_sets_found_exactly_when_free(case: Case) -> None
     slices = sync_request(case.api, "GET", SLICES, query=query)["items"]
     found = pending = 0
     for k in range(2, largest + 2):
-        # what `dra-driver claim` prints (the gpu-linked-<k> class), the same with a class of one's
-        # own (the selector in the claim), the 8-layer fallback
+        # what `dra-driver claim` prints (the selector-free gpu-linked class), the same with a class
+        # of one's own (the fail-fast selector in the claim), the 8-layer fallback
         generated = fit_linked_claim(k, slices, DRIVER).devices
         own_class = fit_linked_claim(k, slices, DRIVER, CLASS).devices
         for shape in (generated, own_class, ga(k)) if k <= largest else (generated, own_class):
@@ -383,6 +387,59 @@ def test_random_topology_linked_sets_found_exactly_when_free(case: Case) -> None
                 pending += 1
             case.clear()
     assert found and pending  # both outcomes were put to the test
+
+
+def _refusal(api: client.ApiClient, namespace: str, devices: JSON, template: bool = False) -> str | None:
+    """The policy's refusal of a claim (or claim template) with these devices, by a dry run (what
+    follows "denied request: "); None if it is admitted."""
+    spec = {"devices": devices}
+    kind, plural, body = (("ResourceClaimTemplate", "resourceclaimtemplates", {"spec": spec}) if template
+                          else ("ResourceClaim", "resourceclaims", spec))
+    try:
+        sync_request(api, "POST", f"{RESOURCE_API}/namespaces/{namespace}/{plural}",
+                     {"apiVersion": "resource.k8s.io/v1", "kind": kind, "metadata": {"name": "probe"},
+                      "spec": body}, query={"dryRun": "All"})
+    except ApiException as e:
+        message = api_error(e)
+        assert "denied request: " in message, message
+        return message.split("denied request: ", 1)[1]
+    return None
+
+
+def test_the_policy_admits_the_linked_claims_and_refuses_the_class_without_a_clique_constraint(
+    bench: Bench, namespace: str
+) -> None:
+    """The gpu-linked class has no selector: the chart's linked-claims policy refuses a request
+    naming it that no constraint on a clique attribute covers, and admits every documented and
+    generated shape, as a claim and as a template."""
+    api, cls = bench.api, linked_class(DRIVER)
+    bare = {"requests": [{"name": "gpus", "exactly": {"deviceClassName": cls, "count": 2}}]}
+    message = wait_for("the linked-claims policy to take effect",
+                       lambda: _refusal(api, namespace, bare), timeout=30)
+    assert message.startswith(f"request gpus names DeviceClass {cls}, which selects no devices"), message
+    assert f"{DRIVER}/nvlinkClique<L>" in message, message
+    assert _refusal(api, namespace, bare, template=True) == message
+    slices = sync_request(api, "GET", SLICES, query={"fieldSelector": f"spec.driver={DRIVER}"})["items"]
+    for k in (2, 3, 5, 9):
+        for devices in (ga(k), lists(k), fit_linked_claim(k, slices, DRIVER).devices,
+                        linked_gpus_ga(k, driver=DRIVER, layers=[0])):
+            assert _refusal(api, namespace, devices) is None, devices
+            assert _refusal(api, namespace, devices, template=True) is None, devices
+    # a constraint without `requests` covers them all; the whole-GPU class is not this policy's
+    everything = {**bare, "constraints": [{"matchAttribute": f"{DRIVER}/nvlinkDomain"}]}
+    assert _refusal(api, namespace, everything) is None
+    whole = {"requests": [{"name": "gpus", "exactly": {"deviceClassName": CLASS, "count": 2}}]}
+    assert _refusal(api, namespace, whole) is None
+    # refused: a constraint that covers another request only, an attribute that says nothing of
+    # links, one subrequest of the fallback left without its constraint
+    other = {"requests": [*bare["requests"], {"name": "other", "exactly": {"deviceClassName": CLASS}}],
+             "constraints": [{"requests": ["other"], "matchAttribute": f"{DRIVER}/nvlinkClique0"}]}
+    assert (_refusal(api, namespace, other) or "").startswith("request gpus names")
+    size = {**bare, "constraints": [{"requests": ["gpus"], "matchAttribute": f"{DRIVER}/nvlinkCliqueSize"}]}
+    assert (_refusal(api, namespace, size) or "").startswith("request gpus names")
+    fallback = ga(2)
+    fallback["constraints"] = [c for c in fallback["constraints"] if c["requests"] != ["gpus/layer3"]]
+    assert (_refusal(api, namespace, fallback) or "").startswith("request gpus/layer3 names")
 
 
 # A GA cluster as far as DRA goes: no list-type attributes, and none of the beta features

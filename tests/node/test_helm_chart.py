@@ -4,6 +4,7 @@ to write. Needs only the helm binary (hack/helm/build.sh), no cluster."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from controller.claim_shapes import LINKED_CLASS_KS, linked_class, linked_class_selector
+from controller.attributes import LINKED_SET_ATTRIBUTES
+from controller.claim_shapes import linked_class
 from tests.harness.driver_image import CHART, build_helm
 from tests.harness.helm import Helm
 
@@ -60,15 +62,21 @@ def test_default_render(helm: Helm) -> None:
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
 
 
-def test_the_linked_classes_are_the_ones_dra_driver_claim_names(helm: Helm) -> None:
-    """deviceClasses.linked: gpu-linked-<k>.<driverName>, k = 2..8, with claim_shapes' selector."""
+def test_the_linked_class_and_its_policy_are_the_ones_dra_driver_claim_relies_on(helm: Helm) -> None:
+    """deviceClasses.linked: the selector-free class claim_shapes.linked_class(driver), and the
+    policy whose constraint list is attributes.LINKED_SET_ATTRIBUTES (what only whole GPUs not
+    in MIG mode carry); neither without the value."""
     for driver in ("gpu.dra-driver.dev", "gpu.example.com"):
-        classes = {d["metadata"]["name"]: " ".join(d["spec"]["selectors"][0]["cel"]["expression"].split())
-                   for d in _render(helm, f"driverName={driver}") if d["kind"] == "DeviceClass"}
-        linked = {n: e for n, e in classes.items() if n.startswith("gpu-linked-")}
-        assert linked == {linked_class(k, driver): linked_class_selector(k, driver) for k in LINKED_CLASS_KS}
+        docs = _render(helm, f"driverName={driver}")
+        linked = [d for d in docs if d["kind"] == "DeviceClass" and "linked" in d["metadata"]["name"]]
+        assert [(d["metadata"]["name"], d["spec"]) for d in linked] == [(linked_class(driver), {})]
+        (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"
+                     and d["metadata"]["name"] == f"linked-claims.{driver}"]
+        (linking,) = [v["expression"] for v in policy["spec"]["variables"] if v["name"] == "linking"]
+        listed = set(re.findall(r'"([^"]+)"', linking.split(" in [", 1)[1].split("]", 1)[0]))
+        assert listed == {f"{driver}/{name}" for name in LINKED_SET_ATTRIBUTES}
     off = _render(helm, "deviceClasses.linked=false")
-    assert not [d for d in off if d["metadata"]["name"].startswith("gpu-linked-")]
+    assert not [d for d in off if "linked" in d["metadata"]["name"]]
 
 
 def test_an_image_digest_pins_the_pods_to_that_image(helm: Helm) -> None:

@@ -103,12 +103,13 @@ def test_linked_shapes_are_built_for_the_fleet_and_sized_to_a_first_found_packin
     impossible = for_fleet(SHAPE["impossible"], dgx1)
     assert impossible.gpus == 5 and capacity(impossible, dgx1) == 100
     (sub,) = impossible.claim["requests"][0]["firstAvailable"]
-    assert sub["deviceClassName"] == "gpu-linked-5.gpu.dra-driver.dev" and "selectors" not in sub
+    assert sub["deviceClassName"] == "gpu-linked.gpu.dra-driver.dev"  # groups of 4: the fail-fast selector
+    assert "nvlinkCliqueSize" in sub["selectors"][0]["cel"]["expression"]
     (sel,) = for_fleet(SHAPE["impossible-sel"], dgx1).claim["requests"][0]["firstAvailable"]
     assert sel["deviceClassName"] == "gpu.dra-driver.dev"
     assert "nvlinkCliqueSize" in sel["selectors"][0]["cel"]["expression"]
     eight = for_fleet(SHAPE["pair-linked"], dgx1).claim["requests"][0]["firstAvailable"]
-    assert len(eight) == 8 and {s["deviceClassName"] for s in eight} == {"gpu-linked-2.gpu.dra-driver.dev"}
+    assert len(eight) == 8 and {s["deviceClassName"] for s in eight} == {"gpu-linked.gpu.dra-driver.dev"}
     before = for_fleet(SHAPE["impossible-before"], dgx1)
     assert len(before.claim["requests"][0]["firstAvailable"]) == 8
     assert not any("selectors" in s for s in before.claim["requests"][0]["firstAvailable"])

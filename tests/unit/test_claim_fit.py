@@ -9,11 +9,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from controller.attributes import LINKED_SET_ATTRIBUTES, MIG_ENABLED, TYPE
 from controller.claim_fit import fit_linked_claim
-from controller.claim_shapes import LINKED_CLASS_KS, fits_selector, linked_class, linked_class_selector
-from controller.slices import SliceFeatures, desired_slices
+from controller.claim_shapes import fits_selector, linked_class
+from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver.commands import claim as claim_cmd
-from dra_driver.gpu import discover
+from dra_driver.gpu import discover, profile_names
 from tests.harness.topologies import random_profile
 
 DRIVER = "gpu.dra-driver.dev"
@@ -42,13 +43,18 @@ def test_nvswitch_fleet_gets_one_layer(features: SliceFeatures, k: int) -> None:
     assert "selectors" not in fitted.devices["requests"][0]["firstAvailable"][0]
 
 
-def test_cube_mesh_pairs_take_the_list_form_where_served_else_two_layers() -> None:
-    listed = fit_linked_claim(2, fleet(LISTS, "dgx1-v100"))
-    assert (listed.form, listed.layers) == ("list", (0, 1))
+def test_the_list_form_from_three_layers_where_served(tmp_path: Any) -> None:
+    """Cube-mesh pairs need 2 layers: the layers, with or without list attributes; random-5's
+    pairs need 7: the list form where it is served (LIST_FORM_FROM_LAYERS)."""
+    for features in (GA, LISTS):
+        pairs = fit_linked_claim(2, fleet(features, "dgx1-v100"))
+        assert (pairs.form, subrequests(pairs.devices)) == ("layers", ["layer0", "layer1"])
+    seven = str(random_profile(5, tmp_path))
+    listed = fit_linked_claim(2, fleet(LISTS, seven))
+    assert listed.form == "list" and len(listed.layers) == 7
     constraint = {"requests": ["gpus"], "matchAttribute": f"{DRIVER}/nvlinkCliques"}
     assert listed.devices["constraints"] == [constraint]
-    ga = fit_linked_claim(2, fleet(GA, "dgx1-v100"))
-    assert (ga.form, subrequests(ga.devices)) == ("layers", ["layer0", "layer1"])
+    assert fit_linked_claim(2, fleet(GA, seven)).form == "layers"
     quad = fit_linked_claim(4, fleet(LISTS, "dgx1-v100"))
     assert (quad.form, subrequests(quad.devices)) == ("layers", ["layer0"])
 
@@ -61,13 +67,17 @@ def test_a_fleet_without_k_linked_gpus_says_the_claim_stays_pending() -> None:
     none = fit_linked_claim(5, fleet(GA, "ring8-v100", "dgx1-v100"))
     assert none.nodes_that_fit == 0 and "stays Pending" in none.note
     assert subrequests(none.devices) == ["layer0"]
-    # the shipped class carries the fail-fast test: no second expression in the claim
-    assert none.devices["requests"][0]["firstAvailable"][0]["deviceClassName"] == f"gpu-linked-5.{DRIVER}"
-    assert "selectors" not in none.devices["requests"][0]["firstAvailable"][0]
+    # the shipped class has no selector; the claim gets the fail-fast one, as the DGX-1's groups
+    # of 4 are dear to search (SEARCH_BOUND_GROUP), but no 3 on a ring with pairs only
+    assert none.devices["requests"][0]["firstAvailable"][0]["deviceClassName"] == f"gpu-linked.{DRIVER}"
+    assert none.devices["requests"][0]["firstAvailable"][0]["selectors"] == [
+        {"cel": {"expression": fits_selector(5)}}]
+    ring = fit_linked_claim(3, fleet(GA, "ring8-v100")).devices["requests"][0]["firstAvailable"][0]
+    assert "selectors" not in ring
     listed = fit_linked_claim(3, fleet(LISTS, "ring8-v100", "dgx1-v100"))
     assert listed.form == "layers"  # one layer: no need for the list form
-    assert fit_linked_claim(2, fleet(LISTS, "ring8-v100", "dgx1-v100")).devices["requests"][0]["exactly"].get(
-        "selectors") is None  # every node has a linked pair
+    pairs = fit_linked_claim(2, fleet(LISTS, "ring8-v100", "dgx1-v100")).devices["requests"][0]
+    assert "selectors" not in pairs["firstAvailable"][0]  # every node has a linked pair
 
 
 def test_a_mixed_fleet_lists_the_layers_of_every_node(tmp_path: Any) -> None:
@@ -87,7 +97,7 @@ def test_the_command_prints_a_template_and_says_why(monkeypatch: pytest.MonkeyPa
     async def read(kubeconfig: str | None, driver: str) -> list[dict[str, Any]]:
         return slices
 
-    served = {f"gpu-linked-4.{DRIVER}"}
+    served = {f"gpu-linked.{DRIVER}"}
 
     async def exists(kubeconfig: str | None, name: str) -> bool:
         return name in served
@@ -117,28 +127,58 @@ async def _none() -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("features", [GA, LISTS], ids=["ga", "list-attrs"])
-@pytest.mark.parametrize("k", range(2, 9))
+@pytest.mark.parametrize("k", [2, 3, 4, 8, 9])
 def test_the_generated_claim_names_the_linked_class_and_no_selector(features: SliceFeatures, k: int) -> None:
+    """The selector-free class, and no selector (any selector costs the scheduler a copy of the
+    device's attributes per device it looks at) unless a node that cannot hold k has a linked
+    group of SEARCH_BOUND_GROUP or more, whose subsets the scheduler's search would go through:
+    here the DGX-1 node's 4 for k = 5 to 8, the HGX node's 8 for k = 9."""
     fitted = fit_linked_claim(k, fleet(features, "ring8-v100", "dgx1-v100", "hgx-h200"))
     (request,) = fitted.devices["requests"]
     for sub in request.get("firstAvailable") or [request["exactly"]]:
-        assert sub["deviceClassName"] == f"gpu-linked-{k}.{DRIVER}" and "selectors" not in sub
-    # above the shipped classes, and with a class of one's own: the selector in the claim
-    nine = fit_linked_claim(9, fleet(features, "ring8-v100")).devices["requests"][0]["firstAvailable"][0]
-    assert nine["deviceClassName"] == DRIVER
-    assert nine["selectors"] == [{"cel": {"expression": fits_selector(9)}}]
-    own = fit_linked_claim(k, fleet(features, "hgx-h200"), device_class="mine").devices["requests"][0]
-    assert own["firstAvailable"][0]["deviceClassName"] == "mine"
+        assert sub["deviceClassName"] == f"gpu-linked.{DRIVER}"
+        assert sub.get("selectors") == ([{"cel": {"expression": fits_selector(k)}}] if k > 4 else None)
+    # with a class of one's own, the fail-fast test goes into the claim where some node cannot hold k
+    own = fit_linked_claim(k, fleet(features, "ring8-v100"), device_class="mine").devices["requests"][0]
+    sub = (own.get("firstAvailable") or [own["exactly"]])[0]
+    assert sub["deviceClassName"] == "mine"
+    if k > 2:  # a ring's largest linked set is 2
+        assert sub["selectors"] == [{"cel": {"expression": fits_selector(k)}}]
+    else:
+        assert "selectors" not in sub
 
 
-def test_the_shipped_linked_classes_are_the_ones_the_generator_names() -> None:
-    """deploy/deviceclasses/gpu-linked.yaml and the chart's deviceClasses.linked render the same
-    classes, whose selector is claim_shapes.linked_class_selector(k)."""
+def test_the_shipped_linked_class_is_the_one_the_generator_names_and_has_no_selector() -> None:
+    """deploy/deviceclasses/gpu-linked.yaml holds one class, claim_shapes.linked_class(), with
+    no selector: the claims' constraint does the selecting (docs/nvlink.md)."""
     docs = [d for d in yaml.safe_load_all((DEPLOY / "deviceclasses" / "gpu-linked.yaml").read_text()) if d]
-    shipped = {d["metadata"]["name"]: " ".join(d["spec"]["selectors"][0]["cel"]["expression"].split())
-               for d in docs}
-    assert shipped == {linked_class(k, DRIVER): linked_class_selector(k, DRIVER) for k in LINKED_CLASS_KS}
-    whole = yaml.safe_load((DEPLOY / "deviceclasses" / "gpu.yaml").read_text())
-    # the whole-GPU class's test, and the clique size: nothing else
-    assert set(linked_class_selector(3).split(" && ")) == {
-        *" ".join(whole["spec"]["selectors"][0]["cel"]["expression"].split()).split(" && "), fits_selector(3)}
+    assert [(d["kind"], d["metadata"]["name"], d["spec"]) for d in docs] == [
+        ("DeviceClass", linked_class(DRIVER), {})]
+
+
+_FEATURES = {
+    "ga": GA, "lists": LISTS, "legacy": SliceFeatures(legacy_attributes=True),
+    "shares": SliceFeatures(memory_shares=True, list_attributes=True),
+    "shares-only": SliceFeatures(memory_shares=True, shares_only=True),
+    "dynamic-mig": SliceFeatures(dynamic_mig=True, list_attributes=True),
+}
+
+
+@pytest.mark.parametrize("features", list(_FEATURES.values()), ids=list(_FEATURES))
+@pytest.mark.parametrize("profile", profile_names())
+def test_only_whole_gpus_not_in_mig_mode_carry_a_clique_attribute(
+    profile: str, features: SliceFeatures
+) -> None:
+    """What the selector-free gpu-linked class rests on: a device with any attribute a linked
+    claim may constrain on is a whole GPU not in MIG mode (no share view, MIG device or
+    partition). It fails where a share view copies its GPU's attributes."""
+    carriers = 0
+    inventory = discover(profile)
+    for spec in desired_slices(inventory, "n", DRIVER, features):
+        for device in spec.get("devices", []):
+            attrs = device.get("attributes", {})
+            if LINKED_SET_ATTRIBUTES & set(attrs):
+                carriers += 1
+                assert attrs[TYPE] == {"string": "gpu"} and MIG_ENABLED not in attrs, device["name"]
+    # the test looks at something: where the node has linked whole GPUs, they carry the attributes
+    assert carriers or not published_topology(inventory).cliques or features.shares_only

@@ -38,7 +38,6 @@ import yaml
 from controller import attributes as A
 from controller.claim_fit import fit_linked_claim
 from controller.claim_shapes import (
-    LINKED_CLASS_KS,
     fits_selector,
     linked_class,
     linked_gpus_ga,
@@ -201,16 +200,12 @@ def value_set(device: Device, qualified: str, list_semantics: bool) -> frozenset
 
 def fits(device: Device, sub: dict[str, Any]) -> bool:
     """The subrequest's selectors on the device: the documented shapes carry fits_selector alone,
-    evaluated as CEL's `.?nvlinkCliqueSize.orValue(k) >= k` does; the gpu-linked-<k> classes carry
-    it in their own selector (claim_shapes.linked_class_selector)."""
+    evaluated as CEL's `.?nvlinkCliqueSize.orValue(k) >= k` does; the gpu-linked class has no
+    selector (claim_shapes.linked_class): its constraint alone picks."""
     for selector in sub.get("selectors", []):
         assert selector["cel"]["expression"] == fits_selector(sub["count"], DRIVER), selector
     tests = [sub["count"] for _ in sub.get("selectors", [])]
-    classes = {linked_class(k, DRIVER): k for k in LINKED_CLASS_KS}
-    if sub["deviceClassName"] in classes:
-        tests.append(classes[sub["deviceClassName"]])
-    else:
-        assert sub["deviceClassName"] == DRIVER, sub
+    assert sub["deviceClassName"] in (DRIVER, linked_class(DRIVER)), sub
     size = device.attributes.get(A.NVLINK_CLIQUE_SIZE, {})
     return all(size.get("int", k) >= k for k in tests)
 
