@@ -52,8 +52,12 @@ more than the largest clique of the fleet (100 pods, none can ever bind: CPU per
 `impossible-8`: that K in the documented 8-layer fallback (`pair`, `quad`).
 The NVLink shapes carry the fail-fast selector (claim_shapes.fits_selector). `*-before` shapes
 are the claims and slices of d20fbb0, for a before/after in one run: no fail-fast selector, and
-`before` slices (legacy nvlinkGroup<N> and numaNode published, no nvlinkCliqueSize);
+`before` slices (legacy nvlinkGroup<N> and numaNode and the topology-detail nvlinkPeers,
+nvlinkPeerCount, nvlinkIsland published, no nvlinkCliqueSize);
 `one-gpu-before` against `one-gpu` is what the attributes no claim needs cost.
+`--topology-detail-attributes`: all our slices as the plugin publishes them with that flag
+(nvlinkPeers, nvlinkPeerCount, nvlinkIsland: the default before they became opt-in), for a
+before/after of those three on one machine state.
 For the linked shapes the pod count is capped at what a first-found packing leaves room for
 (per node, disjoint k-cliques taken lowest GPUs first), so that none stays pending for lack of GPUs.
 Profiles: hgx-h200, dgx1-v100, mixed (the two alternating), and `random-<seed>`: every node an
@@ -133,6 +137,9 @@ PROFILES: dict[str, tuple[str, ...]] = {
 }
 SHARE_REQUEST = 8 * 2**30
 SLICE_KINDS = ("reference", "ours", "before", "shares", "shares-only")
+# `--topology-detail-attributes`: our slices as the kubelet plugin publishes them with that flag
+# (nvlinkPeers, nvlinkPeerCount, nvlinkIsland too): the default before they became opt-in.
+TOPOLOGY_DETAIL = False
 RANDOM_PREFIX = "random-"
 IMPOSSIBLE_PODS = 100
 CEL_MEMORY = 'device.capacity["gpu.dra-driver.dev"].memory.compareTo(quantity("24Gi")) >= 0'
@@ -241,7 +248,8 @@ def node_specs(kind: str, inventory: Inventory, node: str) -> tuple[JSON, ...]:
     if kind == "reference":
         return reference_specs(inventory, node)
     features = SliceFeatures(list_attributes=True, memory_shares=kind.startswith("shares"),
-                             shares_only=kind == "shares-only", legacy_attributes=kind == "before")
+                             shares_only=kind == "shares-only", legacy_attributes=kind == "before",
+                             topology_detail_attributes=kind == "before" or TOPOLOGY_DETAIL)
     specs = desired_slices(inventory, node, DRIVER, features)
     return tuple(_without_clique_size(s) for s in specs) if kind == "before" else specs
 
@@ -826,6 +834,7 @@ def run_profile(profile: str, nodes: int, pods: int, shapes: Sequence[Shape], *,
             "client_limits": "raised" if raised else "default",
             "fill": fill,
             "scheduler_feature_gates_added": list(scheduler_gates),
+            "topology_detail_attributes": TOPOLOGY_DETAIL,
             "reference_pods_per_s_mean": round(ref, 1) if ref else None,
             "reference_scheduler_cpu_ms_per_bound_pod_mean": round(ref_cpu, 1) if ref_cpu else None,
             "largest_clique": largest_clique(fleet),
@@ -902,8 +911,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="add to kube-scheduler's feature gates (e.g. SchedulerPreQueueingHints=true)")
     parser.add_argument("--fill", type=float, metavar="F",
                         help="every shape fills the same fraction F of what the fleet holds for it")
+    parser.add_argument("--topology-detail-attributes", action="store_true",
+                        help="our slices with the kubelet plugin's --topology-detail-attributes")
     parser.add_argument("--out", default="scheduler", help="results file name under benchmarks/results")
     args = parser.parse_args(argv)
+    global TOPOLOGY_DETAIL
+    TOPOLOGY_DETAIL = args.topology_detail_attributes
     result = run(args.full, args.size, args.profile, args.shape, not args.no_defaults, args.stall,
                  args.pprof_seconds, args.pprof_dir, args.scheduler_feature_gate, args.fill)
     report(args.out, result)

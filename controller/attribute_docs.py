@@ -95,14 +95,16 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
                  "known (scalar even with list attributes); repeats resource.kubernetes.io/numaNode",
                  "no", _BOTH),
     AttributeDoc(NVLINK_PEER_COUNT, "int", "4",
-                 "how many other GPUs of the node this GPU has NVLink to (GPUs in MIG mode included)",
+                 "opt-in (`--topology-detail-attributes`): how many other GPUs of the node this GPU has "
+                 "NVLink to (GPUs in MIG mode included)",
                  "no", "gpu"),
     AttributeDoc(NVLINK_PEERS, "string (ints with list attributes)", '"1,2,3,6" / [1, 2, 3, 6]',
-                 "indexes of the NVLink peers, ascending (as ranges, \"0-4,6-63\", past 64 chars); "
-                 "absent with no peers", "no", "gpu"),
+                 "opt-in (`--topology-detail-attributes`): indexes of the NVLink peers, ascending (as "
+                 "ranges, \"0-4,6-63\", past 64 chars); absent with no peers", "no", "gpu"),
     AttributeDoc(NVLINK_ISLAND, "string", '"island-0"',
-                 "GPUs with the same value are connected by NVLink paths, possibly over other GPUs: "
-                 "reachable, NOT necessarily linked with each other (use nvlinkClique<L> for that)",
+                 "opt-in (`--topology-detail-attributes`): GPUs with the same value are connected by "
+                 "NVLink paths, possibly over other GPUs: reachable, NOT necessarily linked with each "
+                 "other (use nvlinkClique<L> for that)",
                  "no", "gpu"),
     AttributeDoc(f"{NVLINK_LAYER_PREFIX}<L>", "string", '"0-1-2"',
                  f"clique layer L (0 to {NVLINK_LAYERS - 1}): GPUs with the same value are all directly "

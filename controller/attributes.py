@@ -67,9 +67,9 @@ ISOLATION = "isolation"  # share views only (dra_driver.sharing.shares.ISOLATION
 # 32 attributes+capacities limit whatever the topology module reports.
 NVLINK_GROUP_SIZES = (2, 4, 8, 16, 32, 64)
 
-# Everything a whole GPU publishes by default apart from the clique layers: the layers get
-# what is left of the per-device budget. The opt-in legacy attributes (LEGACY_ATTRIBUTES) are
-# dropped before the layers when a device would go over it.
+# Everything a whole GPU may publish apart from the clique layers (the opt-in topology-detail
+# ones included): the layers get what is left of the per-device budget. The opt-in legacy
+# attributes (LEGACY_ATTRIBUTES) are dropped before the layers when a device would go over it.
 WHOLE_GPU_BASE: tuple[str, ...] = (
     TYPE, UUID, PRODUCT_NAME, BRAND, ARCHITECTURE, CUDA_COMPUTE_CAPABILITY, DRIVER_VERSION,
     CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, INDEX, MINOR, NVLINK_CLIQUE_SIZE,
@@ -107,6 +107,15 @@ def nvlink_group_attribute(size: int) -> str:
 LEGACY_ATTRIBUTES: frozenset[str] = frozenset(
     {NUMA_NODE, *(nvlink_group_attribute(s) for s in NVLINK_GROUP_SIZES)}
 )
+
+# Published only with `--topology-detail-attributes` (chart `topologyDetailAttributes`): the
+# raw NVLink graph. No claim shape, DeviceClass or doc example selects on them (the clique
+# layers, nvlinkCliques, nvlinkCliqueSize and nvlinkDomain say what a claim needs; nvlinkIsland
+# must never be used to ask for linked GPUs), and our tools get the links elsewhere: `kubectl
+# gpu` from the clique layers (or nvlinkPeers where published), the demo from the claim's
+# status (its `nvlinkPeers` data), `dra-driver inventory` from NVML. 3 of a whole GPU's ~21
+# entries, about 1.7 us each per CEL evaluation (docs/attributes.md, "Cost").
+TOPOLOGY_DETAIL_ATTRIBUTES: frozenset[str] = frozenset({NVLINK_PEERS, NVLINK_PEER_COUNT, NVLINK_ISLAND})
 
 
 def nvlink_layer_attribute(layer: int) -> str:
@@ -418,11 +427,13 @@ def _without(entries: JSON, name: str) -> JSON:
 
 
 def device_attributes(device: NodeDevice, inventory: Inventory, nvlink: NvlinkFacts | None,
-                      *, list_attributes: bool, legacy: bool = False) -> DeviceAttributes:
+                      *, list_attributes: bool, legacy: bool = False,
+                      topology_detail: bool = False) -> DeviceAttributes:
     """The attributes and capacities of one device (`nvlink` is ignored for MIG devices).
 
     `list_attributes`: the server keeps list-type attributes (DRAListTypeAttributes);
     without it only scalar attributes are published. `legacy`: LEGACY_ATTRIBUTES too.
+    `topology_detail`: TOPOLOGY_DETAIL_ATTRIBUTES too.
     """
     if device.mig is None:
         attrs, capacity = _gpu_device(device.gpu, inventory, nvlink, list_attributes)
@@ -431,5 +442,7 @@ def device_attributes(device: NodeDevice, inventory: Inventory, nvlink: NvlinkFa
         attrs, capacity = _mig_device(device.gpu, device.mig, inventory, list_attributes)
         optional_capacity = tuple(sorted((k for k in capacity if k.startswith(MEMORY_SLICE_PREFIX)),
                                          key=lambda k: -int(k[len(MEMORY_SLICE_PREFIX):])))
-    return _fit({k: v for k, v in attrs.items() if v is not None and (legacy or k not in LEGACY_ATTRIBUTES)},
+    left_out = (frozenset() if legacy else LEGACY_ATTRIBUTES) | (
+        frozenset() if topology_detail else TOPOLOGY_DETAIL_ATTRIBUTES)
+    return _fit({k: v for k, v in attrs.items() if v is not None and k not in left_out},
                 {k: v for k, v in capacity.items() if v is not None}, optional_capacity)

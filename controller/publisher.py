@@ -70,6 +70,7 @@ async def slice_controller(
     shares_only: bool = False,
     legacy_attributes: bool = False,
     taints: bool = True,
+    topology_detail_attributes: bool = False,
 ) -> SliceController:
     """`taints`: health taints will be published (the plugin's health monitor runs)."""
     server = await probe_server(api, driver)
@@ -79,6 +80,7 @@ async def slice_controller(
         shares_only=shares_only,
         dynamic_mig=dynamic_mig,
         legacy_attributes=legacy_attributes,
+        topology_detail_attributes=topology_detail_attributes,
         taints=taints,
     )
     features, off = decide(asked, server)

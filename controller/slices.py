@@ -52,6 +52,9 @@ class SliceFeatures:
     dynamic_mig: bool = False
     # --legacy-attributes: also controller.attributes.LEGACY_ATTRIBUTES (nvlinkGroup<N>, numaNode)
     legacy_attributes: bool = False
+    # --topology-detail-attributes: also controller.attributes.TOPOLOGY_DETAIL_ATTRIBUTES
+    # (nvlinkPeers, nvlinkPeerCount, nvlinkIsland)
+    topology_detail_attributes: bool = False
     # 1.34 wants each counter set in the slice of the devices that consume it; 1.35+ apart
     counters_with_devices: bool = False
     # DRADeviceTaints: health taints on devices (off: the server would drop them)
@@ -175,7 +178,8 @@ def _described(
             raise ValueError(f"device name {d.name!r} is not a DNS label")
     described = tuple(
         device_attributes(d, inventory, facts.get(d.gpu.index), list_attributes=features.list_attributes,
-                          legacy=features.legacy_attributes)
+                          legacy=features.legacy_attributes,
+                          topology_detail=features.topology_detail_attributes)
         for d in devices
     )
     return devices, described

@@ -153,11 +153,18 @@ def gib(quantity: str) -> str:
 
 
 def all_linked(devices: Sequence[DeviceView]) -> bool | None:
-    """Whether every pair of the devices is directly NVLink-linked; None if indexes are unknown."""
+    """Whether every pair of the devices is directly NVLink-linked; None if indexes are unknown.
+
+    A pair is linked when one lists the other as a peer (the claim's status, or the slice's
+    nvlinkPeers with --topology-detail-attributes) or both are in one group of a clique layer."""
     if any(d.index is None for d in devices):
         return None
-    peers = {d.index: set(d.nvlink_peers) for d in devices}
-    return all(b in peers[a] for a, b in combinations(peers, 2))
+
+    def linked(a: DeviceView, b: DeviceView) -> bool:
+        return b.index in a.nvlink_peers or a.index in b.nvlink_peers or bool(
+            set(a.nvlink_cliques) & set(b.nvlink_cliques))
+
+    return all(linked(a, b) for a, b in combinations(devices, 2))
 
 
 def describe_excerpt(text: str, devices_shown: int = 1) -> str:

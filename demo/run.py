@@ -178,7 +178,14 @@ def _attribute(device: JSON, name: str) -> Any:
     return None
 
 
+def _status_peers(data: JSON) -> tuple[int, ...]:
+    """The `nvlinkPeers` the plugin wrote in the claim's status ([{gpu: "gpu-3", uuid}])."""
+    names = (str(p.get("gpu", "")) for p in data.get("nvlinkPeers") or [] if isinstance(p, dict))
+    return tuple(sorted(int(n.removeprefix("gpu-")) for n in names if n.removeprefix("gpu-").isdigit()))
+
+
 def _peers(device: JSON) -> tuple[int, ...]:
+    """nvlinkPeers of the slice: published only with --topology-detail-attributes."""
     raw = _attribute(device, "nvlinkPeers")
     if isinstance(raw, list):
         return tuple(int(x) for x in raw)
@@ -195,9 +202,12 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def device_view(
-    result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = (), minor: int | None = None
+    result: JSON, device: JSON | None, in_use_by: tuple[str, ...] = (), minor: int | None = None,
+    peers: tuple[int, ...] = (),
 ) -> DeviceView:
-    """`minor`: where the slice has none (a MIG slice), the one the plugin reported for it."""
+    """`minor`: where the slice has none (a MIG slice), the one the plugin reported for it;
+    `peers`: the NVLink peers the plugin reported in the claim's status (the slice has them
+    only with --topology-detail-attributes)."""
     device = device or {}
     published = _int_or_none(_attribute(device, "minor"))
     layers = sorted(
@@ -215,7 +225,7 @@ def device_view(
         minor=published if published is not None else minor,
         nvlink_cliques=tuple(text for _, text in layers),
         nvlink_domain=str(_attribute(device, "nvlinkDomain") or ""),
-        nvlink_peers=_peers(device),
+        nvlink_peers=tuple(sorted(set(_peers(device)) | set(peers))),
         admin_access=bool(result.get("adminAccess")),
         in_use_by=in_use_by,
     )
@@ -360,11 +370,18 @@ def pod_view(
         for claim, _ in claims
         for d in claim.get("status", {}).get("devices", []) or []
     }
+    # ... and the NVLink peers, which the slices publish only with --topology-detail-attributes
+    reported_peers = {
+        (d.get("pool"), d.get("device")): _status_peers(d.get("data") or {})
+        for claim, _ in claims
+        for d in claim.get("status", {}).get("devices", []) or []
+    }
 
     def view(r: JSON) -> DeviceView:
         where = (r["pool"], r["device"])
         in_use_by = in_use.get(where, ()) if r.get("adminAccess") else ()
-        return device_view(r, devices.get(where), in_use_by, reported.get(where))
+        return device_view(r, devices.get(where), in_use_by, reported.get(where),
+                           reported_peers.get(where, ()))
 
     claim_views = tuple(
         ClaimView(

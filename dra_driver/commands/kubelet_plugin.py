@@ -22,6 +22,7 @@ from dra_driver.commands.options import (
     health_options,
     legacy_attributes_option,
     memory_shares_option,
+    topology_detail_attributes_option,
 )
 from dra_driver.node import daemon
 from dra_driver.node.options import NodeOptions
@@ -113,6 +114,7 @@ log = structlog.get_logger(__name__)
 @memory_shares_option
 @dynamic_mig_option
 @legacy_attributes_option
+@topology_detail_attributes_option
 @health_options
 def kubelet_plugin(**values: Any) -> None:
     """Serve the kubelet's DRA plugin API on this node and publish its ResourceSlices."""

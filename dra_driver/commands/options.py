@@ -116,6 +116,20 @@ def legacy_attributes_option(f: F) -> F:
     )(f)
 
 
+def topology_detail_attributes_option(f: F) -> F:
+    """`--topology-detail-attributes`: also publish nvlinkPeers, nvlinkPeerCount, nvlinkIsland."""
+    return click.option(
+        "--topology-detail-attributes/--no-topology-detail-attributes",
+        envvar="TOPOLOGY_DETAIL_ATTRIBUTES",
+        default=False,
+        show_default=True,
+        help="Also publish the raw NVLink graph of each whole GPU: nvlinkPeers, nvlinkPeerCount and "
+        "nvlinkIsland. No claim shape needs them (the clique layers, nvlinkCliques, nvlinkCliqueSize "
+        "and nvlinkDomain do); for claims or tools of your own that read them. Off: every attribute "
+        "costs the scheduler CPU on every device it looks at (docs/attributes.md, \"Cost\").",
+    )(f)
+
+
 def claim_identity_option(f: F) -> F:
     """`--claim-identity-metric`: serve gpu_dra_device_claim_info on the metrics port."""
     return click.option(

@@ -2,7 +2,8 @@
 
 Reads the API server only (the node, its ResourceSlices of the driver, the ResourceClaims
 allocated in its pools, the pods on it) and prints the node's GPUs (product, memory, UUID,
-health from the devices' taints), the NVLink matrix from the published `nvlinkPeers`, and
+health from the devices' taints), the NVLink matrix (GPUs that share an `nvlinkClique<L>` or
+`nvlinkCliques` value, plus `nvlinkPeers` where `--topology-detail-attributes` publishes it), and
 per device the claims and pods that hold it: whole GPUs, memory shares with the memory each
 got, MIG instances; with the `Ready` condition the plugin wrote in the claim's status.
 `-o json` prints the same view as JSON. A big cluster's claims are read page by page with a
@@ -108,6 +109,38 @@ def _peers(value: Any) -> tuple[int, ...]:
             lo, hi = int(match[1]), int(match[2] or match[1])
             peers.extend(range(lo, hi + 1))
     return tuple(peers)
+
+
+_CLIQUE_ATTRIBUTE = re.compile(r"nvlinkClique\d+|nvlinkCliques")
+
+
+def _clique_links(slices: Iterable[JSON]) -> dict[int, set[int]]:
+    """GPU index -> the GPUs that share a clique (a value of a layer or of nvlinkCliques) with it:
+    directly linked. The layers hold every maximal clique of the node's whole GPUs unless it has
+    more than they hold (the driver logs it), so this is the matrix of the whole GPUs without
+    nvlinkPeers (opt-in); links to a GPU in MIG mode are in no clique."""
+    members: dict[tuple[str, str], set[int]] = {}
+    for s in slices:
+        for device in s["spec"].get("devices") or []:
+            index = _attr(device, "index")
+            if index is None:
+                continue
+            for name in device.get("attributes") or {}:
+                if _CLIQUE_ATTRIBUTE.fullmatch(name):
+                    value = _attr(device, name)
+                    for v in value if isinstance(value, list) else [value]:
+                        layer = name if name != "nvlinkCliques" else ""
+                        members.setdefault((layer, str(v)), set()).add(int(index))
+    links: dict[int, set[int]] = {}
+    for group in members.values():
+        for a in group:
+            links.setdefault(a, set()).update(group - {a})
+    return links
+
+
+def _row_peers(whole: JSON, from_cliques: set[int]) -> tuple[int, ...]:
+    """The published nvlinkPeers (opt-in) and the links the clique layers show, together."""
+    return tuple(sorted(set(_peers(_attr(whole, "nvlinkPeers"))) | from_cliques))
 
 
 def _kind(device: JSON) -> str:
@@ -217,6 +250,7 @@ def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[J
             row_state = "static" if static else mig_states.get(device["name"], "")
             gpu["devices"].append(DeviceRow(device["name"], kind, str(uuid), _memory(device), holders,
                                             row_state, _attr(device, "profile")))
+    clique_links = _clique_links(slices)
     rows = []
     for index in sorted(by_gpu):
         gpu = by_gpu[index]
@@ -241,7 +275,7 @@ def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[J
             uuid=str((_attr(whole, "uuid") if gpu["whole"] else _attr(whole, "parentUUID")) or "-"),
             health="Unhealthy" if taints else "Healthy",
             taints=taints,
-            nvlink_peers=_peers(_attr(whole, "nvlinkPeers")),
+            nvlink_peers=_row_peers(whole, clique_links.get(index, set())),
             devices=devices,
             mig_mode=mig_mode,
             memory_slices=memory_slices,

@@ -44,6 +44,8 @@ class NodeOptions:
     memory_shares_only: bool = False  # each whole GPU as its share view alone (controller.capacity)
     dynamic_mig: bool = False  # MIG-mode GPUs carved by claims (docs/mig.md)
     legacy_attributes: bool = False  # also nvlinkGroup<N>, numaNode (controller.attributes.LEGACY_ATTRIBUTES)
+    # also nvlinkPeers, nvlinkPeerCount, nvlinkIsland (controller.attributes.TOPOLOGY_DETAIL_ATTRIBUTES)
+    topology_detail_attributes: bool = False
     health_monitor: bool = True
     health_taint_effect: TaintEffect = "NoSchedule"
     health_quiet_period: float = 60.0

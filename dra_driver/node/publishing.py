@@ -42,7 +42,8 @@ async def publish(
     ctl = await slice_controller(
         api, opts.driver_name, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.shares,
         shares_only=opts.memory_shares_only, dynamic_mig=opts.dynamic_mig,
-        legacy_attributes=opts.legacy_attributes, taints=keeper is not None,
+        legacy_attributes=opts.legacy_attributes, topology_detail_attributes=opts.topology_detail_attributes,
+        taints=keeper is not None,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:

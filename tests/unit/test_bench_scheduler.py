@@ -96,7 +96,7 @@ def test_fill_gives_every_shape_the_same_fraction_of_what_the_fleet_holds() -> N
 
 def test_linked_shapes_are_built_for_the_fleet_and_sized_to_a_first_found_packing() -> None:
     from benchmarks.scheduler import first_found_packing, for_fleet, largest_clique, node_specs
-    from controller.attributes import LEGACY_ATTRIBUTES, NVLINK_CLIQUE_SIZE
+    from controller.attributes import LEGACY_ATTRIBUTES, NVLINK_CLIQUE_SIZE, TOPOLOGY_DETAIL_ATTRIBUTES
 
     dgx1 = fleet_of("dgx1-v100", 3)
     assert largest_clique(dgx1) == 4 and first_found_packing(discover("dgx1-v100"), 4) == 2
@@ -119,3 +119,4 @@ def test_linked_shapes_are_built_for_the_fleet_and_sized_to_a_first_found_packin
     new = node_specs("ours", discover("hgx-h200"), "n")[0]["devices"][0]["attributes"]
     assert NVLINK_CLIQUE_SIZE in new and NVLINK_CLIQUE_SIZE not in old
     assert LEGACY_ATTRIBUTES & set(old) and not LEGACY_ATTRIBUTES & set(new)
+    assert set(old) >= TOPOLOGY_DETAIL_ATTRIBUTES and not TOPOLOGY_DETAIL_ATTRIBUTES & set(new)

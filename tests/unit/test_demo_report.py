@@ -7,6 +7,8 @@ the NVLink clique attributes appear as the demo prints them. No cluster: made-up
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from demo.report import (
     ClaimView,
     ContainerView,
@@ -15,6 +17,7 @@ from demo.report import (
     ExampleView,
     NodeView,
     PodView,
+    all_linked,
     counts,
     listed_devices,
     render,
@@ -93,3 +96,24 @@ def test_wrong_gpu_and_a_pod_that_does_not_run_are_problems() -> None:
     text = render(report(wrong, stuck))
     assert "MISMATCH: allocated /dev/nvidia6, the container lists /dev/nvidia4 /dev/nvidia5" in text
     assert "1 NOT Running (gpu-demo/stuck Pending)" in text
+
+
+def test_linked_without_peers_when_the_devices_share_a_clique_layer_group() -> None:
+    # the slices publish nvlinkPeers only with --topology-detail-attributes; one layer group is enough
+    bare = [replace(gpu(n), nvlink_peers=()) for n in (4, 5)]
+    assert all_linked(bare) is True
+    apart = [replace(gpu(4), nvlink_peers=(), nvlink_cliques=("nvlinkClique0=0-4",)),
+             replace(gpu(6), nvlink_peers=(), nvlink_cliques=("nvlinkClique0=2-6",))]
+    assert all_linked(apart) is False
+    assert all_linked([replace(apart[0], nvlink_peers=(6,)), apart[1]]) is True  # the claim status's peers
+
+
+def test_the_demo_reads_nvlink_peers_from_the_claim_status_when_the_slice_has_none() -> None:
+    from demo.run import _status_peers, device_view
+
+    data = {"nvlinkPeers": [{"gpu": "gpu-3", "uuid": "GPU-3"}, {"gpu": "gpu-1", "uuid": "GPU-1"}]}
+    assert _status_peers(data) == (1, 3)
+    device = {"attributes": {"index": {"int": 0}, "nvlinkClique0": {"string": "0-1"}}}
+    result = {"request": "r", "pool": "p", "device": "gpu-0"}
+    view = device_view(result, device, (), None, _status_peers(data))
+    assert view.nvlink_peers == (1, 3) and view.nvlink_cliques == ("nvlinkClique0=0-1",)

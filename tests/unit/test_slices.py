@@ -44,9 +44,10 @@ from dra_driver.names import is_dns_label, is_dns_subdomain
 from dra_driver.sharing.config import quantity_value
 
 NODE = "node-1"
-# legacy on: most tests here check the opt-in legacy attributes too; test_default_* the default
-OFF = SliceFeatures(list_attributes=False, legacy_attributes=True)
-ON = SliceFeatures(list_attributes=True, legacy_attributes=True)
+# legacy and topology detail on: most tests here check those opt-in attributes too;
+# test_default_* the default
+OFF = SliceFeatures(list_attributes=False, legacy_attributes=True, topology_detail_attributes=True)
+ON = SliceFeatures(list_attributes=True, legacy_attributes=True, topology_detail_attributes=True)
 BOTH = pytest.mark.parametrize("features", [OFF, ON], ids=["ga", "list-attrs"])
 REPO = Path(__file__).resolve().parents[2]
 
@@ -399,7 +400,7 @@ def test_any_nvlink_graph_gives_groups_that_are_cliques_and_keeps_the_limits(
     peers = {i: sorted(j for j in range(count) if frozenset((i, j)) in edges) for i in range(count)}
     inv = inventory(*(gpu(i, links=peers[i]) for i in range(count)))
     assert raw_nvlink_graph(inv) == edges
-    features = SliceFeatures(list_attributes=list_attributes)
+    features = SliceFeatures(list_attributes=list_attributes, topology_detail_attributes=True)
     specs = desired_slices(inv, NODE, DRIVER, features)
     check_limits(specs, features)
     for size in A.NVLINK_GROUP_SIZES:
@@ -664,7 +665,8 @@ def test_over_the_limit_the_legacy_groups_go_before_any_layer() -> None:
         cliques=("0-1",), layers={n: f"0-{n + 1}" for n in range(A.NVLINK_LAYERS)}, domain="island-0",
         clique_size=2,
     )
-    device = A.device_attributes(node_devices(inv)["gpu-0"], inv, facts, list_attributes=True, legacy=True)
+    device = A.device_attributes(node_devices(inv)["gpu-0"], inv, facts, list_attributes=True, legacy=True,
+                                 topology_detail=True)
     assert device.count == A.MAX_ATTRIBUTES_AND_CAPACITIES
     names = set(device.attributes)
     assert {A.nvlink_layer_attribute(n) for n in range(A.NVLINK_LAYERS)} <= names
@@ -682,6 +684,40 @@ def test_default_publishes_no_legacy_attribute(list_attributes: bool) -> None:
         specs = desired_slices(profile_inventory(name), NODE, DRIVER, features)
         for dev in devices_of(specs):
             assert not A.LEGACY_ATTRIBUTES & set(dev.get("attributes", {})), (name, dev["name"])
+
+
+@pytest.mark.parametrize("list_attributes", [False, True], ids=["ga", "list-attrs"])
+def test_default_publishes_no_topology_detail_attribute(list_attributes: bool) -> None:
+    assert {"nvlinkPeers", "nvlinkPeerCount", "nvlinkIsland"} == A.TOPOLOGY_DETAIL_ATTRIBUTES
+    for name in profiles():
+        features = SliceFeatures(list_attributes=list_attributes)
+        specs = desired_slices(profile_inventory(name), NODE, DRIVER, features)
+        for dev in devices_of(specs):
+            assert not A.TOPOLOGY_DETAIL_ATTRIBUTES & set(dev.get("attributes", {})), (name, dev["name"])
+
+
+@pytest.mark.parametrize("list_attributes", [False, True], ids=["ga", "list-attrs"])
+def test_the_topology_detail_flag_brings_them_back_and_nothing_else(list_attributes: bool) -> None:
+    inv = profile_inventory("dgx1-v100")
+    plain = devices_of(desired_slices(inv, NODE, DRIVER, SliceFeatures(list_attributes=list_attributes)))
+    detail = devices_of(desired_slices(inv, NODE, DRIVER, SliceFeatures(
+        list_attributes=list_attributes, topology_detail_attributes=True)))
+    assert [d["name"] for d in plain] == [d["name"] for d in detail]
+    for p, d in zip(plain, detail, strict=True):
+        if attr(d, "type") != "gpu":
+            continue
+        assert set(d["attributes"]) - set(p["attributes"]) == A.TOPOLOGY_DETAIL_ATTRIBUTES, d["name"]
+        assert {k: v for k, v in d["attributes"].items() if k in p["attributes"]} == p["attributes"]
+        assert attr(d, "nvlinkPeerCount") == 4  # DGX-1: every V100 has 4 NVLink peers
+
+
+def test_default_entries_per_whole_gpu() -> None:
+    # what CEL copies per device and evaluation (docs/attributes.md, "Cost"), list attributes on
+    features = SliceFeatures(list_attributes=True)
+    for name, entries in (("hgx-h200", 18), ("dgx1-v100", 18)):
+        for dev in devices_of(desired_slices(profile_inventory(name), NODE, DRIVER, features)):
+            if attr(dev, "type") == "gpu":
+                assert len(dev["attributes"]) + len(dev.get("capacity", {})) == entries, (name, dev["name"])
 
 
 @pytest.mark.parametrize(("name", "sizes"), [

@@ -190,3 +190,26 @@ def test_dynamic_mig_gpus_show_their_slices_held_placements_with_uuids_and_what_
     assert not any(line.startswith("gpu-0-mig-1g-18gb-19-4 ") for line in text.splitlines())
     as_json = json.loads(json.dumps(asdict(view)))
     assert as_json["gpus"][0]["blocked"] == list(gpu0.blocked)
+
+
+@pytest.mark.parametrize("profile", ["dgx1-v100", "bridged-triangles-v100", "ring8-v100", "hgx-h200"])
+def test_the_nvlink_matrix_comes_from_the_clique_layers_without_nvlink_peers(profile: str) -> None:
+    # nvlinkPeers is opt-in (--topology-detail-attributes): the default slices' layers give the same links
+    inventory = discover(profile)
+    truth: dict[int, tuple[int, ...]] | None = None
+    for features in (SliceFeatures(), SliceFeatures(list_attributes=True),
+                     SliceFeatures(topology_detail_attributes=True)):
+        specs = desired_slices(inventory, NODE, DRIVER, features)
+        objects = [{"metadata": {"name": f"s{i}"}, "spec": s} for i, s in enumerate(specs)]
+        view = node_view(NODE, DRIVER, objects, [], [])
+        got = {g.index: g.nvlink_peers for g in view.gpus}
+        if truth is None:
+            detailed = desired_slices(inventory, NODE, DRIVER, SliceFeatures(topology_detail_attributes=True))
+            truth = {int(d["attributes"]["index"]["int"]): _published_peers(d)
+                     for s in detailed for d in s.get("devices", []) if "index" in d.get("attributes", {})}
+        assert got == truth, features
+
+
+def _published_peers(device: dict[str, Any]) -> tuple[int, ...]:
+    raw = device["attributes"].get("nvlinkPeers", {}).get("string", "")
+    return tuple(int(p) for p in raw.split(",") if p)
