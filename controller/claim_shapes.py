@@ -30,8 +30,8 @@ devices, share views, GPUs in MIG mode and other drivers' devices have none, and
 without the constrained attribute is never picked. Upstream's allocator evaluates a class's
 selector on every device it looks at, copying all the device's attributes for each expression
 (docs/nvlink.md, "Where the CPU goes"); with no selector a linked claim costs no CEL at all,
-only the `matchAttribute` search, which is cheaper than one CEL evaluation per device even on a
-node that cannot hold k (it drops a device as soon as its clique value differs). A request that
+only the `matchAttribute` search (on a node that cannot hold k, 2^g steps for a linked group
+of g: `controller.claim_fit` adds the fail-fast selector where that is dearer). A request that
 names this class without such a constraint would get any devices: the chart's admission policy
 `linked-claims.<driver>` refuses it (deploy/helm/.../linked-claim-policy.yaml).
 With another class (`device_class=`), a one-subrequest shape carries `fits_selector(k)` (the
