@@ -364,18 +364,15 @@ def pod_view(
         return PodView(key[0], key[1], None, phase, pending_reason=scheduler_reason(api, *key))
 
     claims = [(g.claims[uid], origin) for uid, origin in g.pod_claims[key]]
-    # A MIG slice's parent minor is no attribute of its device: the claim's status says it
-    reported = {
-        (d.get("pool"), d.get("device")): _int_or_none((d.get("data") or {}).get("minor"))
-        for claim, _ in claims
-        for d in claim.get("status", {}).get("devices", []) or []
-    }
-    # ... and the NVLink peers, which the slices publish only with --topology-detail-attributes
-    reported_peers = {
-        (d.get("pool"), d.get("device")): _status_peers(d.get("data") or {})
-        for claim, _ in claims
-        for d in claim.get("status", {}).get("devices", []) or []
-    }
+    # What the claim's status says of each device: a MIG slice's parent minor (no attribute of
+    # its device) and the NVLink peers (in the slices only with --topology-detail-attributes)
+    reported: dict[tuple[Any, Any], int | None] = {}
+    reported_peers: dict[tuple[Any, Any], tuple[int, ...]] = {}
+    for claim, _ in claims:
+        for d in claim.get("status", {}).get("devices", []) or []:
+            data = d.get("data") or {}
+            reported[(d.get("pool"), d.get("device"))] = _int_or_none(data.get("minor"))
+            reported_peers[(d.get("pool"), d.get("device"))] = _status_peers(data)
 
     def view(r: JSON) -> DeviceView:
         where = (r["pool"], r["device"])

@@ -2,8 +2,9 @@
 
 Reads the API server only (the node, its ResourceSlices of the driver, the ResourceClaims
 allocated in its pools, the pods on it) and prints the node's GPUs (product, memory, UUID,
-health from the devices' taints), the NVLink matrix (GPUs that share an `nvlinkClique<L>` or
-`nvlinkCliques` value, plus `nvlinkPeers` where `--topology-detail-attributes` publishes it), and
+health from the devices' taints), the NVLink matrix (GPUs that share an `nvlinkClique<L>`,
+`nvlinkCliques` or `nvlinkDomain` value, plus `nvlinkPeers` where `--topology-detail-attributes`
+publishes it), and
 per device the claims and pods that hold it: whole GPUs, memory shares with the memory each
 got, MIG instances; with the `Ready` condition the plugin wrote in the claim's status.
 `-o json` prints the same view as JSON. A big cluster's claims are read page by page with a
@@ -25,6 +26,7 @@ from typing import Any
 
 import click
 
+from controller.attributes import LINKED_SET_ATTRIBUTES
 from dra_driver import DEFAULT_DRIVER_NAME, kube, log
 from dra_driver.commands.listing import RESOURCE_API, read_cluster
 from dra_driver.commands.listing import list_all as _list
@@ -111,26 +113,22 @@ def _peers(value: Any) -> tuple[int, ...]:
     return tuple(peers)
 
 
-_CLIQUE_ATTRIBUTE = re.compile(r"nvlinkClique\d+|nvlinkCliques")
-
-
 def _clique_links(slices: Iterable[JSON]) -> dict[int, set[int]]:
-    """GPU index -> the GPUs that share a clique (a value of a layer or of nvlinkCliques) with it:
-    directly linked. The layers hold every maximal clique of the node's whole GPUs unless it has
-    more than they hold (the driver logs it), so this is the matrix of the whole GPUs without
-    nvlinkPeers (opt-in); links to a GPU in MIG mode are in no clique."""
-    members: dict[tuple[str, str], set[int]] = {}
+    """GPU index -> the GPUs that share a value of a clique attribute with it (a layer,
+    nvlinkCliques, nvlinkDomain: controller.attributes.LINKED_SET_ATTRIBUTES): directly linked.
+    The layers hold every maximal clique of the node's whole GPUs unless it has more than they
+    hold (the driver logs it), so this is the matrix of the whole GPUs without nvlinkPeers
+    (opt-in); links to a GPU in MIG mode are in no clique."""
+    members: dict[str, set[int]] = {}  # a clique's id names its members: one id, one set
     for s in slices:
         for device in s["spec"].get("devices") or []:
             index = _attr(device, "index")
             if index is None:
                 continue
-            for name in device.get("attributes") or {}:
-                if _CLIQUE_ATTRIBUTE.fullmatch(name):
-                    value = _attr(device, name)
-                    for v in value if isinstance(value, list) else [value]:
-                        layer = name if name != "nvlinkCliques" else ""
-                        members.setdefault((layer, str(v)), set()).add(int(index))
+            for name in LINKED_SET_ATTRIBUTES & set(device.get("attributes") or {}):
+                value = _attr(device, name)
+                for v in value if isinstance(value, list) else [value]:
+                    members.setdefault(str(v), set()).add(int(index))
     links: dict[int, set[int]] = {}
     for group in members.values():
         for a in group:

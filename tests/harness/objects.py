@@ -248,6 +248,20 @@ def delete_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "
             raise
 
 
+def policy_denial(api: client.ApiClient, namespace: str, body: JSON, dry_run: bool = False) -> str | None:
+    """What an admission policy answered to creating the ResourceClaim or ResourceClaimTemplate
+    `body` (the text after "denied request: "); None if it was admitted."""
+    plural = "resourceclaimtemplates" if body["kind"] == "ResourceClaimTemplate" else "resourceclaims"
+    try:
+        sync_request(api, "POST", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}", body,
+                     query={"dryRun": "All"} if dry_run else None)
+    except ApiException as e:
+        message = api_error(e)
+        assert "denied request: " in message, message
+        return message.split("denied request: ", 1)[1]
+    return None
+
+
 # -- applying YAML ---------------------------------------------------------------------------
 
 

@@ -39,11 +39,11 @@ from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import (
     allocation_results,
-    api_error,
     create_device_class,
     get_claim,
     get_pod,
     load_yaml_documents,
+    policy_denial,
     scheduler_reason,
     sync_request,
     wait_for,
@@ -60,7 +60,6 @@ GPU_CLASS = f"cfg-gpu-{SUFFIX}"
 MIG_CLASS = f"cfg-mig-{SUFFIX}"
 NV = {"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}
 OURS = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig"}
-DENIED = "denied request: "
 
 
 @dataclass
@@ -116,27 +115,10 @@ def _one_request(parameters: Any, cls: str = GPU_CLASS, count: int = 1) -> JSON:
     }
 
 
-def _denial(api: client.ApiClient, namespace: str, body: JSON, dry_run: bool = False) -> str | None:
-    """The policy's message for creating `body`, None if it is admitted."""
-    plural = "resourceclaimtemplates" if body["kind"] == "ResourceClaimTemplate" else "resourceclaims"
-    try:
-        sync_request(
-            api,
-            "POST",
-            f"{RESOURCE_API}/namespaces/{namespace}/{plural}",
-            body,
-            query={"dryRun": "All"} if dry_run else None,
-        )
-    except ApiException as e:
-        message = api_error(e)
-        assert DENIED in message, message
-        return message.split(DENIED, 1)[1]
-    return None
-
-
 def _policy_in_effect(api: client.ApiClient, namespace: str) -> None:
     probe = _claim("probe", _one_request({**NV, "kind": "VfioDeviceConfig"}))
-    wait_for("the claim-config policy to take effect", lambda: _denial(api, namespace, probe, dry_run=True))
+    wait_for("the claim-config policy to take effect",
+             lambda: policy_denial(api, namespace, probe, dry_run=True))
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +319,8 @@ def test_nvidia_per_device_limits_by_index_override_the_default(case: Case) -> N
             },
         },
     }
-    assert _denial(case.api, case.ns, _claim("dry", _one_request(parameters, count=2)), dry_run=True) is None
+    dry = _claim("dry", _one_request(parameters, count=2))
+    assert policy_denial(case.api, case.ns, dry, dry_run=True) is None
     name = case.create(_one_request(parameters, count=2))
     env = case.env_by_request(case.claim_of(name))
     assert _mps(env["gpu"])["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G,1=4G"
@@ -391,7 +374,7 @@ def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
 ) -> None:
     expected = _plugin_message(parameters)
     claim = _claim("refused", _one_request(parameters))
-    message = _denial(bench.api, namespace, claim)
+    message = policy_denial(bench.api, namespace, claim)
     assert message is not None and expected.endswith(message) and message.startswith("opaque.parameters"), (
         f"policy: {message}\nplugin: {expected}"
     )
@@ -401,7 +384,7 @@ def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
         "metadata": {"name": "refused"},
         "spec": {"spec": claim["spec"]},
     }
-    assert _denial(bench.api, namespace, template) == message
+    assert policy_denial(bench.api, namespace, template) == message
     claims = sync_request(bench.api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims")["items"]
     assert claims == []  # nothing was written, so nothing can be allocated
 
@@ -409,7 +392,7 @@ def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
 def test_another_drivers_config_is_not_ours_to_check(bench: Bench, namespace: str) -> None:
     devices = _one_request({**NV, "kind": "VfioDeviceConfig"})
     devices["config"][0]["opaque"]["driver"] = "gpu.nvidia.com"
-    assert _denial(bench.api, namespace, _claim("theirs", devices), dry_run=True) is None
+    assert policy_denial(bench.api, namespace, _claim("theirs", devices), dry_run=True) is None
 
 
 # --------------------------------------------------------------------------- written before the policy
@@ -427,7 +410,8 @@ def test_a_claim_written_before_the_policy_is_allocated_and_refused_by_the_plugi
         sync_request(case.api, "DELETE", _admission_path(doc, name=True))
     wait_for(
         "the claim-config policy to be gone",
-        lambda: _denial(case.api, case.ns, _claim("probe", _one_request(parameters)), dry_run=True) is None,
+        lambda: policy_denial(case.api, case.ns, _claim("probe", _one_request(parameters)),
+                              dry_run=True) is None,
     )
     try:
         name = case.create(_one_request(parameters))
@@ -438,7 +422,7 @@ def test_a_claim_written_before_the_policy_is_allocated_and_refused_by_the_plugi
     claim = case.claim_of(name)  # bound: the finalizer and the allocation were written
     assert claim["metadata"].get("finalizers") and allocation_results(claim)
     answer = case.prepare(claim)
-    policy_message = _denial(case.api, case.ns, _claim("again", _one_request(parameters)), dry_run=True)
+    policy_message = policy_denial(case.api, case.ns, _claim("again", _one_request(parameters)), dry_run=True)
     assert policy_message is not None and answer.error.endswith(policy_message), answer.error
     # Deleting it removes the finalizer (an update that changes no spec): it must go through.
     case.clear()

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from controller.claim_fit import fit_linked_claim
 from controller.claim_shapes import linked_class, linked_gpus_ga, linked_gpus_list
@@ -49,12 +48,12 @@ from tests.harness.driver_image import render_chart
 from tests.harness.objects import (
     RESOURCE_API,
     allocation_results,
-    api_error,
     create_node,
     create_object,
     delete_object,
     get_claim,
     get_pod,
+    policy_denial,
     scheduler_reason,
     sync_client,
     sync_request,
@@ -390,20 +389,11 @@ def test_random_topology_linked_sets_found_exactly_when_free(case: Case) -> None
 
 
 def _refusal(api: client.ApiClient, namespace: str, devices: JSON, template: bool = False) -> str | None:
-    """The policy's refusal of a claim (or claim template) with these devices, by a dry run (what
-    follows "denied request: "); None if it is admitted."""
+    """The policy's refusal of a claim (or claim template) with these devices, by a dry run."""
     spec = {"devices": devices}
-    kind, plural, body = (("ResourceClaimTemplate", "resourceclaimtemplates", {"spec": spec}) if template
-                          else ("ResourceClaim", "resourceclaims", spec))
-    try:
-        sync_request(api, "POST", f"{RESOURCE_API}/namespaces/{namespace}/{plural}",
-                     {"apiVersion": "resource.k8s.io/v1", "kind": kind, "metadata": {"name": "probe"},
-                      "spec": body}, query={"dryRun": "All"})
-    except ApiException as e:
-        message = api_error(e)
-        assert "denied request: " in message, message
-        return message.split("denied request: ", 1)[1]
-    return None
+    kind, body = ("ResourceClaimTemplate", {"spec": spec}) if template else ("ResourceClaim", spec)
+    return policy_denial(api, namespace, {"apiVersion": "resource.k8s.io/v1", "kind": kind,
+                                          "metadata": {"name": "probe"}, "spec": body}, dry_run=True)
 
 
 def test_the_policy_admits_the_linked_claims_and_refuses_the_class_without_a_clique_constraint(

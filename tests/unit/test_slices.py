@@ -677,23 +677,16 @@ def test_over_the_limit_the_legacy_groups_go_before_any_layer() -> None:
 # ---------------------------------------------------------------- default set, clique size
 
 
+@pytest.mark.parametrize(
+    "opt_in", [A.LEGACY_ATTRIBUTES, A.TOPOLOGY_DETAIL_ATTRIBUTES], ids=["legacy", "detail"])
 @pytest.mark.parametrize("list_attributes", [False, True], ids=["ga", "list-attrs"])
-def test_default_publishes_no_legacy_attribute(list_attributes: bool) -> None:
-    for name in profiles():
-        features = SliceFeatures(list_attributes=list_attributes)
-        specs = desired_slices(profile_inventory(name), NODE, DRIVER, features)
-        for dev in devices_of(specs):
-            assert not A.LEGACY_ATTRIBUTES & set(dev.get("attributes", {})), (name, dev["name"])
-
-
-@pytest.mark.parametrize("list_attributes", [False, True], ids=["ga", "list-attrs"])
-def test_default_publishes_no_topology_detail_attribute(list_attributes: bool) -> None:
+def test_default_publishes_no_opt_in_attribute(list_attributes: bool, opt_in: frozenset[str]) -> None:
     assert {"nvlinkPeers", "nvlinkPeerCount", "nvlinkIsland"} == A.TOPOLOGY_DETAIL_ATTRIBUTES
     for name in profiles():
         features = SliceFeatures(list_attributes=list_attributes)
         specs = desired_slices(profile_inventory(name), NODE, DRIVER, features)
         for dev in devices_of(specs):
-            assert not A.TOPOLOGY_DETAIL_ATTRIBUTES & set(dev.get("attributes", {})), (name, dev["name"])
+            assert not opt_in & set(dev.get("attributes", {})), (name, dev["name"])
 
 
 @pytest.mark.parametrize("list_attributes", [False, True], ids=["ga", "list-attrs"])
