@@ -58,7 +58,13 @@ call, and `cpu_ms_per_prepare` / `cpu_ms_per_unprepare` are the sums over the ca
 each kind divided by their count (the kernel reports in 10 ms ticks: each reading is
 rounded, the sums over 1,000 calls are not biased by it; `cpu_ms_per_cycle`, read once
 around all the cycles, is the check). Work a plugin does in the background after answering
-(ours: the claim's status write) is counted to whichever call is in flight then.
+(ours: the claim's status write) is counted to whichever call is in flight then; back to
+back, a claim is unprepared before its status write would start (the writer waits for a
+quiet period after the kubelet's calls, and then has nothing to write), so these cycles
+do not include it. `cpu_ms_per_paced_cycle` does: PACED_CYCLES cycles with PACE_S after
+each call (a pod that lives a second: its status written and released), their utime+stime
+less what the process spends idle (`idle_cpu_ms_per_second`, read over IDLE_S without a call
+just before) over the same time.
 
 Run alone: `python -m benchmarks.prepare [--example | --baseline-ref REF] [--current-ref REF]
 [--starts N] [--rounds N] [--cycles N]` (prints each start's progress and, with a baseline,
@@ -448,6 +454,16 @@ class Block:
     prepare_cpu_s: float = 0.0  # ... over the cycles' Prepares alone (sampled around each call)
     unprepare_cpu_s: float = 0.0
     cycles: int = 0
+    idle_cpu_s: float = 0.0  # utime+stime over IDLE_S without a call
+    paced_cpu_s: float = 0.0  # ... over PACED_CYCLES cycles with PACE_S after each call
+
+
+# A pod that lives a while: its claim's status is written (dra_driver.plugin.claim_status
+# waits for a quiet period after the kubelet's calls, and a claim unprepared before its
+# write is never written, as in the back-to-back cycles above).
+PACED_CYCLES = 10
+PACE_S = 0.5
+IDLE_S = 5.0
 
 
 def measure_block(
@@ -507,13 +523,23 @@ def measure_block(
             unprepare_cpu += after - between
         cycles_cpu = _cpu_s(pid) - cycles_start
         rss_after = _rss_kib(pid)
+        idle_start = _cpu_s(pid)
+        time.sleep(IDLE_S)
+        idle_cpu = _cpu_s(pid) - idle_start
+        paced_start = _cpu_s(pid)
+        for _ in range(PACED_CYCLES):
+            kubelet.prepare(claims[1])
+            time.sleep(PACE_S)
+            kubelet.unprepare(claims[1])
+            time.sleep(PACE_S)
+        paced_cpu = _cpu_s(pid) - paced_start
         kubelet.close()
     finally:
         plugin.stop()
         shutil.rmtree(run_root, ignore_errors=True)
     block = Block(
         side.label, start_to_registered, phases, rss_before, rss_after,
-        start_cpu, cycles_cpu, prepare_cpu, unprepare_cpu, cycles,
+        start_cpu, cycles_cpu, prepare_cpu, unprepare_cpu, cycles, idle_cpu, paced_cpu,
     )
     # the floor's durable write goes into a dir on disk: the example's plugin dir is on the tmpfs
     return block, plugin.data_dir if side.example is None else plugin.kubelet_dir
@@ -539,6 +565,11 @@ def _side_result(blocks: list[Block], cycles: int) -> dict[str, Any]:
         "cpu_ms_per_prepare": per_call_ms(sum(b.prepare_cpu_s for b in blocks)),
         "cpu_ms_per_unprepare": per_call_ms(sum(b.unprepare_cpu_s for b in blocks)),
         "cpu_ms_per_cycle": per_call_ms(sum(b.cycles_cpu_s for b in blocks)),
+        "idle_cpu_ms_per_second": round(sum(b.idle_cpu_s for b in blocks) / (IDLE_S * len(blocks)) * 1000, 3),
+        # the paced cycles' CPU less what the process spends idle over the same time
+        "cpu_ms_per_paced_cycle": round(
+            sum(b.paced_cpu_s - b.idle_cpu_s * (2 * PACE_S * PACED_CYCLES / IDLE_S) for b in blocks)
+            / (PACED_CYCLES * len(blocks)) * 1000, 3),
         "prepare_sequential": _percentiles(pooled("prepare_sequential")),
         "unprepare_sequential": _percentiles(pooled("unprepare_sequential")),
         "prepare_16_concurrent": _percentiles(pooled("prepare_concurrent")),
@@ -580,7 +611,8 @@ def _current_to_baseline(current: dict[str, Any], baseline: dict[str, Any], cycl
         "start_to_registered": ratio(current["start_to_registered_s"], baseline["start_to_registered_s"]),
         "start_cpu": ratio(current["start_cpu_s"], baseline["start_cpu_s"]),
     }
-    for key in ("cpu_ms_per_prepare", "cpu_ms_per_unprepare", "cpu_ms_per_cycle"):
+    for key in ("cpu_ms_per_prepare", "cpu_ms_per_unprepare", "cpu_ms_per_cycle", "cpu_ms_per_paced_cycle",
+                "idle_cpu_ms_per_second"):
         out[key.removesuffix("_ms")] = ratio(current[key], baseline[key])
     for phase in COMPARED_PHASES:
         for stat in ("p50_ms", "p99_ms"):
@@ -722,7 +754,8 @@ def comparison_table(result: dict[str, Any], cycles: int) -> str:
             str(ratio["start_to_registered"]),
         )
     )
-    for key in ("start_cpu_s", "cpu_ms_per_prepare", "cpu_ms_per_unprepare", "cpu_ms_per_cycle"):
+    for key in ("start_cpu_s", "cpu_ms_per_prepare", "cpu_ms_per_unprepare", "cpu_ms_per_cycle",
+                "cpu_ms_per_paced_cycle", "idle_cpu_ms_per_second"):
         name = key.removesuffix("_s").removesuffix("_ms")
         rows.append((key, str(base[key]), str(cur[key]), str(ratio[name])))
     for phase in COMPARED_PHASES[:-1]:  # the printed table leaves out the 16 empty calls

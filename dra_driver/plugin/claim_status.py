@@ -16,8 +16,10 @@ A work queue, as dra-example-driver's status_updater.go: the DRA service hands i
 claim's new state (with what Prepare read of the claim: no second GET) and it writes after
 the kubelet's answer, in the background: once per state change, coalesced per claim (the
 latest wanted state wins; a claim is never written by two workers at once), at most
-`CONCURRENCY` writes at a time, none started while a kubelet call is in flight (for at
-most `QUIET_MAX_WAIT`), each failure retried with backoff by this queue alone (ATTEMPTS in
+`CONCURRENCY` writes at a time, none started while a kubelet call is in flight or within
+`QUIET_PERIOD` of the last one's end (for at most `QUIET_MAX_WAIT`: the kubelet's calls come
+in bursts as pods start, and a burst's writes wait for its end; a claim prepared and
+unprepared within it is never written), each failure retried with backoff by this queue alone (ATTEMPTS in
 all; 404/409/422 end it: the claim is gone, re-created or deallocated). An error is logged
 with the claim's identity and counted (`gpu_dra_api_errors{component="claim-status"}`).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections import deque
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import asdict, astuple, dataclass
@@ -68,8 +71,11 @@ COMPONENT: Final = "claim-status"  # the api_errors label of this writer
 ATTEMPTS: Final = 5
 FIRST_BACKOFF_SECONDS: Final = 1.0
 CONCURRENCY: Final = 4  # writes in flight at once, for the whole node
-# A write waits for the kubelet's calls in flight to end, but no longer than this: a node
-# that is never quiet still gets its status.
+# A write waits until no kubelet call was in flight for this long (a burst of pod starts
+# is answered before its claims are written, so no write competes with a Prepare on the
+# event loop), but no longer than QUIET_MAX_WAIT: a node that is never quiet still gets
+# its status.
+QUIET_PERIOD: Final = 0.2
 QUIET_MAX_WAIT: Final = 1.0
 WRITE_TIMEOUT_SECONDS: Final = 10.0  # one attempt; the queue's backoff makes the next
 # Answers that another attempt cannot change: the claim is gone or was re-created (the
@@ -109,6 +115,7 @@ class ClaimStatus:
         first_backoff: float = FIRST_BACKOFF_SECONDS,
         concurrency: int = CONCURRENCY,
         quiet_max_wait: float = QUIET_MAX_WAIT,
+        quiet_period: float = QUIET_PERIOD,
     ) -> None:
         self.api = api
         self.driver = driver
@@ -119,6 +126,7 @@ class ClaimStatus:
         self.first_backoff = first_backoff
         self.concurrency = concurrency
         self.quiet_max_wait = quiet_max_wait
+        self.quiet_period = quiet_period
         self.views: dict[str, DeviceView] = {}
         # what this node holds now (for health rewrites), by claim uid
         self._held: dict[str, tuple[ClaimRef, tuple[PreparedDevice, ...], ClaimFacts | None]] = {}
@@ -137,6 +145,7 @@ class ClaimStatus:
         self._workers: set[asyncio.Task[None]] = set()  # started on demand, end when nothing is ready
         self._working = 0
         self._busy = 0
+        self._last_call_end = float("-inf")  # time.monotonic()
         # futures rather than asyncio.Events, which stay bound to the first loop that waits
         self._quiet_waiters: list[asyncio.Future[None]] = []
         self._idle_waiters: list[asyncio.Future[None]] = []
@@ -144,12 +153,14 @@ class ClaimStatus:
     # -- what the DRA service tells it -------------------------------------------------------------
 
     def call_started(self) -> None:
-        """A kubelet call is in flight: no write starts until it ended (or QUIET_MAX_WAIT)."""
+        """A kubelet call is in flight: no write starts until QUIET_PERIOD after it ended (or
+        QUIET_MAX_WAIT)."""
         self._busy += 1
 
     def call_ended(self) -> None:
         """Its answer was sent (grpc calls this at the RPC's end)."""
         self._busy = max(0, self._busy - 1)
+        self._last_call_end = time.monotonic()
         if not self._busy:
             _wake(self._quiet_waiters)
 
@@ -266,11 +277,7 @@ class ClaimStatus:
             self._queued.discard(uid)
             if uid in self._active:
                 continue  # the worker writing it queues it again when done
-            if self._busy:
-                waiter = asyncio.get_running_loop().create_future()
-                self._quiet_waiters.append(waiter)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter, self.quiet_max_wait)
+            await self._quiet()
             wanted = self._wanted.get(uid)  # read after the wait: the latest state wins
             if wanted is None or uid in self._active:
                 continue
@@ -285,6 +292,20 @@ class ClaimStatus:
             finally:
                 self._active.discard(uid)
             self._settle(wanted, outcome)
+
+    async def _quiet(self) -> None:
+        """Until no kubelet call was in flight for `quiet_period`, or `quiet_max_wait` passed."""
+        deadline = time.monotonic() + self.quiet_max_wait
+        while (now := time.monotonic()) < deadline:
+            if self._busy:
+                waiter = asyncio.get_running_loop().create_future()
+                self._quiet_waiters.append(waiter)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter, deadline - now)
+            elif now - self._last_call_end < self.quiet_period:
+                await asyncio.sleep(min(self._last_call_end + self.quiet_period, deadline) - now)
+            else:
+                return
 
     def _settle(self, done: _Wanted, outcome: Outcome) -> None:
         uid = done.ref.uid

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -493,4 +494,38 @@ def test_no_write_starts_while_a_kubelet_call_is_in_flight(h200: tuple[Any, dict
 
     asyncio.run(scenario())
     assert len(fake.calls) == 1
+    metrics.device_claim_info.clear()
+
+
+def test_writes_wait_for_a_quiet_period_and_a_claim_gone_within_it_is_never_written(
+        h200: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kubelet's calls come in bursts: no write starts within `quiet_period` of a call's
+    end, and a claim prepared and unprepared within the burst costs the API server nothing."""
+    fake = ScriptedApi({"train": claim_json(REF, ["p"])})
+    monkeypatch.setattr(kube, "request", fake.request)
+    inventory, devices = h200
+    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
+                         quiet_max_wait=60.0, quiet_period=0.3)
+    device = [PreparedDevice(("gpu",), NODE, "gpu-2", ())]
+
+    def call(report: Callable[[], None]) -> None:
+        status.call_started()
+        report()
+        status.call_ended()
+
+    async def scenario() -> None:
+        call(lambda: status.prepared(REF, device, fake.claims["train"]))
+        await asyncio.sleep(0.1)
+        assert fake.calls == []  # within the quiet period
+        call(lambda: status.unprepared(REF))
+        async with asyncio.timeout(10):
+            await status.settled()
+        assert fake.calls == []  # prepared and unprepared before its write: nothing to write
+        call(lambda: status.prepared(REF, device, fake.claims["train"]))
+        started = time.monotonic()
+        async with asyncio.timeout(10):
+            await status.settled()
+        assert len(fake.calls) == 1 and time.monotonic() - started >= 0.25
+
+    asyncio.run(scenario())
     metrics.device_claim_info.clear()
