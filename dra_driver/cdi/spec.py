@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Final
 
 from dra_driver import DEFAULT_DRIVER_NAME
@@ -95,6 +96,12 @@ class ContainerEdits:
 
     def is_empty(self) -> bool:
         return not (self.env or self.device_nodes or self.mounts or self.hooks or self.additional_gids)
+
+    @cached_property
+    def cdi_version(self) -> str:
+        """`edits_minimum_version`, worked out once per object (the edits every claim's spec
+        shares are one object, scanned for each spec otherwise)."""
+        return edits_minimum_version(self)
 
 
 @dataclass(frozen=True)
@@ -173,7 +180,7 @@ def minimum_version(spec: CdiSpec) -> str:
         own = "0.5.0"
     else:
         own = "0.3.0"
-    return newest_version(own, *(edits_minimum_version(e) for e in _all_edits(spec)))
+    return newest_version(own, *(e.cdi_version for e in _all_edits(spec)))
 
 
 # --------------------------------------------------------------------------- names

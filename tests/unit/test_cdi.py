@@ -17,6 +17,7 @@ from dra_driver.cdi.builders import (
     ContainerLayout,
     build_claim_spec,
     build_static_spec,
+    common_edits,
     default_layout,
     device_env_name,
 )
@@ -459,6 +460,22 @@ def test_json_omits_unset_fields_but_always_has_device_container_edits() -> None
 def test_spec_json_is_the_dict() -> None:
     spec = build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], h200_files())
     assert json.loads(spec_to_json(spec)) == spec_to_dict(spec)
+
+
+def test_spec_json_is_json_dumps_of_the_dict_byte_for_byte() -> None:
+    """The shared spec-level edits are spliced in from a memo: the text must be exactly what
+    json.dumps of the whole object writes, for the memo's object, another one, and none."""
+    files = h200_files()
+    common = common_edits(files)
+    specs = [
+        build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files, common=common),
+        build_claim_spec(VENDOR, "other-uid", [Dev("gpu-1", gpu(1))], files, common=common),  # memo hit
+        build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files),  # an equal object, not the same
+        spec_with(annotations=(("a", "b"),)),  # no spec-level edits: the key is left out
+        spec_with(edits_=edits(env=("A=1",)), container_edits=edits(mounts=(Mount("/h", "/c"),))),
+    ]
+    for spec in specs:
+        assert spec_to_json(spec) == json.dumps(spec_to_dict(spec)) + "\n"
 
 
 # --------------------------------------------------------------------------- files
