@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Final
 
@@ -83,11 +84,11 @@ class ClaimSteps:
         object.__setattr__(self, "common", common_edits(self.driver_files))
         object.__setattr__(self, "mig_steps", MigSteps(self.mig, self.placements))
 
-    @property
+    @cached_property
     def checkpoint_path(self) -> Path:
         return ckpt.checkpoint_path(self.state_dir)
 
-    @property
+    @cached_property
     def lock_path(self) -> Path:
         return self.state_dir / LOCK_FILE
 
