@@ -37,7 +37,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final, Literal
 
@@ -333,7 +333,8 @@ class ClaimStatus:
             try:
                 if not wanted.devices:
                     await self._apply(ref, [])
-                    log.info("claim device status released")
+                    # debug: the kubelet's call already logged `unprepared`; failures warn below
+                    log.debug("claim device status released")
                     return "done"
                 facts = wanted.facts or await self._read(ref, wanted.devices)
                 if facts is None:
@@ -341,7 +342,7 @@ class ClaimStatus:
                 self._set_series(ref, wanted.devices, facts.pods)
                 entries = [self._entry(ref, facts, d) for d in wanted.devices]
                 await self._apply(ref, entries)
-                log.info("claim device status written", devices=[d.device for d in wanted.devices],
+                log.debug("claim device status written", devices=[d.device for d in wanted.devices],
                          ready=[e["conditions"][0]["status"] for e in entries])
                 return "done"
             except kube.TRANSIENT_ERRORS as e:
@@ -399,13 +400,13 @@ class ClaimStatus:
         self._drop_series(ref.uid)
         series = [s for d in devices for s in info_labels(ref, self.devices[d.device], d, pods)]
         for s in series:
-            metrics.device_claim_info.labels(**asdict(s)).set(1)
+            metrics.device_claim_info.labels(*s).set(1)
         self._series[ref.uid] = series
 
     def _drop_series(self, uid: str) -> None:
         for s in self._series.pop(uid, []):
             with contextlib.suppress(KeyError):
-                metrics.device_claim_info.remove(*astuple(s))
+                metrics.device_claim_info.remove(*s)
 
 
 def _wake(waiters: list[asyncio.Future[None]]) -> None:

@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Final
+from typing import Final, NamedTuple
 
 from dra_driver.devices import NodeDevice, gpu_device_name
 from dra_driver.gpu.model import Inventory
@@ -44,9 +44,8 @@ class ClaimFacts:
     consumed: Mapping[tuple[str, str, str | None], JSON]
 
 
-@dataclass(frozen=True)
-class InfoLabels:
-    """One `gpu_dra_device_claim_info` series."""
+class InfoLabels(NamedTuple):
+    """One `gpu_dra_device_claim_info` series: its label values, in the metric's label order."""
 
     device: str
     uuid: str

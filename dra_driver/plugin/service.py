@@ -125,23 +125,22 @@ class _DraService:
         for ref in refs:
             result = results.get(ref.uid) or ClaimResult(
                 error=f"internal error {verb[:-1]}ing claim {ref}: no answer for this claim")
-            with structlog.contextvars.bound_contextvars(**ref.log_fields()):
-                if result.error is not None:
-                    log.warning(f"{verb} refused", error=result.error)
-                    error = _bounded(result.error)
-                    answers[ref.uid] = (self._pb.NodePrepareResourceResponse(error=error) if verb == "prepare"
-                                        else self._pb.NodeUnprepareResourceResponse(error=error))
-                elif verb == "prepare":
-                    log.info("prepared", devices=[d.device for d in result.devices])
-                    if self._status is not None:
-                        self._status.prepared(ref, result.devices, result.claim)
-                    devices = [self._device(d) for d in result.devices]
-                    answers[ref.uid] = self._pb.NodePrepareResourceResponse(devices=devices)
-                else:
-                    log.info("unprepared")
-                    if self._status is not None:
-                        self._status.unprepared(ref)
-                    answers[ref.uid] = self._pb.NodeUnprepareResourceResponse()
+            if result.error is not None:
+                log.warning(f"{verb} refused", error=result.error, **ref.log_fields())
+                error = _bounded(result.error)
+                answers[ref.uid] = (self._pb.NodePrepareResourceResponse(error=error) if verb == "prepare"
+                                    else self._pb.NodeUnprepareResourceResponse(error=error))
+            elif verb == "prepare":
+                log.info("prepared", devices=[d.device for d in result.devices], **ref.log_fields())
+                if self._status is not None:
+                    self._status.prepared(ref, result.devices, result.claim)
+                devices = [self._device(d) for d in result.devices]
+                answers[ref.uid] = self._pb.NodePrepareResourceResponse(devices=devices)
+            else:
+                log.info("unprepared", **ref.log_fields())
+                if self._status is not None:
+                    self._status.unprepared(ref)
+                answers[ref.uid] = self._pb.NodeUnprepareResourceResponse()
         return answers
 
     def _device(self, d: PreparedDevice) -> Any:
