@@ -41,7 +41,10 @@ BUILD_SCRIPT = REPO / "hack" / "bench" / "example-driver.sh"
 
 
 def build() -> Path:
-    """Build (or find cached) dra-example-kubeletplugin; its progress goes to our stderr."""
+    """Build (or find cached) dra-example-kubeletplugin; its progress goes to our stderr.
+    `$DRA_EXAMPLE_DRIVER_BINARY` names one built elsewhere (the GPU host has no Go)."""
+    if prebuilt := os.environ.get("DRA_EXAMPLE_DRIVER_BINARY"):
+        return Path(prebuilt)
     version = os.environ.get("DRA_EXAMPLE_DRIVER_VERSION", EXAMPLE_VERSION)
     done = subprocess.run(
         ["bash", str(BUILD_SCRIPT), version],

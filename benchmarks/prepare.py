@@ -8,8 +8,11 @@ Its CDI and state dirs are on a tmpfs (/dev/shm), as /var/run/cdi and /run are o
 The calls come from `kubelet-client` (benchmarks/kubeletclient, grpc-go on one connection,
 as the kubelet calls a plugin), which times each RPC on its side of the unix socket:
 200 sequential calls per phase after 10 untimed ones; "concurrent" sends 16 claims as 16
-simultaneous RPCs, 20 rounds. RSS is the plugin's VmRSS from /proc after those phases and
-after 1000 more prepare/unprepare cycles of one claim. The plugin logs at `info`, the
+simultaneous RPCs, 20 rounds. RSS is the plugin's VmRSS from /proc after those phases (and a
+GET of /readyz, /livez and /metrics) and after 1000 more prepare/unprepare cycles of one
+claim. The plugin runs as the chart runs it: its metrics port served (on 127.0.0.1), and
+the chart's SSL_CERT_FILE (the service account's CA: the control plane's here) and
+MALLOC_ARENA_MAX. The plugin logs at `info`, the
 chart's default. Start-to-registered runs from spawning the process to the registration
 socket answering GetInfo.
 
@@ -79,12 +82,14 @@ import http.client
 import json
 import os
 import shutil
+import socket
 import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,7 +353,9 @@ class Side:
     @property
     def env(self) -> dict[str, str]:
         # PYTHONSAFEPATH: `python -m dra_driver` would put the cwd first, ahead of PYTHONPATH.
-        return {"PYTHONPATH": str(self.code), "PYTHONSAFEPATH": "1"}
+        # What PYTHONPATH had stays after the code (the GPU host's carried packages).
+        paths = [str(self.code), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        return {"PYTHONPATH": os.pathsep.join(paths), "PYTHONSAFEPATH": "1"}
 
 
 def _git(*args: str, cwd: Path = REPO) -> str:
@@ -356,6 +363,8 @@ def _git(*args: str, cwd: Path = REPO) -> str:
 
 
 def working_tree_side(label: str = "current") -> Side:
+    if not (REPO / ".git").exists():  # a copy without history, as on the GPU host
+        return Side(label, REPO, "working tree (a copy without git history)")
     head = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "dra_driver", "controller")
     changes = "with uncommitted changes in dra_driver/controller" if dirty else "clean"
@@ -466,6 +475,19 @@ PACE_S = 0.5
 IDLE_S = 5.0
 
 
+def _charted_env(cp: ControlPlane) -> dict[str, str]:
+    """What the chart's DaemonSet sets for the plugin (the service account's CA is the
+    control plane's here)."""
+    return {"SSL_CERT_FILE": str(cp.ca_file), "MALLOC_ARENA_MAX": "2"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def measure_block(
     side: Side,
     index: int,
@@ -479,6 +501,7 @@ def measure_block(
     """Start one plugin of `side` (fresh dirs), time it, stop it. Returns the block and its data dir."""
     run_root, _ = _run_root()
     plugin: DriverProcess | example_driver.ExampleProcess
+    metrics_port = 0
     if side.example is not None:
         plugin = example_driver.ExampleProcess(
             side.example, NODE, cp.kubeconfig, work / f"p-{side.label}-{index}", run_root, GPUS
@@ -489,8 +512,9 @@ def measure_block(
             str(_profile(work / "bench16.yaml")),
             cp.kubeconfig,
             work / f"p-{side.label}-{index}",
-            extra_args=("--driver-root", str(work / "driver-root")),
-            env=side.env,
+            extra_args=("--driver-root", str(work / "driver-root"), "--metrics-port",
+                        str(metrics_port := _free_port()), "--metrics-bind-address", "127.0.0.1"),
+            env=side.env | _charted_env(cp),
             log_level="info",  # as the chart runs it
             run_root=run_root,
         )
@@ -510,6 +534,10 @@ def measure_block(
         phases = kubelet_client.run(
             binary, Path(kubelet.info.endpoint), refs, rounds, max(rounds // 10, 5), api=api_server
         )
+        if metrics_port:  # the kubelet's probes and a scrape have been served, as in a pod
+            for path in ("/readyz", "/livez", "/metrics"):
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}{path}", timeout=10) as answer:
+                    answer.read()
         rss_before = _rss_kib(pid)
         prepare_cpu = unprepare_cpu = 0.0
         cycles_start = _cpu_s(pid)

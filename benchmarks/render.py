@@ -75,6 +75,7 @@ _PROVENANCE = (
     ("date", "measured.date"),
     ("load average (1 min) at the end", "measured.load_average_1m"),
     ("cores", "measured.cores"),
+    ("host", "measured.host"),
     ("command", "measured.command"),
     ("commit", "commit"),
     ("code", "plugin_code"),
@@ -146,10 +147,12 @@ def _prepare(d: Any) -> list[str]:
         ("CPU from exec to registered (s)", "start_cpu_s"),
         ("CPU per Prepare (ms)", "cpu_ms_per_prepare"),
         ("CPU per Unprepare (ms)", "cpu_ms_per_unprepare"),
+        ("CPU per cycle of a pod that lives 1 s, status writes included (ms)", "cpu_ms_per_paced_cycle"),
+        ("CPU when idle (ms per s)", "idle_cpu_ms_per_second"),
         ("RSS after warm-up (KiB)", "rss_kib_after_warmup"),
         ("RSS after 1,000 more cycles (KiB)", "rss_kib_after_1000_cycles"),
     ):
-        if key.startswith(("start_cpu", "cpu_")) and key not in d["current"]:
+        if key.startswith(("start_cpu", "cpu_", "idle_")) and key not in d["current"]:
             continue  # results from before these were measured
         rows.append((label, fmt(get(d, f"current.{key}")), "", fmt(get(d, f"baseline.{key}")), ""))
     lines = table(("call (ms)", "current p50", "current p99", "baseline p50", "baseline p99"), rows)
@@ -421,6 +424,14 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
         ),
         _prepare,
     ),
+    "prepare_example_h100": (
+        "Prepare and Unprepare beside the example driver, 16-core H100 host",
+        (
+            "The same benchmark with `--example` on the GPU host (`H200_FOR=bench` carry, "
+            "hack/h200/run.sh's H200_BENCH), where the 2-core machine's contention is gone."
+        ),
+        _prepare,
+    ),
     "huge_prepare": ("One call with many claims", "`python -m benchmarks.huge_prepare`.", _huge_prepare),
     "probe_flood": (
         "Prepare under a probe flood",
@@ -434,6 +445,11 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
         "Prepare under a probe flood, 16-core H200 host",
         "The same benchmark on the GPU host, one fresh machine per run.",
         _probe_flood_h200,
+    ),
+    "probe_flood_h100": (
+        "Prepare under a probe flood, 16-core H100 host",
+        "The same benchmark on the GPU host (`H200_BENCH=probe_flood`), with its defaults.",
+        _probe_flood,
     ),
     "health_storm": (
         "Health event storm",

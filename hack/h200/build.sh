@@ -14,9 +14,10 @@
 #     host-local and loopback, catatonit (pause image), busybox and glibc (test image), and
 #     fallbacks for tools the host may lack (iproute2's ip with its libraries, openssl);
 #   * cuda-probe (hack/h200/cuda-probe.c) for the test image;
-#   * kubelet-client (benchmarks/kubeletclient, CGO_ENABLED=0, -s -w: 3.6 MB xz where
-#     hack/bench/build.sh's unstripped one is 7.7 MB), so that benchmarks can run there
-#     too (run.sh's H200_BENCH);
+#   * with H200_FOR=bench, instead of containerd, its shim and runc: kubelet-client
+#     (benchmarks/kubeletclient, CGO_ENABLED=0, -s -w: 3.6 MB xz where hack/bench/build.sh's
+#     unstripped one is 7.7 MB) and dra-example-driver's plugin (stripped, 9.8 MB xz), so
+#     that benchmarks can run there too (run.sh's H200_BENCH);
 #   * the Python packages the driver and the harness need beyond the host's Python 3.12,
 #     installed here from cp312 wheels into one folder and xz-compressed (site.tar.xz: half
 #     the size of the wheels, which are zip files).
@@ -153,9 +154,18 @@ mkdir -p "$(dirname "$exclude")"
 grep -qx '/.h200/' "$exclude" 2>/dev/null || echo '/.h200/' >> "$exclude"
 rm -rf "$carry"; mkdir -p "$carry"
 cp -r "$bin"/carry/. "$pybin"/carry/. "$carry/"
-(cd "$repo/benchmarks/kubeletclient" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-buildvcs=false \
-  go build -trimpath -ldflags "-s -w" -o "$carry/kubelet-client" .)
-xz -9e -T2 "$carry/kubelet-client"
+# H200_FOR=pod (the default): what the pod test needs. H200_FOR=bench: what benchmarks need
+# there instead (run.sh's H200_BENCH): no containerd, shim or runc, but kubelet-client and
+# dra-example-driver's kubelet plugin (hack/bench/example-driver.sh's build, stripped), so
+# that `benchmarks.prepare --example` runs on the 16-core host; both do not fit in one call.
+if [ "${H200_FOR:-pod}" = bench ]; then
+  rm -f "$carry"/{containerd-ctr,containerd-shim-runc-v2,runc}.xz
+  (cd "$repo/benchmarks/kubeletclient" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-buildvcs=false \
+    go build -trimpath -ldflags "-s -w" -o "$carry/kubelet-client" .)
+  example=$(bash "$repo/hack/bench/example-driver.sh" | tail -n 1)
+  strip -o "$carry/dra-example-kubeletplugin" "$example"
+  xz -9e -T2 "$carry/kubelet-client" "$carry/dra-example-kubeletplugin"
+fi
 
 # What one device call carries: tracked files, untracked files git does not ignore, .h200/.
 tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-standard; } \
