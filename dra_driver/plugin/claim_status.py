@@ -78,6 +78,10 @@ CONCURRENCY: Final = 4  # writes in flight at once, for the whole node
 QUIET_PERIOD: Final = 0.2
 QUIET_MAX_WAIT: Final = 1.0
 WRITE_TIMEOUT_SECONDS: Final = 10.0  # one attempt; the queue's backoff makes the next
+# At stop (the kubelet sends no call any more) the writes wanted so far get this long; what
+# is left then, a new start writes again from its checkpoint (releases: the API server drops
+# a deallocated claim's entries by itself).
+STOP_FLUSH_SECONDS: Final = 2.0
 # Answers that another attempt cannot change: the claim is gone or was re-created (the
 # uid precondition), or its allocation no longer has the device (it was deallocated).
 FINAL_STATUSES: Final = frozenset({404, 409, 422})
@@ -215,7 +219,15 @@ class ClaimStatus:
             self._idle_waiters.append(waiter)
             await waiter
 
-    async def stop(self) -> None:
+    async def stop(self, flush: float = STOP_FLUSH_SECONDS) -> None:
+        """Stop writing, once the writes wanted so far ended or `flush` seconds passed."""
+        if self._wanted or self._active:
+            try:
+                async with asyncio.timeout(flush):
+                    await self.settled()
+            except TimeoutError:
+                log.warning("claim device status writes left unmade at stop", claims=len(self._wanted),
+                            flush_seconds=flush)
         for timer in self._retries.values():
             timer.cancel()
         self._retries.clear()

@@ -529,3 +529,24 @@ def test_writes_wait_for_a_quiet_period_and_a_claim_gone_within_it_is_never_writ
 
     asyncio.run(scenario())
     metrics.device_claim_info.clear()
+
+
+def test_stop_makes_the_writes_wanted_so_far_within_its_flush(
+        h200: tuple[Any, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Prepare answered just before the plugin stops still gets its status: the quiet
+    period ends at stop, not the write."""
+    fake = ScriptedApi({"train": claim_json(REF, ["p"])})
+    monkeypatch.setattr(kube, "request", fake.request)
+    inventory, devices = h200
+    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
+                         quiet_period=0.3)
+
+    async def scenario() -> None:
+        status.call_started()
+        status.prepared(REF, [PreparedDevice(("gpu",), NODE, "gpu-2", ())], fake.claims["train"])
+        status.call_ended()
+        await status.stop(flush=5.0)
+
+    asyncio.run(scenario())
+    assert len(fake.calls) == 1 and fake.bodies[0]["status"]["devices"][0]["device"] == "gpu-2"
+    metrics.device_claim_info.clear()
