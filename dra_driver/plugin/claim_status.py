@@ -17,10 +17,10 @@ claim's new state (with what Prepare read of the claim: no second GET) and it wr
 the kubelet's answer, in the background: once per state change, coalesced per claim (the
 latest wanted state wins; a claim is never written by two workers at once), at most
 `CONCURRENCY` writes at a time, none started while a kubelet call is in flight or within
-`QUIET_PERIOD` of the last one's end (for at most `QUIET_MAX_WAIT`: the kubelet's calls come
-in bursts as pods start, and a burst's writes wait for its end; a claim prepared and
-unprepared within it is never written), each failure retried with backoff by this queue alone (ATTEMPTS in
-all; 404/409/422 end it: the claim is gone, re-created or deallocated). An error is logged
+`QUIET_PERIOD` of the last one's end (for at most `QUIET_MAX_WAIT`: the kubelet's calls
+come in bursts as pods start, and a burst's writes wait for its end; a claim prepared and
+unprepared within it is never written), each failure retried with backoff by this queue
+alone (ATTEMPTS in all; 404/409/422 end it: the claim is gone, re-created or deallocated). An error is logged
 with the claim's identity and counted (`gpu_dra_api_errors{component="claim-status"}`).
 
 What an entry says is worked out in device_status.py (pure); this module is the queue and

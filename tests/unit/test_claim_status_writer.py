@@ -550,3 +550,10 @@ def test_stop_makes_the_writes_wanted_so_far_within_its_flush(
     asyncio.run(scenario())
     assert len(fake.calls) == 1 and fake.bodies[0]["status"]["devices"][0]["device"] == "gpu-2"
     metrics.device_claim_info.clear()
+
+
+def test_the_info_series_fields_are_the_metric_labels_in_order() -> None:
+    """ClaimStatus passes an InfoLabels to the metric positionally."""
+    from dra_driver.plugin.device_status import InfoLabels
+
+    assert InfoLabels._fields == tuple(metrics.device_claim_info._labelnames)
