@@ -10,10 +10,9 @@ as the kubelet calls a plugin), which times each RPC on its side of the unix soc
 200 sequential calls per phase after 10 untimed ones; "concurrent" sends 16 claims as 16
 simultaneous RPCs, 20 rounds. RSS is the plugin's VmRSS from /proc after those phases (and a
 GET of /readyz, /livez and /metrics) and after 1000 more prepare/unprepare cycles of one
-claim. The plugin runs as the chart runs it: its metrics port served (on 127.0.0.1), and
-the chart's SSL_CERT_FILE (the service account's CA: the control plane's here) and
-MALLOC_ARENA_MAX. The plugin logs at `info`, the
-chart's default. Start-to-registered runs from spawning the process to the registration
+claim. The plugin runs as the chart runs it: its metrics port served (on 127.0.0.1), the
+chart's SSL_CERT_FILE (the service account's CA: the control plane's here) and
+MALLOC_ARENA_MAX, logging at `info`. Start-to-registered runs from spawning the process to the registration
 socket answering GetInfo.
 
 The floor, measured in the same run on the same machine, so that figures from noisy
