@@ -432,6 +432,16 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
         ),
         _prepare,
     ),
+    "node_rss": (
+        "The plugin's memory on this machine's GPUs",
+        "`python -m benchmarks.node_rss [--simulate PROFILE]`: as the chart runs it, KiB from /proc.",
+        _flat,
+    ),
+    "node_rss_h100": (
+        "The plugin's memory on a real GPU, 16-core H100 host",
+        "The same benchmark on the GPU host, real NVML (`H200_BENCH=node_rss`).",
+        _flat,
+    ),
     "huge_prepare": ("One call with many claims", "`python -m benchmarks.huge_prepare`.", _huge_prepare),
     "probe_flood": (
         "Prepare under a probe flood",

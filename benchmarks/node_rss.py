@@ -1,0 +1,128 @@
+"""The kubelet plugin's memory as a node runs it: real GPUs through NVML where there are
+some, as the chart runs it.
+
+Method: a real control plane (etcd, kube-apiserver); one `dra-driver kubelet-plugin` for
+this machine's GPUs (`--simulate PROFILE` for a simulated box instead, as on a machine
+without one), with the chart's metrics port (on 127.0.0.1), SSL_CERT_FILE and
+MALLOC_ARENA_MAX (benchmarks.prepare._charted_env) and its `info` logging, its driver root
+`$DRA_DRIVER_ROOT` (default /usr/local/nvidia if it has bin/, else benchmarks.prepare's
+stand-in root). The process's VmRSS, RssAnon and RssFile from /proc are read:
+* `registered`: 2 s after the kubelet registration socket answered;
+* `served`: after a GET of /readyz, /livez and /metrics and `--cycles` Prepare/Unprepare
+  cycles (kubelet's protocol, from this process) of one claim allocated gpu-0 by an admin
+  write (default 1,000), then 2 s idle (the claim's status written and released);
+* `peak`: VmHWM at the end.
+Start to registered and the CPU spent to get there are recorded beside them.
+
+Run alone: `python -m benchmarks.node_rss [--simulate PROFILE] [--cycles N]` (figures as
+JSON on stdout, written to benchmarks/results/node_rss.json). On the GPU host:
+`H200_FOR=bench` carry, `H200_BENCH=node_rss` (hack/h200/run.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from benchmarks import fresh_control_plane, report
+from benchmarks.prepare import (
+    NODE,
+    _charted_env,
+    _claims,
+    _cpu_s,
+    _driver_root,
+    _free_port,
+    _run_root,
+)
+from tests.harness.driver import DriverProcess
+from tests.harness.kubelet import KubeletSide, prepared_cdi_ids
+from tests.harness.objects import create_node, sync_client
+
+SETTLE_S = 2.0
+
+
+def _memory(pid: int) -> dict[str, int]:
+    wanted = {"VmRSS": "rss_kib", "RssAnon": "anon_kib", "RssFile": "file_kib", "VmHWM": "peak_kib"}
+    found = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in wanted:
+            found[wanted[key]] = int(value.split()[0])
+    return found
+
+
+def _host_driver_root(work: Path) -> tuple[str, str]:
+    explicit = os.environ.get("DRA_DRIVER_ROOT")
+    if explicit:
+        return explicit, "$DRA_DRIVER_ROOT"
+    if Path("/usr/local/nvidia/bin").is_dir():
+        return "/usr/local/nvidia", "the host's"
+    return str(_driver_root(work / "driver-root")), "stand-ins (benchmarks.prepare)"
+
+
+def run(simulate: str | None, cycles: int) -> dict[str, Any]:
+    with fresh_control_plane("dra-node-rss-") as (cp, work):
+        api = sync_client(str(cp.kubeconfig))
+        create_node(api, NODE)
+        claim = _claims(api)[0]  # allocated gpu-0 of NODE
+        root, root_kind = _host_driver_root(work)
+        run_root, _ = _run_root()
+        port = _free_port()
+        plugin = DriverProcess(
+            NODE, simulate or "", cp.kubeconfig, work / "plugin",
+            extra_args=("--driver-root", root, "--metrics-port", str(port),
+                        "--metrics-bind-address", "127.0.0.1"),
+            env=_charted_env(cp), log_level="info", run_root=run_root,
+        )
+        try:
+            started = time.perf_counter()
+            plugin.start(wait=False)
+            plugin.wait_serving(timeout=60)
+            to_registered = time.perf_counter() - started
+            assert plugin.proc is not None
+            pid = plugin.proc.pid
+            start_cpu = _cpu_s(pid)
+            kubelet = KubeletSide(plugin.registration_socket())
+            time.sleep(SETTLE_S)
+            registered = _memory(pid)
+            for path in ("/readyz", "/livez", "/metrics"):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as answer:
+                    answer.read()
+            for i in range(cycles):
+                _, error = prepared_cdi_ids(kubelet.prepare(claim), claim.uid)
+                if error:
+                    raise RuntimeError(f"Prepare of {claim.namespace}/{claim.name} (gpu-0) failed: {error}")
+                kubelet.unprepare(claim)
+                if (i + 1) % 250 == 0:
+                    print(f"{i + 1} of {cycles} cycles", file=sys.stderr, flush=True)
+            time.sleep(SETTLE_S)
+            served = _memory(pid)
+            kubelet.close()
+        finally:
+            plugin.stop()
+    return {
+        "gpus": f"simulated: {simulate}" if simulate else "this machine's, through NVML",
+        "driver_root": root_kind,
+        "cycles": cycles,
+        "start_to_registered_s": round(to_registered, 3),
+        "start_cpu_s": round(start_cpu, 3),
+        "registered": registered,
+        "served": served,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--simulate", help="a simulated profile instead of this machine's GPUs")
+    parser.add_argument("--cycles", type=int, default=1000)
+    args = parser.parse_args()
+    report("node_rss", run(args.simulate, args.cycles))
+
+
+if __name__ == "__main__":
+    main()
