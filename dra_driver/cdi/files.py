@@ -100,11 +100,6 @@ def _hook_to_dict(h: Hook) -> dict[str, Any]:
 
 def spec_to_dict(spec: CdiSpec) -> dict[str, Any]:
     """The spec as CDI's JSON object, with its minimum cdiVersion."""
-    return _fields(_spec_head(spec), (("containerEdits", _edits_to_dict(spec.container_edits)),))
-
-
-def _spec_head(spec: CdiSpec) -> dict[str, Any]:
-    """The spec's object without its spec-level `containerEdits` (the last key)."""
     head = {"cdiVersion": spec.cdi_version, "kind": spec.kind}
     out = _fields(head, (("annotations", dict(spec.annotations)),))
     out["devices"] = [
@@ -112,33 +107,13 @@ def _spec_head(spec: CdiSpec) -> dict[str, Any]:
         | {"containerEdits": _edits_to_dict(d.container_edits)}
         for d in spec.devices
     ]
-    return out
-
-
-# The spec-level edits every claim's spec shares are one object (ClaimSteps.common: some 70
-# mounts on a real node); their JSON text is made once, not on every Prepare. Keyed by
-# identity (the memo keeps the object alive, so its id cannot be reused by another).
-_shared_edits: tuple[ContainerEdits, str] | None = None
-
-
-def _spec_edits_json(edits: ContainerEdits) -> str:
-    """`, "containerEdits": {...}` as json.dumps writes it after the head's last key; "" if empty."""
-    global _shared_edits
-    memo = _shared_edits
-    if memo is not None and memo[0] is edits:
-        return memo[1]
-    as_dict = _edits_to_dict(edits)
-    text = f", {json.dumps('containerEdits')}: {json.dumps(as_dict)}" if as_dict else ""
-    _shared_edits = (edits, text)
-    return text
+    return _fields(out, (("containerEdits", _edits_to_dict(spec.container_edits)),))
 
 
 def spec_to_json(spec: CdiSpec) -> str:
-    """The spec's file content: json.dumps(spec_to_dict(spec)) and a newline, with the
-    spec-level edits' text spliced in from the memo."""
+    """The spec's file content."""
     # One line: `indent` would take json's pure-Python encoder (`jq . <file>` shows it indented).
-    head = json.dumps(_spec_head(spec))
-    return head[:-1] + _spec_edits_json(spec.container_edits) + "}\n"
+    return json.dumps(spec_to_dict(spec)) + "\n"
 
 
 # --------------------------------------------------------------------------- files (I/O)

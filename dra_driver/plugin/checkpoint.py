@@ -268,13 +268,13 @@ def _checksum(payload: Any) -> str:
 
 def encode(cp: Checkpoint) -> bytes:
     """The file's bytes: {checksum, payload, version, writtenBy}, compact (the file is
-    rewritten on every transaction and may hold thousands of claims); the canonical form of
-    that object, with the payload's canonical text (the checksummed one) serialized once."""
-    payload = _canonical(_payload(cp))
-    checksum = "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
-    # the keys in sorted order, as _canonical writes them
-    return (f'{{"checksum":{_canonical(checksum)},"payload":{payload},'
-            f'"version":{FORMAT_VERSION},"writtenBy":{_canonical(WRITTEN_BY)}}}\n').encode()
+    rewritten on every transaction and may hold thousands of claims)."""
+    payload = _payload(cp)
+    return (
+        _canonical({"checksum": _checksum(payload), "payload": payload, "version": FORMAT_VERSION,
+                    "writtenBy": WRITTEN_BY})
+        + "\n"
+    ).encode()
 
 
 class _Shape(Exception):
@@ -434,7 +434,7 @@ def load(path: Path, boot_id: str, driver: str | None = None) -> LoadResult:
         return LoadResult(checkpoint=Checkpoint.empty(boot_id, driver), status=LoadStatus.MISSING)
     except OSError as e:  # a directory, a dangling mount, no permission...
         raise CheckpointUnreadable(path, f"{e.strerror or e} ({type(e).__name__})") from e
-    cp = _decoded(data, path)
+    cp = decode(data, path)
     if driver is not None and cp.driver is not None and cp.driver != driver:
         raise CheckpointOfAnotherDriver(path, cp.driver, driver)
     if driver is not None and cp.driver is None:
@@ -456,27 +456,7 @@ def load(path: Path, boot_id: str, driver: str | None = None) -> LoadResult:
 def save(path: Path, cp: Checkpoint) -> None:
     """Replace the file with `cp` atomically: a reader, or this process after a crash, finds
     the old checkpoint or the new one (not fsync'd: see the module docstring)."""
-    data = encode(cp)
-    write_file_atomic(path, data, mode=0o600, durable=False)
-    global _last
-    _last = (data, Checkpoint(cp.boot_id, dict(cp.claims), cp.driver))  # what decode(data) gives
-
-
-# The file is read on every transaction (another instance may have written it), but it is
-# mostly the bytes this process last wrote or read: those are not parsed and verified again.
-# Keyed by the whole content, so a file that differs in any byte is decoded in full; the
-# Checkpoint is immutable, so sharing it is safe (one tuple, swapped whole: thread-safe).
-_last: tuple[bytes, Checkpoint] | None = None
-
-
-def _decoded(data: bytes, path: Path) -> Checkpoint:
-    global _last
-    last = _last
-    if last is not None and last[0] == data:
-        return last[1]
-    cp = decode(data, path)
-    _last = (data, cp)
-    return cp
+    write_file_atomic(path, encode(cp), mode=0o600, durable=False)
 
 
 def quarantine(path: Path, now: datetime | None = None) -> Path:

@@ -463,13 +463,13 @@ def test_spec_json_is_the_dict() -> None:
 
 
 def test_spec_json_is_json_dumps_of_the_dict_byte_for_byte() -> None:
-    """The shared spec-level edits are spliced in from a memo: the text must be exactly what
-    json.dumps of the whole object writes, for the memo's object, another one, and none."""
+    """The file's text is exactly what json.dumps of the whole object writes, with shared
+    spec-level edits, an equal copy of them, and none."""
     files = h200_files()
     common = common_edits(files)
     specs = [
         build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files, common=common),
-        build_claim_spec(VENDOR, "other-uid", [Dev("gpu-1", gpu(1))], files, common=common),  # memo hit
+        build_claim_spec(VENDOR, "other-uid", [Dev("gpu-1", gpu(1))], files, common=common),  # shared again
         build_claim_spec(VENDOR, UID, [Dev("gpu-0", gpu(0))], files),  # an equal object, not the same
         spec_with(annotations=(("a", "b"),)),  # no spec-level edits: the key is left out
         spec_with(edits_=edits(env=("A=1",)), container_edits=edits(mounts=(Mount("/h", "/c"),))),
