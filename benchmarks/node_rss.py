@@ -34,10 +34,10 @@ from benchmarks.prepare import (
     NODE,
     _charted_env,
     _claims,
-    _cpu_s,
     _driver_root,
     _free_port,
     _run_root,
+    start_timed,
 )
 from tests.harness.driver import DriverProcess
 from tests.harness.kubelet import KubeletSide, prepared_cdi_ids
@@ -80,13 +80,7 @@ def run(simulate: str | None, cycles: int) -> dict[str, Any]:
             env=_charted_env(cp), log_level="info", run_root=run_root,
         )
         try:
-            started = time.perf_counter()
-            plugin.start(wait=False)
-            plugin.wait_serving(timeout=60)
-            to_registered = time.perf_counter() - started
-            assert plugin.proc is not None
-            pid = plugin.proc.pid
-            start_cpu = _cpu_s(pid)
+            to_registered, pid, start_cpu = start_timed(plugin)
             kubelet = KubeletSide(plugin.registration_socket())
             time.sleep(SETTLE_S)
             registered = _memory(pid)

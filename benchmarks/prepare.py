@@ -487,6 +487,17 @@ def _free_port() -> int:
         return port
 
 
+def start_timed(plugin: DriverProcess | example_driver.ExampleProcess) -> tuple[float, int, float]:
+    """Start `plugin` and wait until its registration socket answers: (seconds from spawn to
+    registered, its pid, its CPU seconds by then)."""
+    t0 = time.perf_counter()
+    plugin.start(wait=False)
+    plugin.wait_serving(timeout=60)
+    seconds = time.perf_counter() - t0
+    assert plugin.proc is not None
+    return seconds, plugin.proc.pid, _cpu_s(plugin.proc.pid)
+
+
 def measure_block(
     side: Side,
     index: int,
@@ -518,13 +529,7 @@ def measure_block(
             run_root=run_root,
         )
     try:
-        t0 = time.perf_counter()
-        plugin.start(wait=False)
-        plugin.wait_serving(timeout=60)
-        start_to_registered = time.perf_counter() - t0
-        assert plugin.proc is not None
-        pid = plugin.proc.pid
-        start_cpu = _cpu_s(pid)
+        start_to_registered, pid, start_cpu = start_timed(plugin)
         kubelet = KubeletSide(plugin.registration_socket())  # registers, as the kubelet does
         refs = [(c.namespace, c.name, c.uid) for c in claims]
         token_file = work / "bench.token"

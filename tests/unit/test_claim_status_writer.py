@@ -88,9 +88,11 @@ def h200() -> tuple[Any, dict[str, Any]]:
     return inventory, devices
 
 
-def writer(h200: tuple[Any, dict[str, Any]]) -> ClaimStatus:
+def writer(h200: tuple[Any, dict[str, Any]], **timing: float) -> ClaimStatus:
+    """A writer with a short first backoff; `timing`: its other times (quiet_period, ...)."""
     inventory, devices = h200
-    return ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices), first_backoff=0.001)  # type: ignore[arg-type]
+    return ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
+                       **{"first_backoff": 0.001, **timing})
 
 
 def info_series() -> list[dict[str, str]]:
@@ -478,9 +480,7 @@ def test_no_write_starts_while_a_kubelet_call_is_in_flight(h200: tuple[Any, dict
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     fake = ScriptedApi({"train": claim_json(REF, ["p"])})
     monkeypatch.setattr(kube, "request", fake.request)
-    inventory, devices = h200
-    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
-                         quiet_max_wait=60.0)
+    status = writer(h200, quiet_max_wait=60.0)
 
     async def scenario() -> None:
         status.call_started()
@@ -503,9 +503,7 @@ def test_writes_wait_for_a_quiet_period_and_a_claim_gone_within_it_is_never_writ
     end, and a claim prepared and unprepared within the burst costs the API server nothing."""
     fake = ScriptedApi({"train": claim_json(REF, ["p"])})
     monkeypatch.setattr(kube, "request", fake.request)
-    inventory, devices = h200
-    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
-                         quiet_max_wait=60.0, quiet_period=0.3)
+    status = writer(h200, quiet_max_wait=60.0, quiet_period=0.3)
     device = [PreparedDevice(("gpu",), NODE, "gpu-2", ())]
 
     def call(report: Callable[[], None]) -> None:
@@ -537,9 +535,7 @@ def test_stop_makes_the_writes_wanted_so_far_within_its_flush(
     period ends at stop, not the write."""
     fake = ScriptedApi({"train": claim_json(REF, ["p"])})
     monkeypatch.setattr(kube, "request", fake.request)
-    inventory, devices = h200
-    status = ClaimStatus(object(), DRIVER, NODE, devices, nvlink_peers(inventory, devices),  # type: ignore[arg-type]
-                         quiet_period=0.3)
+    status = writer(h200, quiet_period=0.3)
 
     async def scenario() -> None:
         status.call_started()
