@@ -1,13 +1,12 @@
 """Kubernetes API access for the daemon (asyncio, like everything in it).
 
-One thin JSON layer over aiohttp, as kopf has: connect with a kubeconfig or the in-cluster
-service account, send JSON to any path and get plain dicts back, follow a watch as a stream
-of (type, object) events. The driver works on plain JSON (what the API server sends) rather
+One thin JSON layer, as kopf has: connect with a kubeconfig or the in-cluster service
+account, send JSON to any path and get plain dicts back, follow a watch as a stream of
+(type, object) events. The driver works on plain JSON (what the API server sends) rather
 than generated models, so that fields from a newer server are never dropped on the way.
-aiohttp is what the official client's asyncio half runs on, so it is installed with
-`kubernetes` anyway.
 
-Who we are to the API server and where it is: `dra_driver.kube.credentials`.
+Who we are to the API server and where it is: `dra_driver.kube.credentials`; the HTTP/1.1
+connections (h11 over asyncio streams): `dra_driver.kube.transport`.
 
 Resilience, in `request` and `watch` alone, every attempt inside the caller's deadline:
 a 429 is retried for any method after its Retry-After (API Priority and Fairness rejects a
@@ -27,9 +26,8 @@ page over the cap is asked again, from the same place, with a quarter of its `li
 that a list of large objects (150 MiB of claims) is never more than one capped page in
 memory, and a caller's filter (`keep`) holds only what it keeps.
 
-It must NOT follow proxy variables (`trust_env` stays off: the in-cluster service address is
-never behind a proxy, and looking the variables up costs a measurable part of every claim
-GET), retry past the caller's deadline, cache anything the API server owns, or grow typed
+It must NOT follow proxy variables (the in-cluster service address is never behind a
+proxy), retry past the caller's deadline, cache anything the API server owns, or grow typed
 models or per-resource helpers: callers own their paths and their JSON.
 """
 
@@ -45,12 +43,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlencode, urlsplit
 
-if TYPE_CHECKING:  # imported on first use: aiohttp is a third of the plugin's start CPU
-    import aiohttp
-    from yarl import URL
-
 from dra_driver.jsontypes import JSON
 from dra_driver.kube.credentials import SERVICE_ACCOUNT, Credentials, from_kubeconfig, in_cluster, unverified
+from dra_driver.kube.transport import CouldNotConnect, Pool, Response
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 ATTEMPTS = 4
 FIRST_BACKOFF_SECONDS = 0.25
@@ -61,7 +59,6 @@ RETRIED_AFTER_SENDING = frozenset({"GET"})
 MAX_BODY_BYTES = 16 * 2**20  # one answer or watch event; lists are paged to fit
 MAX_ERROR_BODY_BYTES = 64 * 2**10  # an error's Status is a few hundred bytes
 LIST_PAGE = 500  # items asked for per LIST page, as client-go's pager does
-_READ_CHUNK = 2**16
 _LIST_HINT = " (a LIST is read in pages: kube.list_all)"
 
 _T = TypeVar("_T")
@@ -96,7 +93,7 @@ class TooLarge(ApiException):
 # What a request or a watch raises when the API server is slow, down or restarting.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     ApiException,
-    OSError,  # ConnectionError (aiohttp's own connection errors arrive as one), ssl.SSLError
+    OSError,  # ConnectionError (a connection that broke or never opened), ssl.SSLError
     TimeoutError,
 )
 
@@ -127,37 +124,30 @@ class ApiClient:
         elif context is False:
             context = unverified()
         self._ssl: ssl.SSLContext = context
-        self._server_hostname = credentials.server_hostname
         self._authorization = credentials.authorization
-        self._connections = connections  # at most: a request past them waits for a free one
-        self._session: aiohttp.ClientSession | None = None
+        self._prefix = url.path  # a server URL may carry a path (behind a proxy)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        tls = self._ssl if url.scheme == "https" else None
+        # At most `connections` open: a request past them waits for a free one.
+        self._pool = Pool(url.hostname, port, tls, credentials.server_hostname, connections)
 
-    def url(self, path: str, query: Mapping[str, str] | None) -> URL:
-        # Encoded here, not by yarl: a continue token's '+' must reach the server as %2B.
-        from yarl import URL
+    @property
+    def address(self) -> tuple[str, int]:
+        """The host and port connected to."""
+        return self._pool.address
 
-        return URL(self.server + path + (f"?{urlencode(query)}" if query else ""), encoded=True)
+    def target(self, path: str, query: Mapping[str, str] | None) -> str:
+        # urlencode quotes a continue token's '+' as %2B, as the server needs it.
+        return self._prefix + path + (f"?{urlencode(query)}" if query else "")
 
-    async def headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": "dra-driver"}
+    async def headers(self, content_type: str | None) -> Sequence[tuple[str, str]]:
+        headers = [("Accept", "application/json"), ("User-Agent", "dra-driver")]
         if content_type:
-            headers["Content-Type"] = content_type
+            headers.append(("Content-Type", content_type))
         auth = await self._authorization()
         if auth:
-            headers["Authorization"] = auth
+            headers.append(("Authorization", auth))
         return headers
-
-    def _http(self) -> aiohttp.ClientSession:
-        import aiohttp
-
-        # Made on first use: a session belongs to the running event loop.
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=self._connections),
-                timeout=aiohttp.ClientTimeout(total=None),  # deadlines are the callers', below
-                trust_env=False,
-            )
-        return self._session
 
     async def send(
         self,
@@ -166,20 +156,13 @@ class ApiClient:
         query: Mapping[str, str] | None,
         payload: bytes | None,
         content_type: str,
-    ) -> aiohttp.ClientResponse:
+    ) -> Response:
         """One attempt; the caller reads the response and releases it."""
-        return await self._http().request(
-            method,
-            self.url(path, query),
-            data=payload,
-            headers=await self.headers(content_type if payload is not None else None),
-            server_hostname=self._server_hostname,
-            allow_redirects=False,
-        )
+        headers = await self.headers(content_type if payload is not None else None)
+        return await self._pool.send(method, self.target(path, query), headers, payload)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._pool.close()
 
 
 async def load_client(kubeconfig: str | None = None, connections: int = CONNECTIONS) -> ApiClient:
@@ -195,12 +178,10 @@ async def load_client(kubeconfig: str | None = None, connections: int = CONNECTI
 
 # --- requests ----------------------------------------------------------------------------
 
-def _broken(with_api_errors: bool = False) -> tuple[type[Exception], ...]:
-    """The errors of a connection that broke (read where a request has loaded aiohttp)."""
-    import aiohttp
-
-    broken = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError)
-    return (ApiException, *broken) if with_api_errors else broken
+# A connection that broke or never opened (transport.CouldNotConnect), or its TLS failed.
+# Not OSError as a whole: TimeoutError is one, and the caller's deadline is not a broken connection.
+_BROKEN: tuple[type[Exception], ...] = (ConnectionError, ssl.SSLError)
+_RETRIED: tuple[type[Exception], ...] = (ApiException, *_BROKEN)
 
 
 def _backoff(attempt: int) -> float:
@@ -208,7 +189,7 @@ def _backoff(attempt: int) -> float:
 
 
 def _retry_after(headers: Mapping[str, str]) -> float | None:
-    value = headers.get("Retry-After", "")
+    value = headers.get("retry-after", "")
     return min(float(value), MAX_RETRY_AFTER_SECONDS) if value.isdigit() else None
 
 
@@ -220,48 +201,45 @@ def _delay(method: str, error: BaseException, attempt: int) -> float | None:
         if error.status >= 500 and method in RETRIED_AFTER_SENDING and error.complete:
             return error.retry_after if error.retry_after is not None else _backoff(attempt)
         return None
-    import aiohttp
-
-    if isinstance(error, aiohttp.ClientSSLError):  # a certificate that failed will fail again
+    if isinstance(error, ssl.SSLCertVerificationError):  # a certificate that failed will fail again
         return None
     # A connection error before the request left: safe to repeat for any method.
-    if isinstance(error, aiohttp.ClientConnectorError) or method in RETRIED_AFTER_SENDING:
+    if isinstance(error, CouldNotConnect) or method in RETRIED_AFTER_SENDING:
         return _backoff(attempt)
     return None
 
 
 def _connection_error(error: BaseException) -> BaseException:
-    """aiohttp's errors as TRANSIENT_ERRORS has them, so that callers need not know aiohttp."""
+    """The error as TRANSIENT_ERRORS has it, so that callers need not know the transport."""
     if isinstance(error, OSError | ApiException):
         return error
     return ConnectionError(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
 
 
-async def _error(response: aiohttp.ClientResponse) -> ApiException:
+async def _error(response: Response) -> ApiException:
     """The error, from at most MAX_ERROR_BODY_BYTES of its body (the rest is never read)."""
     data = bytearray()
-    while len(data) <= MAX_ERROR_BODY_BYTES:
-        chunk = await response.content.read(MAX_ERROR_BODY_BYTES + 1 - len(data))
-        if not chunk:
-            break
+    async for chunk in response.chunks():
         data += chunk
+        if len(data) > MAX_ERROR_BODY_BYTES:
+            break
     complete = len(data) <= MAX_ERROR_BODY_BYTES
     body = data[:MAX_ERROR_BODY_BYTES].decode(errors="replace")
     if not complete:
         response.close()  # the connection goes with the unread rest
         body = f"(an answer over {MAX_ERROR_BODY_BYTES // 1024} KiB, not read further) {body[:300]}"
-    error = ApiException(response.status, response.reason or "", body, _retry_after(response.headers))
+    error = ApiException(response.status, response.reason, body, _retry_after(response.headers))
     error.complete = complete
     return error
 
 
-async def _body(response: aiohttp.ClientResponse, limit: int, what: str) -> bytearray:
+async def _body(response: Response, limit: int, what: str) -> bytearray:
     """The whole body, read a chunk at a time; TooLarge past `limit` bytes."""
     if response.content_length is not None and response.content_length > limit:
         response.close()
         raise TooLarge(what, limit, response.status, _LIST_HINT)
     data = bytearray()
-    async for chunk in response.content.iter_chunked(_READ_CHUNK):
+    async for chunk in response.chunks():
         if len(data) + len(chunk) > limit:
             response.close()
             raise TooLarge(what, limit, response.status, _LIST_HINT)
@@ -274,7 +252,7 @@ async def _retrying(method: str, deadline: float, attempt: Callable[[], Awaitabl
     for n in range(1, ATTEMPTS + 1):
         try:
             return await attempt()
-        except _broken(with_api_errors=True) as e:
+        except _RETRIED as e:
             delay = _delay(method, e, n)
             if delay is None or n == ATTEMPTS or loop.time() + delay >= deadline:
                 failure = _connection_error(e)
@@ -367,7 +345,7 @@ async def watch(
     deadline = loop.time() + timeout_seconds + WATCH_GRACE_SECONDS
     version, breaks = resource_version, 0
 
-    async def attempt() -> aiohttp.ClientResponse:
+    async def attempt() -> Response:
         left = int(deadline - WATCH_GRACE_SECONDS - loop.time())
         q = {
             **(query or {}),
@@ -389,7 +367,7 @@ async def watch(
             response = await _retrying("GET", deadline, attempt)
         try:
             async with response:
-                lines = _lines(response.content, MAX_BODY_BYTES, f"watch {path}")
+                lines = _lines(response.chunks(), MAX_BODY_BYTES, f"watch {path}")
                 while True:
                     async with asyncio.timeout_at(deadline):
                         line = await anext(lines, None)
@@ -404,7 +382,7 @@ async def watch(
                     breaks = 0
                     version = (event["object"].get("metadata") or {}).get("resourceVersion") or version
                     yield event["type"], event["object"]
-        except _broken() as e:
+        except _BROKEN as e:
             breaks += 1
             delay = _backoff(breaks)
             if breaks == ATTEMPTS or loop.time() + delay >= deadline:
@@ -416,13 +394,12 @@ async def watch(
             await asyncio.sleep(delay)
 
 
-async def _lines(body: aiohttp.StreamReader, limit: int, what: str) -> AsyncIterator[bytes]:
-    """The body's non-empty lines, each at most `limit` bytes (else TooLarge). Not
-    aiohttp's readline: it refuses a line longer than its read buffer, and one event
-    carrying a large ResourceSlice can be longer."""
+async def _lines(body: AsyncIterator[bytes], limit: int, what: str) -> AsyncIterator[bytes]:
+    """The body's non-empty lines, each at most `limit` bytes (else TooLarge): one event
+    carrying a large ResourceSlice can be longer than any read buffer."""
     parts: list[bytes] = []
     size = 0
-    async for chunk in body.iter_any():
+    async for chunk in body:
         *complete, rest = chunk.split(b"\n")
         for piece in complete:
             if size + len(piece) > limit:

@@ -82,8 +82,9 @@ def test_in_cluster_with_an_ipv6_service_address(tmp_path: Path, ca: Path) -> No
     )
     assert credentials.server == "https://[fd00::1]:443"
     assert _authorization(credentials) == "Bearer sa-token"
-    url = kube.ApiClient(credentials).url("/api", None)
-    assert (url.host, url.port) == ("fd00::1", 443)
+    client = kube.ApiClient(credentials)
+    assert client.address == ("fd00::1", 443)
+    assert client._pool.host_header == "[fd00::1]:443"
 
 
 def test_an_exec_plugin_goes_through_the_official_loader(
