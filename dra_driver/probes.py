@@ -1,4 +1,4 @@
-"""The metrics port: Prometheus metrics, liveness and readiness, served by aiohttp's web server.
+"""The metrics port: Prometheus metrics, liveness and readiness, over HTTP/1.1 parsed by h11.
 
 `ProbeServer` answers three paths:
 * `/metrics`: `dra_driver.metrics.SERVED` in the Prometheus text format, rendered at most
@@ -22,8 +22,18 @@ has ended), so that a flood of probes cannot starve the kubelet's.
 Scrapes are admitted apart (`MAX_SCRAPES_IN_FLIGHT`, other paths with them): a flood of
 /metrics never takes the places of /livez and /readyz. The accept backlog is `BACKLOG`,
 not a cap, so that a flood's connections do not leave the kubelet's probe waiting for a
-SYN retry. The HTTP is aiohttp's (already installed for the API client), not our own.
-This module must not know what the plugin or the publisher do; it only asks them.
+SYN retry. What a client may make the server hold is bounded: a request's head
+(`MAX_HEAD_BYTES`, else 431), its body (`MAX_BODY_BYTES`, else 413), and the time it may take
+to send a whole request, idle keep-alive included (`KEEPALIVE_SECONDS`); a malformed request
+gets 400 and its connection closed, never a traceback in the log.
+
+The HTTP/1.1 parsing and framing are h11's (sans-IO: it owns the protocol, this module only
+moves bytes between it and asyncio's streams), not our own parser and not aiohttp (about
+11 MiB of resident memory for a port that answers three paths). Not `http.server` either:
+it serves a thread per connection, unbounded under a flood, where here one loop thread
+serves every connection with the admission above.
+This module must not know what the plugin or the publisher do; it only asks them, and it
+must never answer a request on the daemon's loop.
 """
 
 from __future__ import annotations
@@ -34,11 +44,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Final
 
+import h11
 import structlog
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
@@ -52,7 +63,11 @@ MAX_IN_FLIGHT: Final = 16  # probes being answered at once; more get 503 at once
 MAX_SCRAPES_IN_FLIGHT: Final = 4  # /metrics (and any other path) answered at once, apart from probes
 METRICS_INTERVAL_SECONDS: Final = 1.0  # /metrics is rendered at most this often
 BACKLOG: Final = 128
-KEEPALIVE_SECONDS: Final = 5.0
+KEEPALIVE_SECONDS: Final = 5.0  # idle keep-alive, and the most a client may take to send a request
+MAX_HEAD_BYTES: Final = 8192  # a request's line and headers together (aiohttp allowed 4 KiB a line)
+MAX_BODY_BYTES: Final = 1024  # a request's body (none is needed): more gets 413 and the connection closed
+READ_BYTES: Final = 8192  # what one read takes from a connection
+PLAIN: Final = "text/plain; charset=utf-8"
 LOOP_TIMEOUT_SECONDS: Final = 5.0  # the daemon's loop must run a round of checks within this
 PROBE_PATHS: Final = frozenset({"/livez", "/healthz", "/readyz"})
 
@@ -153,7 +168,9 @@ class ProbeServer:
     runs: int = 0  # how many times the checks ran (tests and the probe-flood benchmark read it)
     renders: int = 0  # how many times /metrics was rendered
     loop_timeout: float = LOOP_TIMEOUT_SECONDS
-    _runner: web.AppRunner | None = None
+    keepalive: float = KEEPALIVE_SECONDS  # the wait for a whole request, idle keep-alive included
+    _server: asyncio.Server | None = None
+    _connections: set[asyncio.Task[Any]] = field(default_factory=set)  # their handlers, to end on stop
     _owner: asyncio.AbstractEventLoop | None = None  # the daemon's loop: the checks run there
     _loop: asyncio.AbstractEventLoop | None = None  # the HTTP thread's loop
     _thread: threading.Thread | None = None
@@ -206,17 +223,8 @@ class ProbeServer:
             raise
 
     async def _listen(self, host: str, port: int) -> int:
-        app = web.Application(middlewares=[self._cap], client_max_size=1024)
-        app.router.add_get("/metrics", self._metrics)
-        for path in ("/livez", "/healthz", "/readyz"):
-            app.router.add_get(path, self._probe)
-        self._runner = web.AppRunner(
-            app, access_log=None, keepalive_timeout=KEEPALIVE_SECONDS, max_line_size=4096, max_field_size=4096
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, backlog=BACKLOG)
-        await site.start()
-        bound = int(self._runner.addresses[0][1])
+        self._server = await asyncio.start_server(self._connection, host, port, backlog=BACKLOG)
+        bound = int(self._server.sockets[0].getsockname()[1])
         log.info("serving metrics and probes", address=host,
                  port=bound, paths=["/metrics", "/livez", "/readyz"])
         return bound
@@ -231,9 +239,13 @@ class ProbeServer:
         self._thread = None
 
     async def _cleanup(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            self._server.close()  # no new connections; then every open one ends
+            for task in self._connections:
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+            await self._server.wait_closed()
+            self._server = None
         for cached in self._cached.values():
             if cached.running is not None:
                 cached.running.cancel()
@@ -286,19 +298,127 @@ class ProbeServer:
             for r in results
         ]
 
-    @web.middleware
-    async def _cap(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        if request.path in PROBE_PATHS:  # bounded in run_checks
-            return await handler(request)
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client's connection: its requests one after the other, for as long as h11 says
+        that both sides keep it alive, and it sends each whole request within `keepalive` s."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+        http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        clean = False  # closed after an answer (its bytes still go out), else aborted
+        try:
+            while True:
+                try:
+                    # One deadline for the wait and the whole request, so that a client that
+                    # sends nothing, or trickles its head a byte at a time, holds nothing for
+                    # longer than KEEPALIVE_SECONDS (aiohttp's idle keep-alive, which it was).
+                    async with asyncio.timeout(self.keepalive):
+                        request = await self._receive(http, reader)
+                except h11.RemoteProtocolError as e:  # malformed, or a head over MAX_HEAD_BYTES
+                    if http.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                        status = e.error_status_hint
+                        phrase = HTTPStatus(status).phrase.lower()
+                        await self._send(http, writer, status, f"{phrase}\n".encode(), close=True)
+                    clean = True
+                    return
+                if request is None:  # the client closed between requests
+                    clean = True
+                    return
+                if isinstance(request, int):  # its body is too large: answered, not read
+                    await self._send(http, writer, request, b"request body too large\n", close=True)
+                    clean = True
+                    return
+                await self._respond(http, writer, request)
+                if http.our_state is h11.DONE and http.their_state is h11.DONE:
+                    http.start_next_cycle()
+                else:  # either side said Connection: close, or spoke HTTP/1.0
+                    clean = True
+                    return
+        except (OSError, TimeoutError, h11.ProtocolError, asyncio.CancelledError):
+            pass  # the client went, was too slow, or the server stops: nothing to log per client
+        finally:
+            if clean:
+                writer.close()
+            else:
+                writer.transport.abort()
+            if task is not None:
+                self._connections.discard(task)
+
+    @staticmethod
+    async def _receive(http: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | int | None:
+        """The next request, its body read and dropped; None when the client closed the
+        connection between requests; 413 when the body is over MAX_BODY_BYTES."""
+        request: h11.Request | None = None
+        body = 0
+        while True:
+            event = http.next_event()
+            if event is h11.NEED_DATA:
+                # h11 refuses an incomplete head over MAX_HEAD_BYTES, but parses a complete one
+                # whatever its size: until the head is in, read no further than its bound
+                room = READ_BYTES if request is not None else MAX_HEAD_BYTES - len(http.trailing_data[0])
+                http.receive_data(await reader.read(max(room, 1)))  # b"": the client closed
+            elif isinstance(event, h11.Request):
+                request = event
+                declared = dict(event.headers).get(b"content-length", b"0")
+                if int(declared) > MAX_BODY_BYTES:  # h11 has checked that it is a number
+                    return int(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            elif isinstance(event, h11.Data):
+                body += len(event.data)
+                if body > MAX_BODY_BYTES:  # chunked, no length declared
+                    return int(HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            elif isinstance(event, h11.EndOfMessage) and request is not None:
+                return request
+            else:  # ConnectionClosed (or PAUSED, which this order of calls never meets)
+                return None
+
+    async def _respond(
+        self, http: h11.Connection, writer: asyncio.StreamWriter, request: h11.Request
+    ) -> None:
+        """Answer `request`: probes are bounded in run_checks, everything else is admitted
+        apart (at most `max_scrapes_in_flight` being answered and sent at once)."""
+        path = request.target.split(b"?", 1)[0].decode("ascii", "replace")
+        head = request.method == b"HEAD"
+        if path in PROBE_PATHS:
+            status, body, content_type = await self._answer(request.method, path)
+            await self._send(http, writer, status, body, content_type, head=head)
+            return
         if self._scrapes_in_flight >= self.max_scrapes_in_flight:
-            return web.Response(status=503, text="too many scrapes at once\n")
+            await self._send(http, writer, 503, b"too many scrapes at once\n", head=head)
+            return
         self._scrapes_in_flight += 1
         try:
-            return await handler(request)
+            status, body, content_type = await self._answer(request.method, path)
+            await self._send(http, writer, status, body, content_type, head=head)
         finally:
             self._scrapes_in_flight -= 1
+
+    async def _answer(self, method: bytes, path: str) -> tuple[int, bytes, str]:
+        """Status, body and content type for a request of `method` for `path`."""
+        if path != "/metrics" and path not in PROBE_PATHS:
+            return 404, b"not found\n", PLAIN
+        if method not in (b"GET", b"HEAD"):
+            return 405, b"method not allowed\n", PLAIN
+        if path == "/metrics":
+            return 200, self.rendered_metrics(), CONTENT_TYPE_LATEST
+        status, text = await self._probe(path)
+        return status, text.encode(), PLAIN
+
+    async def _send(self, http: h11.Connection, writer: asyncio.StreamWriter, status: int, body: bytes,
+                    content_type: str = PLAIN, *, head: bool = False, close: bool = False) -> None:
+        """One response with its Content-Length (for HEAD, the headers only); h11 adds
+        `Connection: close` where the connection will not be kept alive."""
+        headers = [("Content-Type", content_type), ("Content-Length", str(len(body)))]
+        if status == 405:
+            headers.append(("Allow", "GET, HEAD"))
+        if close:
+            headers.append(("Connection", "close"))
+        reason = HTTPStatus(status).phrase.encode()
+        writer.write(http.send(h11.Response(status_code=status, headers=headers, reason=reason)) or b"")
+        if not head:
+            writer.write(http.send(h11.Data(data=body)) or b"")
+        writer.write(http.send(h11.EndOfMessage()) or b"")
+        async with asyncio.timeout(self.keepalive):  # a client that does not read is let go
+            await writer.drain()
 
     def rendered_metrics(self) -> bytes:
         """The text format, rendered now or at most `metrics_interval` s ago."""
@@ -310,15 +430,11 @@ class ProbeServer:
             self.renders += 1
         return body
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.rendered_metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def _probe(self, request: web.Request) -> web.Response:
-        path = request.path
+    async def _probe(self, path: str) -> tuple[int, str]:
         try:
             results = await self.run_checks(ready=path == "/readyz")
         except TooBusy:
-            return web.Response(status=503, text="too many probes at once\n")
+            return 503, "too many probes at once\n"
         failed = [r for r in results if not r.ok]
         body = "".join(f"[{'+' if r.ok else '-'}]{r.name} {r.detail}".rstrip() + "\n" for r in results)
         if failed:
@@ -326,9 +442,9 @@ class ProbeServer:
             if summary != self._last_failure:  # once per change, not once per probe
                 log.warning("probe failing", path=path, failed=summary)
             self._last_failure = summary
-            return web.Response(status=503, text=body)
+            return 503, body
         self._last_failure = ""
-        return web.Response(text=body + "ok\n")
+        return 200, body + "ok\n"
 
 
 def plugin_probes(dra_socket: Path, registration_socket: Path, publisher: Heartbeat | None) -> ProbeServer:

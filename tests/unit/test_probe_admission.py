@@ -1,9 +1,10 @@
 """The metrics port under a flood: the kubelet's probes are never refused, /metrics is
 rendered at most once per interval, and claim identities are not served by default.
 
-Each test serves a real ProbeServer (aiohttp) on 127.0.0.1 in this process and floods it
-from an aiohttp client in the same event loop; a "kubelet" sends its probes one after the
-other on a connection of its own beside the flood and counts what is not 200.
+Each test serves a real ProbeServer (h11, on a thread of its own) on 127.0.0.1 in this
+process and floods it from an aiohttp client in the same event loop; a "kubelet" sends its
+probes one after the other on a connection of its own beside the flood and counts what is
+not 200.
 """
 
 from __future__ import annotations

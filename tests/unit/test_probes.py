@@ -2,6 +2,8 @@
 
 Real sockets throughout: the probe server on a TCP port of loopback, the plugin's gRPC
 services on unix sockets; a check that cannot reach them must fail, one that can must pass.
+The port's HTTP is checked with raw bytes: oversized heads and bodies, garbage, methods,
+HEAD, keep-alive, a silent or trickling client, and stop() with connections open.
 """
 
 from __future__ import annotations
@@ -250,3 +252,169 @@ def test_the_port_is_served_off_the_daemons_loop_and_a_blocked_loop_fails_livene
     asyncio.run(main())
     assert answers["/metrics"][0] == 200
     assert answers["/livez"][0] == 503 and "event-loop" in answers["/livez"][1], answers["/livez"]
+
+
+# The HTTP itself (h11 over asyncio streams): raw bytes from a client in the test's loop, so
+# that what the server does with a malformed, oversized or slow request is what is checked.
+
+
+async def _response(reader: asyncio.StreamReader, head: bool = False) -> tuple[int, dict[str, str], bytes]:
+    """One response: status, headers (lower-cased names) and body (none for HEAD)."""
+    lines = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode().split("\r\n")
+    fields = (line.split(": ", 1) for line in lines[1:] if line)
+    headers = {name.lower(): value for name, value in fields}
+    body = b"" if head else await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 5)
+    return int(lines[0].split()[1]), headers, body
+
+
+async def _closed(reader: asyncio.StreamReader, within: float = 5) -> bool:
+    """Whether the server closes the connection within `within` s (what it still sends is dropped)."""
+    try:
+        async with asyncio.timeout(within):
+            while await reader.read(65536):
+                pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def _serving(test, **fields):  # type: ignore[no-untyped-def]
+    """Run `test(port)` against a ProbeServer on loopback, in a loop of its own."""
+
+    async def main() -> None:
+        server = ProbeServer(metrics.SERVED, liveness=[_ok], **fields)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            await test(port)
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_an_oversized_head_is_refused_and_the_next_connection_served() -> None:
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 10_000 + b"\r\n\r\n")
+        status, _, _ = await _response(reader)
+        assert status in (431, 400)
+        assert await _closed(reader)
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _response(reader))[0] == 200
+        writer.close()
+
+    _serving(test)
+
+
+def test_a_body_over_a_kibibyte_gets_413_and_a_small_one_is_read_and_dropped() -> None:
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n0123456789"
+                     b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _response(reader))[0] == 200
+        assert (await _response(reader))[0] == 200, "the small body was not taken for the next request"
+        writer.close()
+        for request in (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n" + b"b" * 2000,
+                        b"POST /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        + b"320\r\n" + b"c" * 800 + b"\r\n" + b"320\r\n" + b"c" * 800 + b"\r\n0\r\n\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            status, headers, _ = await _response(reader)
+            assert status == 413 and headers.get("connection") == "close"
+            assert await _closed(reader)
+            writer.close()
+
+    _serving(test)
+
+
+def test_methods_paths_garbage_and_head(caplog: pytest.LogCaptureFixture) -> None:
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /livez HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+        status, headers, _ = await _response(reader)
+        assert status == 405 and headers["allow"] == "GET, HEAD"
+        writer.write(b"GET /nothing?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _response(reader))[0] == 404
+        writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, _ = await _response(reader, head=True)
+        assert status == 200 and int(headers["content-length"]) > 1000
+        assert headers["content-type"].startswith("text/plain; version=")
+        # the next bytes are the answer to this: HEAD sent no body
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body = await _response(reader)
+        assert (status, body) == (200, b"[+]always\nok\n")
+        assert headers["content-type"] == "text/plain; charset=utf-8"
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hello there\r\n\r\n")
+        assert (await _response(reader))[0] == 400
+        assert await _closed(reader)
+        writer.close()
+
+    with caplog.at_level("DEBUG"):
+        _serving(test)
+    assert not [r for r in caplog.records if r.exc_info or r.levelname in ("ERROR", "CRITICAL")]
+
+
+def test_keep_alive_serves_requests_in_turn_until_connection_close() -> None:
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for path in (b"/metrics", b"/livez", b"/metrics"):
+            writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, headers, _ = await _response(reader)
+            assert status == 200 and "connection" not in headers
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status, headers, _ = await _response(reader)
+        assert status == 200 and headers["connection"] == "close"
+        assert await _closed(reader, within=1)
+        writer.close()
+
+    _serving(test)
+
+
+def test_a_silent_or_trickling_client_is_dropped_after_the_timeout() -> None:
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        assert await _closed(reader, within=5), "a client that sends nothing was kept"
+        assert time.monotonic() - started < 2
+        writer.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError):
+                for byte in b"GET /livez HTTP/1.1\r\nHost: " + b"x" * 200:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(0.02)  # a byte every 20 ms: never a whole head
+
+        sending = asyncio.create_task(trickle())
+        assert await _closed(reader, within=5), "a client that trickles its head was kept"
+        assert time.monotonic() - started < 2
+        sending.cancel()
+        writer.close()
+
+    _serving(test, keepalive=0.2)
+
+
+def test_stop_closes_every_open_connection() -> None:
+    async def main() -> None:
+        server = ProbeServer(metrics.SERVED, liveness=[_ok])
+        port = await server.start("127.0.0.1", 0)
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _response(reader))[0] == 200
+        started = time.monotonic()
+        await server.stop()
+        assert time.monotonic() - started < 2, "stop waited for the connections' keep-alive to end"
+        assert await _closed(reader, within=2) and await _closed(idle_reader, within=2)
+        writer.close()
+        idle_writer.close()
+
+    asyncio.run(main())
