@@ -54,11 +54,12 @@ print(json.dumps(sorted(sys.modules)))
 
 def test_the_slice_publisher_and_probe_server_are_not_imported_before_registration() -> None:
     """What the command imports before it runs: the publisher (with its API capability checks)
-    and the probe server's HTTP stack come after the kubelet registration."""
+    and the probe server come after the kubelet registration. (h11, their HTTP, is not asserted
+    on: the API client imports it at its first request, which may come before.)"""
     done = subprocess.run([sys.executable, "-c", _IMPORTED_AT_REGISTRATION], capture_output=True, text=True,
                           check=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
     modules = set(json.loads(done.stdout))
-    early = {m for m in modules if m.startswith(("controller", "dra_driver.probes", "aiohttp.web"))}
+    early = {m for m in modules if m.startswith(("controller", "dra_driver.probes"))}
     assert not early, f"imported before registration: {sorted(early)}"
 
 
