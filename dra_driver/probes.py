@@ -413,12 +413,14 @@ class ProbeServer:
         if close:
             headers.append(("Connection", "close"))
         reason = HTTPStatus(status).phrase.encode()
-        writer.write(http.send(h11.Response(status_code=status, headers=headers, reason=reason)) or b"")
+        out = [http.send(h11.Response(status_code=status, headers=headers, reason=reason)) or b""]
         if not head:
-            writer.write(http.send(h11.Data(data=body)) or b"")
-        writer.write(http.send(h11.EndOfMessage()) or b"")
-        async with asyncio.timeout(self.keepalive):  # a client that does not read is let go
-            await writer.drain()
+            out.append(http.send(h11.Data(data=body)) or b"")
+        out.append(http.send(h11.EndOfMessage()) or b"")
+        writer.write(b"".join(out))  # one send, one packet: head and body apart were two of each
+        if writer.transport.get_write_buffer_size():  # the kernel did not take it all at once
+            async with asyncio.timeout(self.keepalive):  # a client that does not read is let go
+                await writer.drain()
 
     def rendered_metrics(self) -> bytes:
         """The text format, rendered now or at most `metrics_interval` s ago."""
