@@ -3,7 +3,7 @@ some, as the chart runs it.
 
 Method: a real control plane (etcd, kube-apiserver); one `dra-driver kubelet-plugin` for
 this machine's GPUs (`--simulate PROFILE` for a simulated box instead, as on a machine
-without one), with the chart's metrics port (on 127.0.0.1), SSL_CERT_FILE and
+without one), with the chart's metrics port (on 127.0.0.1) and
 MALLOC_ARENA_MAX (benchmarks.prepare._charted_env) and its `info` logging, its driver root
 `$DRA_DRIVER_ROOT` (default /usr/local/nvidia if it has bin/, else benchmarks.prepare's
 stand-in root). The process's VmRSS, RssAnon and RssFile from /proc are read:
@@ -77,7 +77,7 @@ def run(simulate: str | None, cycles: int) -> dict[str, Any]:
             NODE, simulate or "", cp.kubeconfig, work / "plugin",
             extra_args=("--driver-root", root, "--metrics-port", str(port),
                         "--metrics-bind-address", "127.0.0.1"),
-            env=_charted_env(cp), log_level="info", run_root=run_root,
+            env=_charted_env(), log_level="info", run_root=run_root,
         )
         try:
             to_registered, pid, start_cpu = start_timed(plugin)

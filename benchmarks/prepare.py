@@ -11,9 +11,8 @@ as the kubelet calls a plugin), which times each RPC on its side of the unix soc
 simultaneous RPCs, 20 rounds. RSS is the plugin's VmRSS from /proc after those phases (and a
 GET of /readyz, /livez and /metrics) and after 1000 more prepare/unprepare cycles of one
 claim. The plugin runs as the chart runs it: its metrics port served (on 127.0.0.1), the
-chart's SSL_CERT_FILE (the service account's CA: the control plane's here) and
-MALLOC_ARENA_MAX, logging at `info`. Start-to-registered runs from spawning the process to the registration
-socket answering GetInfo.
+chart's MALLOC_ARENA_MAX, logging at `info`. Start-to-registered runs from spawning the
+process to the registration socket answering GetInfo.
 
 The floor, measured in the same run on the same machine, so that figures from noisy
 machines compare: `floor.get` a GET of the same claim on a keep-alive HTTPS connection
@@ -474,10 +473,9 @@ PACE_S = 0.5
 IDLE_S = 5.0
 
 
-def _charted_env(cp: ControlPlane) -> dict[str, str]:
-    """What the chart's DaemonSet sets for the plugin (the service account's CA is the
-    control plane's here)."""
-    return {"SSL_CERT_FILE": str(cp.ca_file), "MALLOC_ARENA_MAX": "2"}
+def _charted_env() -> dict[str, str]:
+    """What the chart's DaemonSet sets for the plugin."""
+    return {"MALLOC_ARENA_MAX": "2"}
 
 
 def _free_port() -> int:
@@ -524,7 +522,7 @@ def measure_block(
             work / f"p-{side.label}-{index}",
             extra_args=("--driver-root", str(work / "driver-root"), "--metrics-port",
                         str(metrics_port := _free_port()), "--metrics-bind-address", "127.0.0.1"),
-            env=side.env | _charted_env(cp),
+            env=side.env | _charted_env(),
             log_level="info",  # as the chart runs it
             run_root=run_root,
         )
