@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,11 @@ class PluginNode:
             publisher = publish(self.api, opts, self.inventory, self.lease, keeper, heartbeat)
             self._task(publisher, "slice-publisher")
             self.tasks[-1].add_done_callback(heartbeat.task_ended)
+        # What start made (modules, grpc's and protobuf's tables, the inventory) lives as long as
+        # the process. Frozen, the collector's full passes stop walking it: otherwise the first
+        # such pass after start held one Prepare for 16-18 ms. Once, about 10 ms, after registration.
+        gc.collect()
+        gc.freeze()
 
     def _task(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self.tasks.append(asyncio.create_task(coro, name=name))
