@@ -64,7 +64,7 @@ else
   export PYTHONPATH="$repo"
 fi
 # Byte-compiled once, as pip does in the image: the host sets PYTHONDONTWRITEBYTECODE, and
-# without this every plugin start compiles aiohttp, grpc and the driver again (0.68 s of CPU
+# without this every plugin start compiles grpc, h11 and the driver again (0.68 s of CPU
 # to registered where the image takes 0.24, and the compiler's garbage in the RSS).
 "$py" -m compileall -q -j 0 "$repo/dra_driver" "$repo/controller" ${PYTHONPATH%%:*} >/dev/null 2>&1 \
   || log "byte-compiling failed; starts will compile at import"
