@@ -166,11 +166,7 @@ class PluginNode:
 
 def _load_late_modules(publishing: bool) -> None:
     """Import what starts after registration: the probe server and the slice publisher (the
-    controller and its API capability checks), and h11, the HTTP/1.1 that the probe server
-    and the API client both run on."""
-    # h11: the API client's HTTP, should kube not have loaded it yet (not the first Prepare's job)
-    import h11  # noqa: F401
-
+    controller and its API capability checks)."""
     import dra_driver.probes
     if publishing:
         import dra_driver.node.publishing  # noqa: F401

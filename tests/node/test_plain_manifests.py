@@ -214,7 +214,6 @@ def test_the_image_names_its_base_by_digest_and_holds_only_the_driver() -> None:
     assert "opt/dra-driver/sbom.cdx.json" in paths and "opt/dra-driver/bin/dra-driver" in paths
     top = {p.split("site-packages/", 1)[1].split("/")[0] for p in paths if "site-packages/" in p}
     assert {"dra_driver", "controller", "grpc", "h11"} <= top, sorted(top)
-    assert "aiohttp" not in top, "aiohttp is for the tests; the driver's HTTP is h11 (10 MiB less per node)"
     leftovers = {t for t in top if re.match(r"(pip|setuptools|pkg_resources|_distutils_hack|wheel)\b", t)}
     assert not leftovers, f"build tools in the driver's environment: {sorted(leftovers)}"
     assert not [p for p in paths if re.search(r"/bin/(pip|easy_install)", p)]

@@ -54,13 +54,31 @@ print(json.dumps(sorted(sys.modules)))
 
 def test_the_slice_publisher_and_probe_server_are_not_imported_before_registration() -> None:
     """What the command imports before it runs: the publisher (with its API capability checks)
-    and the probe server come after the kubelet registration. (h11, their HTTP, is not asserted
-    on: the API client imports it at its first request, which may come before.)"""
+    and the probe server come after the kubelet registration."""
     done = subprocess.run([sys.executable, "-c", _IMPORTED_AT_REGISTRATION], capture_output=True, text=True,
                           check=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
     modules = set(json.loads(done.stdout))
     early = {m for m in modules if m.startswith(("controller", "dra_driver.probes"))}
     assert not early, f"imported before registration: {sorted(early)}"
+
+
+_IMPORTED_BY_THE_DAEMON = """
+import json, sys
+import dra_driver.commands.kubelet_plugin, dra_driver.node.daemon, dra_driver.probes
+import dra_driver.node.publishing
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_the_daemon_never_imports_aiohttp() -> None:
+    """aiohttp is installed (the kubernetes package depends on it) but the daemon's HTTP is
+    h11's: imported, aiohttp and its helpers held 11 MiB of every node's memory."""
+    done = subprocess.run([sys.executable, "-c", _IMPORTED_BY_THE_DAEMON], capture_output=True, text=True,
+                          check=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    modules = set(json.loads(done.stdout))
+    assert "h11" in modules and "dra_driver.kube.transport" in modules
+    heavy = {m for m in modules if m.split(".")[0] in ("aiohttp", "yarl", "multidict", "kubernetes")}
+    assert not heavy, f"the daemon imports {sorted(heavy)}"
 
 
 def test_the_second_lease_holder_waits_until_the_first_releases(tmp_path: Path) -> None:
