@@ -14,8 +14,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -280,7 +281,7 @@ async def _closed(reader: asyncio.StreamReader, within: float = 5) -> bool:
     return True
 
 
-def _serving(test, **fields):  # type: ignore[no-untyped-def]
+def _serving(test: Callable[[int], Awaitable[None]], **fields: Any) -> None:
     """Run `test(port)` against a ProbeServer on loopback, in a loop of its own."""
 
     async def main() -> None:
