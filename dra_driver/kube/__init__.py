@@ -209,13 +209,6 @@ def _delay(method: str, error: BaseException, attempt: int) -> float | None:
     return None
 
 
-def _connection_error(error: BaseException) -> BaseException:
-    """The error as TRANSIENT_ERRORS has it, so that callers need not know the transport."""
-    if isinstance(error, OSError | ApiException):
-        return error
-    return ConnectionError(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__)
-
-
 async def _error(response: Response) -> ApiException:
     """The error, from at most MAX_ERROR_BODY_BYTES of its body (the rest is never read)."""
     data = bytearray()
@@ -255,10 +248,7 @@ async def _retrying(method: str, deadline: float, attempt: Callable[[], Awaitabl
         except _RETRIED as e:
             delay = _delay(method, e, n)
             if delay is None or n == ATTEMPTS or loop.time() + delay >= deadline:
-                failure = _connection_error(e)
-                if failure is e:
-                    raise
-                raise failure from e
+                raise
         await asyncio.sleep(delay)
     raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -382,14 +372,11 @@ async def watch(
                     breaks = 0
                     version = (event["object"].get("metadata") or {}).get("resourceVersion") or version
                     yield event["type"], event["object"]
-        except _BROKEN as e:
+        except _BROKEN:
             breaks += 1
             delay = _backoff(breaks)
             if breaks == ATTEMPTS or loop.time() + delay >= deadline:
-                failure = _connection_error(e)
-                if failure is e:
-                    raise
-                raise failure from e
+                raise
         async with asyncio.timeout_at(deadline):
             await asyncio.sleep(delay)
 

@@ -153,11 +153,9 @@ class Pool:
             fields = [("Host", self.host_header), *headers]
             if body is not None:
                 fields.append(("Content-Length", str(len(body))))
-            wire = connection.http.send(h11.Request(method=method, target=target, headers=fields))
-            if body:
-                wire = (wire or b"") + (connection.http.send(h11.Data(data=body)) or b"")
-            wire = (wire or b"") + (connection.http.send(h11.EndOfMessage()) or b"")
-            connection.writer.write(wire)
+            events = [h11.Request(method=method, target=target, headers=fields),
+                      *([h11.Data(data=body)] if body else []), h11.EndOfMessage()]
+            connection.writer.write(b"".join(connection.http.send(e) or b"" for e in events))
             await connection.writer.drain()
             while not isinstance(head := await connection.next_event(), h11.Response):
                 pass  # a 1xx (InformationalResponse) comes before the answer
