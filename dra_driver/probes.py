@@ -22,7 +22,8 @@ has ended), so that a flood of probes cannot starve the kubelet's.
 Scrapes are admitted apart (`MAX_SCRAPES_IN_FLIGHT`, other paths with them): a flood of
 /metrics never takes the places of /livez and /readyz. The accept backlog is `BACKLOG`,
 not a cap, so that a flood's connections do not leave the kubelet's probe waiting for a
-SYN retry. What a client may make the server hold is bounded: a request's head
+SYN retry. What a client may make the server hold is bounded: open connections
+(`MAX_CONNECTIONS`, the file descriptors the kubelet's gRPC needs too), a request's head
 (`MAX_HEAD_BYTES`, else 431), its body (`MAX_BODY_BYTES`, else 413), and the time it may take
 to send a whole request, idle keep-alive included (`KEEPALIVE_SECONDS`); a malformed request
 gets 400 and its connection closed, never a traceback in the log.
@@ -63,6 +64,7 @@ MAX_IN_FLIGHT: Final = 16  # probes being answered at once; more get 503 at once
 MAX_SCRAPES_IN_FLIGHT: Final = 4  # /metrics (and any other path) answered at once, apart from probes
 METRICS_INTERVAL_SECONDS: Final = 1.0  # /metrics is rendered at most this often
 BACKLOG: Final = 128
+MAX_CONNECTIONS: Final = 512  # open at once; one more is closed unanswered (each holds a descriptor)
 KEEPALIVE_SECONDS: Final = 5.0  # idle keep-alive, and the most a client may take to send a request
 MAX_HEAD_BYTES: Final = 8192  # a request's line and headers together (aiohttp allowed 4 KiB a line)
 MAX_BODY_BYTES: Final = 1024  # a request's body (none is needed): more gets 413 and the connection closed
@@ -169,6 +171,7 @@ class ProbeServer:
     renders: int = 0  # how many times /metrics was rendered
     loop_timeout: float = LOOP_TIMEOUT_SECONDS
     keepalive: float = KEEPALIVE_SECONDS  # the wait for a whole request, idle keep-alive included
+    max_connections: int = MAX_CONNECTIONS
     _server: asyncio.Server | None = None
     _connections: set[asyncio.Task[Any]] = field(default_factory=set)  # their handlers, to end on stop
     _owner: asyncio.AbstractEventLoop | None = None  # the daemon's loop: the checks run there
@@ -301,6 +304,9 @@ class ProbeServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client's connection: its requests one after the other, for as long as h11 says
         that both sides keep it alive, and it sends each whole request within `keepalive` s."""
+        if len(self._connections) >= self.max_connections:
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         if task is not None:
             self._connections.add(task)

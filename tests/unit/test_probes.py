@@ -403,6 +403,37 @@ def test_a_silent_or_trickling_client_is_dropped_after_the_timeout() -> None:
     _serving(test, keepalive=0.2)
 
 
+def test_a_connection_past_the_cap_is_closed_unanswered_and_a_freed_place_is_served() -> None:
+    async def test(port: int) -> None:
+        held = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _response(reader))[0] == 200  # both are open and kept alive
+            held.append((reader, writer))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await _closed(reader, within=2), "a third connection was served past the cap of 2"
+        writer.close()
+        first_reader, first_writer = held.pop(0)
+        first_writer.close()
+        assert await _closed(first_reader, within=2)
+        for _ in range(50):  # the server's end of it goes on its own loop
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:
+                status = (await _response(reader))[0]
+                break
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                await asyncio.sleep(0.02)
+        assert status == 200
+        writer.close()
+        held[0][1].close()
+
+    _serving(test, max_connections=2, keepalive=5)
+
+
 def test_stop_closes_every_open_connection() -> None:
     async def main() -> None:
         server = ProbeServer(metrics.SERVED, liveness=[_ok])
