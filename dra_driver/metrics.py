@@ -113,6 +113,12 @@ features_off: Final = Gauge(
     ["feature"],
     registry=REGISTRY,
 )
+foreign_allocations: Final = Counter(
+    "gpu_dra_foreign_allocations",
+    "Prepares refused because the claim's allocation was made for another claim of the same name "
+    "(kube-scheduler wrote it onto a re-created claim); each needs its pods deleted to be allocated anew.",
+    registry=REGISTRY,
+)
 slice_conflicts: Final = Counter(
     "gpu_dra_resourceslice_conflicts",
     "ResourceSlice writes refused with 409 Conflict (someone else changed the slice first).",

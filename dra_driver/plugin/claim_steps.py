@@ -30,10 +30,18 @@ from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.placements import Placement
 from dra_driver.jsontypes import JSON
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claims import AllocatedDevice, ClaimRef, ClaimRejected, allocated_devices
+from dra_driver.plugin.claims import (
+    AllocatedDevice,
+    ClaimRef,
+    ClaimRejected,
+    ForeignAllocation,
+    allocated_devices,
+)
 from dra_driver.plugin.mig_steps import MigSteps
+from dra_driver.plugin.own_allocation import GPU, MIG, MIG_SLICE, SHARE, foreign_device
 from dra_driver.plugin.prepared import MigRecord, PreparedDevice
 from dra_driver.sharing.policy import ConfigError, Sharing, SharingPlan
+from dra_driver.sharing.shares import is_share_view
 
 log = structlog.get_logger(__name__)
 
@@ -95,6 +103,9 @@ class ClaimSteps:
     def plan(self, ref: ClaimRef, claim: JSON) -> ClaimPlan:
         """Raises ClaimRejected with what the user must fix."""
         allocated = allocated_devices(ref, claim, self.driver, self.pool, self.devices)
+        foreign = foreign_device(claim, self.driver, self.pool, self._kind)
+        if foreign:
+            raise ForeignAllocation(ref, foreign)
         hardware = tuple({a.device.name: a.device for a in allocated}.values())
         mig = tuple(self.placements[d.name] for d in hardware if d.name in self.placements)
         for a in allocated:
@@ -115,6 +126,16 @@ class ClaimSteps:
             raise ClaimRejected(f"claim {ref}: invalid configuration for driver {self.driver}: {e}") from e
         prepared = tuple(self._prepared(ref, a) for a in allocated)
         return ClaimPlan(ref, prepared, hardware, sharing, mig, claim if mig and sharing else None)
+
+    def _kind(self, name: str) -> str | None:
+        device = self.devices.get(name)
+        if device is None:
+            return None
+        if is_share_view(name):
+            return SHARE
+        if name in self.placements:
+            return MIG_SLICE
+        return GPU if device.mig is None else MIG
 
     def _prepared(self, ref: ClaimRef, a: AllocatedDevice) -> PreparedDevice:
         return PreparedDevice(

@@ -13,12 +13,25 @@ from typing import Any
 
 from dra_driver.devices import NodeDevice
 from dra_driver.names import is_dns_subdomain
+from dra_driver.plugin.own_allocation import foreign_allocation
 
 _UID = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
 
 class ClaimRejected(Exception):
     """This claim cannot be prepared here; the message is shown to the user."""
+
+
+class ForeignAllocation(ClaimRejected):
+    """The claim's allocation was made for another claim of the same name (own_allocation.py)."""
+
+    def __init__(self, ref: ClaimRef, why: str) -> None:
+        super().__init__(
+            f"claim {ref}: its allocation was made for another claim, so nothing was prepared: {why}. "
+            "The scheduler gave it the allocation of an earlier claim of the same name (deleted and "
+            "re-created while the scheduler still saw the old one); delete the pods that use the claim so "
+            "that it is deallocated, and its next pod gets an allocation of its own"
+        )
 
 
 def describe(e: BaseException) -> str:
@@ -82,7 +95,8 @@ def allocated_devices(
     """The devices of `claim` that this driver must prepare in `pool` (this node).
 
     Raises ClaimRejected when the claim was replaced, is not allocated, was allocated
-    to another node, or names a device this node does not have.
+    to another node, or names a device this node does not have; ForeignAllocation when
+    its allocation was made for another claim.
     """
     uid = claim.get("metadata", {}).get("uid")
     if uid != ref.uid:
@@ -93,6 +107,9 @@ def allocated_devices(
     allocation = (claim.get("status") or {}).get("allocation")
     if not allocation:
         raise ClaimRejected(f"claim {ref} is not allocated yet: the scheduler has not placed it")
+    foreign = foreign_allocation(claim)
+    if foreign:
+        raise ForeignAllocation(ref, foreign)
     results = [r for r in allocation.get("devices", {}).get("results", []) if r.get("driver") == driver]
     if not results:
         raise ClaimRejected(f"claim {ref} has no device of driver {driver} allocated")

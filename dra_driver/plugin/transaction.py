@@ -23,12 +23,13 @@ from typing import Protocol
 
 import structlog
 
+from dra_driver import metrics
 from dra_driver.devices import NodeDevice
 from dra_driver.gpu.mig import MigError
 from dra_driver.jsontypes import JSON
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_steps import ClaimPlan, ClaimSteps, fault
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected, check_ref, describe
+from dra_driver.plugin.claims import ClaimRef, ClaimRejected, ForeignAllocation, check_ref, describe
 from dra_driver.plugin.conflicts import conflict
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.mig_steps import MigLeftBehind, intent
@@ -79,6 +80,8 @@ class PrepareTransaction:
                     raise claim
                 self.plans.append(self.steps.plan(ref, claim))
             except ClaimRejected as e:
+                if isinstance(e, ForeignAllocation):
+                    metrics.foreign_allocations.inc()
                 self.results[ref.uid] = ClaimResult(error=str(e))
 
     def run(self) -> dict[str, ClaimResult]:

@@ -16,13 +16,19 @@ is the failure this test exists for. The matrix is printed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from dra_driver.cdi.builders import DEVICE_ENV_PREFIX, device_env_name
+from dra_driver.sharing.mps.settings import CONTAINER_PIPE_DIR
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.driver_image import CHART, build_helm
@@ -87,6 +95,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
         "sharing": {"strategy": "MPS", "mpsConfig": MPS_LIMIT},
     },
 }
+CELLS = [(kind, config) for kind in KINDS for config in CONFIGS]
 # What to change, in a refusal: the message must say one of these.
 FIXES = ("use kind", "remove", "set strategy", "ask for", "write", "use one of", "must be")
 
@@ -210,11 +219,11 @@ def _devices(kind: str, config: dict[str, Any] | None) -> dict[str, Any]:
     return devices
 
 
-def _outcome(bench: Bench, ns: str, kind: str, config_name: str) -> tuple[str, str]:
-    """("runs" | "refused" | "STUCK", what happened) for one cell."""
-    api = bench.api
-    config = CONFIGS[config_name]
-    name = "cell"
+def _create_cell(
+    api: client.ApiClient, ns: str, name: str, kind: str, config_name: str, dry_run: bool = False
+) -> str | None:
+    """The cell's claim and pod, both called `name` (with `dry_run`: neither, only the API
+    server's answer); the refusal at creation, if any."""
     try:
         sync_request(
             api,
@@ -224,11 +233,18 @@ def _outcome(bench: Bench, ns: str, kind: str, config_name: str) -> tuple[str, s
                 "apiVersion": "resource.k8s.io/v1",
                 "kind": "ResourceClaim",
                 "metadata": {"name": name},
-                "spec": {"devices": _devices(kind, config)},
+                "spec": {"devices": _devices(kind, CONFIGS[config_name])},
             },
+            query={"dryRun": "All"} if dry_run else None,
         )
     except ApiException as e:
-        return "refused", api_error(e).split("denied request: ", 1)[-1]
+        return api_error(e).split("denied request: ", 1)[-1]
+    if not dry_run:
+        _create_pod(api, ns, name)
+    return None
+
+
+def _create_pod(api: client.ApiClient, ns: str, name: str) -> None:
     sync_request(
         api,
         "POST",
@@ -252,30 +268,81 @@ def _outcome(bench: Bench, ns: str, kind: str, config_name: str) -> tuple[str, s
             },
         },
     )
+
+
+def _bound(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
+    """The cell's claim once its pod is bound; None if the pod stays unscheduled."""
     try:
         wait_for("the cell's pod bound", lambda: get_pod(api, ns, name)["spec"].get("nodeName"), timeout=30)
     except TimeoutError:
+        return None
+    return get_claim(api, ns, name)
+
+
+def _outcome(bench: Bench, ns: str, kind: str, config_name: str, name: str) -> tuple[str, str]:
+    """("runs" | "refused" | "STUCK", what happened) for one cell."""
+    api = bench.api
+    refusal = _create_cell(api, ns, name, kind, config_name)
+    if refusal is not None:
+        return "refused", refusal
+    claim = _bound(api, ns, name)
+    if claim is None:
         return "STUCK", f"admitted but never allocated: {scheduler_reason(api, ns, name)}"
-    claim = get_claim(api, ns, name)
     ref = ClaimName(ns, name, claim["metadata"]["uid"])
     answer = bench.kubelet.prepare(ref).claims[ref.uid]
     try:
         if answer.error:
             return "STUCK", f"admitted and allocated, then refused by the plugin: {answer.error}"
-        env = _env(bench, answer)
-        wants_mps = kind == "memory share" or "MPS" in config_name
-        has_mps = any(e.startswith("CUDA_MPS_PIPE_DIRECTORY=") for e in env)
-        if wants_mps != has_mps:
-            return "STUCK", f"prepared without what it asked: MPS asked {wants_mps}, given {has_mps}"
-        limit = next((e for e in env if e.startswith("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=")), "")
-        allocated = claim["status"]["allocation"]["devices"]["results"][0]["device"]
-        return "runs", allocated + (f", MPS limit {limit.split('=', 1)[1]}" if limit else "")
+        wrong = _not_as_asked(bench, kind, config_name, claim, answer)
+        if wrong:
+            return "STUCK", f"prepared without what it asked: {wrong}"
+        limit = next((e for e in _cdi(bench, answer)[0] if e.startswith(f"{LIMIT_ENV}=")), "")
+        return "runs", _device(claim) + (f", MPS limit {limit.split('=', 1)[1]}" if limit else "")
     finally:
         bench.kubelet.unprepare(ref)
 
 
-def _env(bench: Bench, answer: Any) -> list[str]:
-    out: list[str] = []
+LIMIT_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+
+
+def _device(claim: dict[str, Any]) -> str:
+    device: str = claim["status"]["allocation"]["devices"]["results"][0]["device"]
+    return device
+
+
+def _expected_limit(kind: str, config_name: str) -> str | None:
+    """The MPS client limit a cell asks for: its config's 4Gi, else a share's own 8Gi."""
+    if "MPS" in config_name:
+        return "0=4G"
+    return "0=8G" if kind == "memory share" else None
+
+
+def _not_as_asked(bench: Bench, kind: str, config_name: str, claim: dict[str, Any], answer: Any) -> str:
+    """What the prepared cell's containers would get that its own claim did not ask for
+    (read from its CDI spec with cdicheck, as a runtime applies it); "" if nothing."""
+    env, mounts = _cdi(bench, answer)
+    uid = claim["metadata"]["uid"]
+    wants_mps = kind == "memory share" or "MPS" in config_name
+    has_mps = any(e.startswith(f"{PIPE_ENV}=") for e in env)
+    if wants_mps != has_mps:
+        return f"MPS asked {wants_mps}, given {has_mps}"
+    limit = next((e.split("=", 1)[1] for e in env if e.startswith(f"{LIMIT_ENV}=")), None)
+    if limit != _expected_limit(kind, config_name):
+        return f"MPS limit {_expected_limit(kind, config_name)} asked, {limit} given"
+    pipes = [m["source"] for m in mounts if m["destination"] == CONTAINER_PIPE_DIR]
+    if any(uid not in source for source in pipes):
+        return f"the MPS pipe directory {pipes} is not this claim's ({uid})"
+    named = sorted(e.split("=", 1)[0] for e in env if e.startswith(DEVICE_ENV_PREFIX))
+    if named != [device_env_name(_device(claim))]:
+        return f"device variables {named} for allocated device {_device(claim)}"
+    return ""
+
+
+def _cdi(bench: Bench, answer: Any) -> tuple[list[str], list[dict[str, Any]]]:
+    """The environment and mounts the runtime would give a container with the answer's devices."""
+    env: list[str] = []
+    mounts: list[dict[str, Any]] = []
     for device in answer.devices:
         proc = subprocess.run(
             [_CDICHECK[0], "-dir", str(bench.plugin.cdi_dir), *device.cdi_device_ids],
@@ -283,8 +350,10 @@ def _env(bench: Bench, answer: Any) -> list[str]:
             text=True,
             check=True,
         )
-        out += json.loads(proc.stdout)["process"]["env"]
-    return out
+        oci = json.loads(proc.stdout)
+        env += oci["process"]["env"]
+        mounts += oci.get("mounts") or []
+    return env, mounts
 
 
 _CDICHECK: list[str] = []
@@ -305,12 +374,12 @@ def test_every_cell_runs_or_is_refused_at_creation(
 ) -> None:
     _CDICHECK[:] = [str(control_plane.bin_dir / "cdicheck")]
     rows: list[tuple[str, str, str, str]] = []
-    for kind in KINDS:
-        for config_name in CONFIGS:
-            try:
-                outcome, detail = _outcome(bench, namespace, kind, config_name)
-            finally:
-                _clear(bench.api, namespace)
+    for n, (kind, config_name) in enumerate(CELLS):
+        try:
+            # a name of its own: test_reused_names_* says why a reused one is another test
+            outcome, detail = _outcome(bench, namespace, kind, config_name, f"cell-{n}")
+        finally:
+            _clear(bench.api, namespace)
             rows.append((kind, config_name, outcome, detail))
     width = max(len(k) for k in KINDS), max(len(c) for c in CONFIGS)
     print("\n" + "\n".join(f"{k:<{width[0]}}  {c:<{width[1]}}  {o:<7}  {d[:160]}" for k, c, o, d in rows))
@@ -382,3 +451,140 @@ def test_the_whole_gpu_class_never_hands_out_a_gpu_in_mig_mode(bench: Bench, nam
         assert sorted(r["device"] for r in results) == ["gpu-2"]
     finally:
         _clear(api, namespace)
+
+
+# ------------------------------------------------------------------ one name, reused (issue 55)
+
+STRESS_ROUNDS = int(os.environ.get("STRESS_ROUNDS", "2"))
+DEVICE_OF_KIND = {  # what each kind is given on this node
+    "whole GPU": "gpu-2",
+    "static MIG": "gpu-1-mig-",
+    "dynamic MIG slice": "gpu-0-mig-",
+    "memory share": "gpu-2-share",
+}
+FOREIGN = "allocation was made for another claim"
+
+
+def _own_devices(kind: str, claim: dict[str, Any]) -> bool:
+    device = _device(claim)
+    expected = DEVICE_OF_KIND[kind]
+    return device.startswith(expected) if expected.endswith("-") else device == expected
+
+
+def _own_configs(claim: dict[str, Any]) -> bool:
+    """The allocation's FromClaim configs are the claim's own (compared as the test wrote them)."""
+    own = [c["opaque"] for c in claim["spec"]["devices"].get("config") or []]
+    allocated = claim["status"]["allocation"]["devices"].get("config") or []
+    return [c["opaque"] for c in allocated if c["source"] == "FromClaim"] == own
+
+
+def _paused(pid: int) -> contextlib.AbstractContextManager[None]:
+    """kube-scheduler stopped (SIGSTOP) for the block: its informers then see what the block
+    did only after it, as a loaded scheduler does."""
+
+    @contextlib.contextmanager
+    def pause() -> Iterator[None]:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    return pause()
+
+
+def test_reused_names_in_random_order_get_exactly_their_own_sharing(
+    bench: Bench, namespace: str, control_plane: ControlPlane
+) -> None:
+    """The matrix's cells in random order, STRESS_ROUNDS times, all named `cell` in one
+    namespace; the previous cell's Unprepare races the next one's Prepare, as a kubelet
+    tearing one pod down while starting the next. Every prepared cell must get exactly
+    what its own claim asks (MPS or not, its limit, its pipe directory, its device).
+
+    Three in four cells re-create the claim while kube-scheduler is paused, after the old claim
+    was deallocated (its pod gone) and before it was deleted: the scheduler then still
+    sees the old claim under the name, allocates for it and writes that allocation onto
+    the new claim (issue 55: how a claim that asked for nothing once got MPS). Such a
+    cell must be refused by the plugin, naming why, and only where the allocation really
+    is the old claim's; once its pod is deleted the claim is allocated anew and its next
+    pod runs exactly as asked."""
+    _CDICHECK[:] = [str(control_plane.bin_dir / "cdicheck")]
+    seed = int(os.environ.get("STRESS_SEED") or random.randrange(2**32))
+    rng = random.Random(seed)
+    cells = CELLS * STRESS_ROUNDS
+    rng.shuffle(cells)
+    api, side, scheduler = bench.api, bench.kubelet, control_plane.processes["kube-scheduler"].pid
+    claims = f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims"
+    wrong: list[str] = []
+    seen: Counter[str] = Counter()
+    previous: ClaimName | None = None
+
+    def deallocated() -> bool:
+        claim = get_claim(api, namespace, "cell")
+        return not claim["status"].get("allocation") and not claim["metadata"].get("finalizers")
+
+    def gone() -> bool:
+        return not sync_request(api, "GET", claims)["items"]
+
+    with ThreadPoolExecutor(2) as pool:
+        for kind, config_name in cells:
+            cell = f"{kind} x {config_name}"
+            if _create_cell(api, namespace, "probe", kind, config_name, dry_run=True) is not None:
+                seen["refused at creation"] += 1  # the matrix checks the refusals
+                continue
+            if previous is not None:
+                sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/cell",
+                             query={"gracePeriodSeconds": "0"})
+                wait_for("the previous claim deallocated", deallocated, timeout=60)
+            pause = previous is not None and rng.random() < 0.75
+            if pause:
+                time.sleep(0.5)  # the scheduler sees the old claim deallocated, not deleted
+            with _paused(scheduler) if pause else contextlib.nullcontext():
+                if previous is not None:
+                    sync_request(api, "DELETE", f"{claims}/cell")
+                    wait_for("the previous claim gone", gone, timeout=60)
+                refusal = _create_cell(api, namespace, "cell", kind, config_name)
+            if refusal is not None:
+                wrong.append(f"{cell}: refused at creation, though a dry run was admitted: {refusal}")
+                break
+            claim = _bound(api, namespace, "cell")
+            if claim is None:
+                why = scheduler_reason(api, namespace, "cell")
+                wrong.append(f"{cell}: admitted but never allocated: {why}")
+                break
+            ref = ClaimName(namespace, "cell", claim["metadata"]["uid"])
+            released = pool.submit(side.unprepare, previous) if previous is not None else None
+            answer = pool.submit(side.prepare, ref).result().claims[ref.uid]
+            if released is not None:
+                released.result()
+                if answer.error and f"(uid {previous.uid})" in answer.error:  # type: ignore[union-attr]
+                    seen["retried after the previous claim's unprepare"] += 1  # as the kubelet retries
+                    answer = side.prepare(ref).claims[ref.uid]
+            previous = ref
+            if answer.error and FOREIGN in answer.error:
+                if _own_devices(kind, claim) and _own_configs(claim):
+                    wrong.append(f"{cell}: refused as another claim's allocation, but it is its own: "
+                                 f"{answer.error}")
+                    continue
+                seen["given the old claim's allocation, refused"] += 1
+                sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/cell",
+                             query={"gracePeriodSeconds": "0"})
+                wait_for("the claim deallocated", deallocated, timeout=60)
+                _create_pod(api, namespace, "cell")
+                claim = _bound(api, namespace, "cell") or {}
+                answer = side.prepare(ref).claims[ref.uid] if claim else answer
+            if answer.error:
+                wrong.append(f"{cell}: refused by the plugin: {answer.error}")
+                continue
+            seen["prepared"] += 1
+            problem = _not_as_asked(bench, kind, config_name, claim, answer)
+            if not _own_devices(kind, claim):
+                problem = f"given {_device(claim)}, not a device of its kind"
+            if problem:
+                wrong.append(f"{cell}: {problem}")
+        if previous is not None:
+            side.unprepare(previous)
+    _clear(api, namespace)
+    print(f"\nseed {seed}, {len(cells)} cells: " + ", ".join(f"{n} {w}" for w, n in sorted(seen.items())))
+    assert not wrong, f"seed {seed} (STRESS_SEED={seed} repeats it):\n" + "\n".join(wrong)
+    assert seen["prepared"] >= len(cells) // 2, seen

@@ -41,6 +41,7 @@ from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
+from tests.harness.claims_in_memory import with_spec
 
 NODE = "node-a"
 REF = ClaimRef("team", "train", "11111111-2222-3333-4444-555555555555")
@@ -49,13 +50,13 @@ REF = ClaimRef("team", "train", "11111111-2222-3333-4444-555555555555")
 def claim_json(
     ref: ClaimRef, pods: Sequence[str], results: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    return {
+    return with_spec({
         "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid},
         "status": {
             "allocation": {"devices": {"results": results or []}},
             "reservedFor": [{"resource": "pods", "name": p, "uid": f"uid-{p}"} for p in pods],
         },
-    }
+    })
 
 
 class FakeApi:
@@ -325,12 +326,12 @@ def test_prepare_through_grpc_reads_the_claim_once_and_writes_after_the_call(
     inventory = discover("l4x4")
     devices = node_devices(inventory)
     refs = [ClaimRef("ns", f"c{i}", f"00000000-0000-0000-0000-00000000000{i}") for i in range(3)]
-    claims = {r.name: {
+    claims = {r.name: with_spec({
         "metadata": {"namespace": r.namespace, "name": r.name, "uid": r.uid},
         "status": {"allocation": {"devices": {"results": [
             {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}"}]}},
             "reservedFor": [{"resource": "pods", "name": f"pod-{i}", "uid": "p"}]},
-    } for i, r in enumerate(refs)}
+    }) for i, r in enumerate(refs)}
     fake = ScriptedApi(claims)
     monkeypatch.setattr(kube, "request", fake.request)
     preparer = NodePreparer(

@@ -17,6 +17,7 @@ from dra_driver.plugin.claims import (
     base_request_name,
     check_ref,
 )
+from tests.harness.claims_in_memory import with_spec
 
 NODE = "node-a"
 
@@ -46,7 +47,7 @@ def _claim(results: list[dict[str, Any]] | None, uid: str = "uid-1") -> dict[str
     claim: dict[str, Any] = {"metadata": {"namespace": "ns", "name": "claim", "uid": uid}, "status": {}}
     if results is not None:
         claim["status"]["allocation"] = {"devices": {"results": results}}
-    return claim
+    return with_spec(claim)
 
 
 def _result(
@@ -56,7 +57,8 @@ def _result(
 
 
 def test_resolves_this_drivers_results_on_this_node() -> None:
-    claim = _claim([_result("gpu-1", "gpu/h200", shareID="s-1"), _result("eth0", driver="net.example.com")])
+    nic = _result("eth0", "nic", driver="net.example.com")
+    claim = _claim([_result("gpu-1", "gpu/h200", shareID="s-1"), nic])
     got = allocated_devices(REF, claim, DRIVER, NODE, DEVICES)
     assert got == (AllocatedDevice(request="gpu", pool=NODE, device=DEVICES["gpu-1"], share_id="s-1"),)
 

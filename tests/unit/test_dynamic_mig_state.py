@@ -36,6 +36,7 @@ from dra_driver.plugin.recovery import StartPaths, asked_once, instances_at_star
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
+from tests.harness.claims_in_memory import with_spec
 
 NODE = "node-a"
 BOOT = "boot-1"
@@ -105,10 +106,10 @@ class MigNode:
     def add(self, name: str, *devices: str) -> ClaimRef:
         ref = ClaimRef("ns", name, f"uid-{name}")
         results = [{"request": "mig", "driver": DRIVER, "pool": NODE, "device": d} for d in devices]
-        self.claims[ref.uid] = {
+        self.claims[ref.uid] = with_spec({
             "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid},
             "status": {"allocation": {"devices": {"results": results}}},
-        }
+        })
         return ref
 
     def spec(self, ref: ClaimRef) -> dict[str, Any] | None:

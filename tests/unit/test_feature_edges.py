@@ -35,6 +35,7 @@ from dra_driver.sharing.mps import errors as mps_errors
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.mps.settings import MpsSettings
 from dra_driver.sharing.policy import Sharing
+from tests.harness.claims_in_memory import with_spec
 from tests.harness.objects import wait_for_async
 from tests.unit.test_dynamic_mig_state import DRIVER, NODE, SLICE_3G, STATIC_3G, MigNode
 
@@ -63,10 +64,12 @@ class RecordingMps(MpsControl):
 
 
 def configured(node: MigNode, ref: ClaimRef, parameters: dict[str, Any]) -> None:
-    allocation = node.claims[ref.uid]["status"]["allocation"]
-    allocation["devices"]["config"] = [
+    """The claim with a config of its own, as the scheduler copies it into the allocation."""
+    claim = {k: v for k, v in node.claims[ref.uid].items() if k != "spec"}
+    claim["status"]["allocation"]["devices"]["config"] = [
         {"source": "FromClaim", "requests": ["mig"], "opaque": {"driver": DRIVER, "parameters": parameters}}
     ]
+    node.claims[ref.uid] = with_spec(claim)
 
 
 def prepare_with(

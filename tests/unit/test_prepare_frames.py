@@ -40,6 +40,7 @@ from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.mps import MpsControl
 from dra_driver.sharing.policy import Sharing
+from tests.harness.claims_in_memory import with_spec
 
 NODE = "node-a"
 REF = ClaimRef("team", "train", "0f0f0f0f-0000-0000-0000-000000000001")
@@ -129,7 +130,7 @@ class Claims:
         self.claims = claims
 
     async def read(self, refs: Sequence[ClaimRef]) -> dict[str, Any | ClaimRejected]:
-        return {r.uid: self.claims[r.uid] for r in refs}
+        return {r.uid: with_spec(self.claims[r.uid]) for r in refs}
 
     async def allocated_here(self, driver: str, pool: str) -> list[Any] | None:
         return list(self.claims.values())

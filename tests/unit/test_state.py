@@ -28,6 +28,7 @@ from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started
+from tests.harness.claims_in_memory import with_spec
 
 NODE = "node-a"
 BOOT = "boot-1"
@@ -41,10 +42,10 @@ def _claim(
     }
     if config:
         devices["config"] = config
-    return {
+    return with_spec({
         "metadata": {"namespace": ref.namespace, "name": ref.name, "uid": ref.uid},
         "status": {"allocation": {"devices": devices}},
-    }
+    })
 
 
 class Node:

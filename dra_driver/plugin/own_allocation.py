@@ -1,0 +1,163 @@
+"""Whether a claim's allocation was made for this claim, judged from the claim alone.
+
+kube-scheduler (v1.37.2, `bindClaim` in the dynamicresources plugin) allocates a claim
+from its informer's copy; when writing it conflicts, it re-reads the claim *by name* and
+writes the same allocation onto whatever claim now has that name, without comparing the
+UID. A claim deleted and re-created under its name while the scheduler's copy still
+shows the old one (unallocated after its pod went) thus gets the old claim's devices and
+the old claim's configs: a claim that asked for nothing was once prepared with another
+claim's MPS (issue 55). What the allocator copies from a claim is known, so an
+allocation made for another claim shows in the claim itself:
+
+* every result's `request` is one of the claim's requests, or `request/subrequest` of
+  one of its `firstAvailable` lists;
+* an ExactCount request (or the subrequest chosen) has exactly `count` results;
+* a result has `adminAccess` only if its request asked for it;
+* the configs with `source: FromClaim` are the claim's own `spec.devices.config`
+  entries, in their order (the allocator leaves out those for subrequests not chosen,
+  and may empty `requests` when an entry names every request).
+
+Where both claims have the same shape, the device still shows it when the request names
+one of the DeviceClasses the chart ships (`foreign_device`: a MIG slice asked, a whole GPU
+given). Not checked: configs from the class (the class may have changed since) and classes
+of the user's own, whose selectors only the scheduler evaluates.
+Pure: no I/O; each function answers what differs, or None.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+_EXACT_COUNT = "ExactCount"
+# What a device is, as the `type` attribute and the MIG classes tell them apart
+GPU: Final = "a whole GPU"
+MIG: Final = "a MIG device"
+MIG_SLICE: Final = "a dynamic MIG slice"
+SHARE: Final = "a memory share"
+
+
+def shipped_classes(driver: str) -> dict[str, frozenset[str]]:
+    """The kinds of device each DeviceClass of the chart (templates/deviceclasses.yaml and
+    memory-shares.yaml, named after the driver) selects."""
+    whole = frozenset({GPU})
+    return {
+        driver: whole,
+        f"extended.{driver}": whole,
+        f"gpu-linked.{driver}": whole,  # no selector, but only whole GPUs carry clique ids
+        f"mig.{driver}": frozenset({MIG, MIG_SLICE}),
+        f"mig-dynamic.{driver}": frozenset({MIG_SLICE}),
+        f"gpu-share.{driver}": frozenset({SHARE}),
+    }
+
+
+def foreign_allocation(claim: Mapping[str, Any]) -> str | None:
+    """What shows that the claim's allocation was made for another claim; None if nothing does."""
+    devices = _mapping(_mapping(claim.get("spec")).get("devices"))
+    allocated = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices"))
+    requests = _requests(_list(devices.get("requests")))
+    results = [r for r in _list(allocated.get("results")) if isinstance(r, Mapping)]
+    return _results_differ(requests, results) or _configs_differ(
+        _list(devices.get("config")), [c for c in _list(allocated.get("config")) if _from_claim(c)]
+    )
+
+
+def foreign_device(
+    claim: Mapping[str, Any], driver: str, pool: str, kind_of: Callable[[str], str | None]
+) -> str | None:
+    """A device of this driver and pool whose kind (`kind_of(device name)`) the chart's class
+    that its request names does not select."""
+    classes = shipped_classes(driver)
+    requests = _requests(_list(_mapping(_mapping(claim.get("spec")).get("devices")).get("requests")))
+    allocated = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices"))
+    for result in _list(allocated.get("results")):
+        if not isinstance(result, Mapping) or result.get("driver") != driver or result.get("pool") != pool:
+            continue
+        request = str(result.get("request", ""))
+        cls = str(requests.get(request, {}).get("deviceClassName", ""))
+        kind = kind_of(str(result.get("device", "")))
+        if cls in classes and kind is not None and kind not in classes[cls]:
+            return (
+                f"request {request} asks for class {cls} ({' or '.join(sorted(classes[cls]))}), the "
+                f"allocation gives {result.get('device')} ({kind})"
+            )
+    return None
+
+
+def _requests(requests: Sequence[Any]) -> dict[str, Mapping[str, Any]]:
+    """Each request and subrequest by the name a result carries (`gpu`, `gpu/h200`)."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for request in requests:
+        if not isinstance(request, Mapping):
+            continue
+        name = str(request.get("name", ""))
+        if "exactly" in request:
+            out[name] = _mapping(request.get("exactly"))
+        for sub in _list(request.get("firstAvailable")):
+            if isinstance(sub, Mapping):
+                out[f"{name}/{sub.get('name', '')}"] = sub
+    return out
+
+
+def _results_differ(
+    requests: Mapping[str, Mapping[str, Any]], results: Sequence[Mapping[str, Any]]
+) -> str | None:
+    counts = Counter(str(r.get("request", "")) for r in results)
+    unknown = sorted(n for n in counts if n not in requests)
+    if unknown:
+        return (
+            f"it has results for request(s) {', '.join(unknown)}, which the claim does not have "
+            f"(its requests: {', '.join(sorted(requests)) or 'none'})"
+        )
+    for name, got in sorted(counts.items()):
+        request = requests[name]
+        if request.get("allocationMode", _EXACT_COUNT) == _EXACT_COUNT:
+            wanted = request.get("count", 1)
+            if got != wanted:
+                return f"request {name} asks for {wanted} device(s), the allocation has {got}"
+    admin = sorted({str(r.get("request")) for r in results if r.get("adminAccess")
+                    and not requests[str(r.get("request"))].get("adminAccess")})
+    if admin:
+        return f"it gives adminAccess to request(s) {', '.join(admin)}, which did not ask for it"
+    return None
+
+
+def _configs_differ(own: Sequence[Any], copied: Sequence[Mapping[str, Any]]) -> str | None:
+    """The copied FromClaim entries must be the claim's own, in order (some may be left out)."""
+    remaining = iter(own)
+    for entry in copied:
+        if not any(_same_config(entry, mine) for mine in remaining):
+            driver = _mapping(entry.get("opaque")).get("driver", "?")
+            return (
+                f"it carries a configuration for driver {driver} (requests "
+                f"{', '.join(map(str, _list(entry.get('requests')))) or 'all'}) that is not among the "
+                f"claim's own {len(own)} config entr{'y' if len(own) == 1 else 'ies'}"
+            )
+    return None
+
+
+def _same_config(copied: Mapping[str, Any], own: Any) -> bool:
+    if not isinstance(own, Mapping):
+        return False
+    if {k: v for k, v in own.items() if k != "requests"} != {
+        k: v for k, v in copied.items() if k not in ("requests", "source")
+    }:
+        return False
+    requests = _list(copied.get("requests"))
+    return not requests or requests == _list(own.get("requests"))
+
+
+def _from_claim(entry: Any) -> bool:
+    return isinstance(entry, Mapping) and entry.get("source") == "FromClaim"
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _list(value: Any) -> Sequence[Any]:
+    return value if isinstance(value, list) else []
+
+
+__all__ = ["GPU", "MIG", "MIG_SLICE", "SHARE", "foreign_allocation", "foreign_device", "shipped_classes"]
