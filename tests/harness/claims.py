@@ -26,9 +26,15 @@ def allocated_claim(
     driver: str = DEFAULT_DRIVER_NAME,
     parameters: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A claim for one device of `device_class`, with `results` written as its allocation
-    (each `{"pool", "device"}`, request "gpu"); unallocated if `results` is None.
-    `parameters`: the driver's opaque configuration, as the claim's allocation carries it."""
+    """A claim for as many devices of `device_class` as `results` has (one if None), with
+    `results` written as its allocation (each `{"pool", "device"}`, request "gpu");
+    unallocated if `results` is None. `parameters`: the driver's opaque configuration, in the
+    claim and, as the scheduler copies it, in its allocation."""
+    opaque = {"driver": driver, "parameters": parameters}
+    request = {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": len(results or [None])}}
+    devices_asked: dict[str, Any] = {"requests": [request]}
+    if parameters is not None:
+        devices_asked["config"] = [{"requests": ["gpu"], "opaque": opaque}]
     claim: dict[str, Any] = sync_request(
         api,
         "POST",
@@ -37,16 +43,13 @@ def allocated_claim(
             "apiVersion": "resource.k8s.io/v1",
             "kind": "ResourceClaim",
             "metadata": {"name": name},
-            "spec": {
-                "devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": device_class}}]}
-            },
+            "spec": {"devices": devices_asked},
         },
     )
     if results is None:
         return claim
     devices: dict[str, Any] = {"results": [{"request": "gpu", "driver": driver, **r} for r in results]}
     if parameters is not None:
-        opaque = {"driver": driver, "parameters": parameters}
         devices["config"] = [{"source": "FromClaim", "requests": ["gpu"], "opaque": opaque}]
     claim["status"] = {"allocation": {"devices": devices}}
     updated: dict[str, Any] = sync_request(api, "PUT", f"{CLAIMS.format(ns=namespace)}/{name}/status", claim)
