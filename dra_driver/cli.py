@@ -18,6 +18,7 @@ from dra_driver import __version__, log
 SUBCOMMANDS: Final = {
     "inventory": "dra_driver.commands.inventory:inventory",
     "cdi": "dra_driver.commands.cdi:cdi",
+    "compute-domain-controller": "dra_driver.commands.compute_domain_controller:compute_domain_controller",
     "claim": "dra_driver.commands.claim:claim",
     "controller": "dra_driver.commands.controller:controller",
     "kubelet-plugin": "dra_driver.commands.kubelet_plugin:kubelet_plugin",

@@ -196,7 +196,12 @@ _CLUSTER_SCOPED = {
 
 
 def sync_request(
-    api: client.ApiClient, method: str, path: str, body: Any = None, query: dict[str, str] | None = None
+    api: client.ApiClient,
+    method: str,
+    path: str,
+    body: Any = None,
+    query: dict[str, str] | None = None,
+    content_type: str = "application/json",
 ) -> JSON:
     """Send one request with the synchronous client; return the decoded JSON body.
     Raises ApiException on HTTP errors, as `dra_driver.kube.request` (its asyncio twin) does."""
@@ -204,7 +209,7 @@ def sync_request(
         method=method,
         resource_path=path,
         query_params=list((query or {}).items()),
-        header_params={"Content-Type": "application/json", "Accept": "application/json"},
+        header_params={"Content-Type": content_type, "Accept": "application/json"},
         body=body,
         auth_settings=["BearerToken"],
     )

@@ -1,0 +1,157 @@
+"""Keeps each ComputeDomain's workload ResourceClaimTemplate and `status.status` as the pure
+plan (`controller.compute_domains`) says, against the API server.
+
+One loop: list every domain, then follow the watch; each domain seen is reconciled once per
+change, by itself (a task per domain at a time, the latest version wins). Reconciling a
+domain: create its template if it is missing (one POST; a template of that name that another
+owner holds is left alone, said once in the log and as a Warning Event on the domain), and
+write `status.status` when it differs from what the nodes say (one status PATCH). Nothing
+is written when nothing changed. A deleted domain needs nothing here: its template carries
+the domain as its controller owner, so the garbage collector removes it.
+
+It must not decide what a template holds or when a domain is ready (the plan does), and
+holds no state across domains beyond the latest version of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Final
+
+import structlog
+
+from controller import compute_domains as cd
+from dra_driver import kube, metrics
+from dra_driver.health.notify import event_body
+from dra_driver.jsontypes import JSON
+from dra_driver.kube import ApiClient, ApiException
+
+log = structlog.get_logger(__name__)
+
+COMPONENT: Final = "compute-domains"  # the api_errors label
+TEMPLATES: Final = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
+MAX_BACKOFF_SECONDS: Final = 30.0
+MAX_DOMAINS: Final = 10_000  # bounds what one list may hold in memory
+
+
+class ComputeDomainController:
+    """The domains of one driver, cluster-wide."""
+
+    def __init__(self, api: ApiClient, driver: str, identity: str = "compute-domain-controller") -> None:
+        self.api = api
+        self.driver = driver
+        self.identity = identity
+        self._latest: dict[str, JSON] = {}  # by uid: the newest version seen, not yet reconciled
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._warned: set[tuple[str, str]] = set()  # (uid, what): said once per domain
+        self.writes = 0  # API writes made (tests and benchmarks read it)
+        self.synced = asyncio.Event()
+
+    async def run(self) -> None:
+        backoff = 0.5
+        path = cd.domains_path(self.driver)
+        while True:
+            try:
+                domains, version = await kube.list_all(self.api, path)
+                for domain in domains[:MAX_DOMAINS]:
+                    self._seen(domain)
+                self.synced.set()
+                async for kind, domain in kube.watch(self.api, path, version):
+                    if kind in ("ADDED", "MODIFIED"):
+                        self._seen(domain)
+                    elif kind == "DELETED":
+                        self._warned = {w for w in self._warned if w[0] != domain["metadata"]["uid"]}
+                backoff = 0.5
+            except kube.TRANSIENT_ERRORS as error:
+                metrics.api_error(COMPONENT, error)
+                self.synced.clear()
+                if isinstance(error, ApiException) and error.status == 410:
+                    continue
+                log.warning("listing or watching ComputeDomains failed; retrying", error=str(error)[:300])
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+
+    def _seen(self, domain: JSON) -> None:
+        uid = domain["metadata"]["uid"]
+        self._latest[uid] = domain
+        if uid not in self._running:
+            self._running[uid] = asyncio.create_task(self._drain(uid), name=f"compute-domain-{uid}")
+
+    async def _drain(self, uid: str) -> None:
+        try:
+            while uid in self._latest:
+                domain = self._latest.pop(uid)
+                if (domain["metadata"].get("deletionTimestamp")) is None:
+                    await self._reconcile(domain)
+        finally:
+            del self._running[uid]
+
+    async def _reconcile(self, domain: JSON) -> None:
+        meta = domain["metadata"]
+        fields = {"domain_namespace": meta["namespace"], "domain_name": meta["name"],
+                  "domain_uid": meta["uid"]}
+        try:
+            await self._ensure_template(domain, fields)
+            await self._ensure_status(domain, fields)
+        except kube.TRANSIENT_ERRORS as error:
+            metrics.api_error(COMPONENT, error)
+            if isinstance(error, ApiException) and error.status == 404:
+                return  # the domain is gone; the garbage collector has the rest
+            log.warning("reconciling a ComputeDomain failed; retrying", error=str(error)[:300], **fields)
+            await asyncio.sleep(random.uniform(0.5, 1.0))
+            self._latest.setdefault(meta["uid"], domain)
+
+    async def _ensure_template(self, domain: JSON, fields: dict[str, str]) -> None:
+        desired = cd.workload_template(domain, self.driver)
+        path = TEMPLATES.format(namespace=domain["metadata"]["namespace"])
+        try:
+            await kube.request(self.api, "POST", path, desired)
+            self.writes += 1
+            log.info("made the domain's ResourceClaimTemplate", template=cd.template_name(domain), **fields)
+            return
+        except ApiException as e:
+            if e.status != 409:
+                raise
+        existing = await kube.request(self.api, "GET", f"{path}/{cd.template_name(domain)}")
+        if not cd.owned_by(existing, domain):
+            await self._warn_once(
+                domain, "TemplateTaken",
+                f"ResourceClaimTemplate {cd.template_name(domain)} already exists and is not this "
+                "ComputeDomain's: delete it, or give the domain another "
+                "spec.channel.resourceClaimTemplate.name (the spec is immutable: re-create the domain)",
+                fields,
+            )
+
+    async def _ensure_status(self, domain: JSON, fields: dict[str, str]) -> None:
+        wanted = cd.domain_status(domain)
+        if (domain.get("status") or {}).get("status") == wanted:
+            return
+        meta = domain["metadata"]
+        path = f"{cd.domains_path(self.driver, meta['namespace'])}/{meta['name']}/status"
+        body = {"metadata": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]},
+                "status": {"status": wanted}}
+        try:
+            await kube.request(self.api, "PATCH", path, body, content_type="application/merge-patch+json")
+        except ApiException as e:
+            if e.status == 409:  # a node wrote meanwhile: its MODIFIED event brings the new version
+                return
+            raise
+        self.writes += 1
+        log.info("ComputeDomain status", status=wanted, waiting_for=cd.not_ready_nodes(domain), **fields)
+
+    async def _warn_once(self, domain: JSON, reason: str, message: str, fields: dict[str, str]) -> None:
+        key = (domain["metadata"]["uid"], reason)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        log.warning(message, **fields)
+        meta = domain["metadata"]
+        involved = {"apiVersion": cd.api_version(self.driver), "kind": cd.KIND, "name": meta["name"],
+                    "namespace": meta["namespace"], "uid": meta["uid"]}
+        body = event_body(involved, reason, message, True, self.driver, self.identity)
+        await kube.request(self.api, "POST", f"/api/v1/namespaces/{meta['namespace']}/events", body)
+        self.writes += 1
+
+
+__all__ = ["ComputeDomainController"]

@@ -1,0 +1,158 @@
+"""ComputeDomains: what one domain asks of the cluster, worked out from the domain alone (pure).
+
+A ComputeDomain (`<driver>/v1beta1`, the fields of NVIDIA's `resource.nvidia.com/v1beta1`)
+names the ResourceClaimTemplate its workload pods use. `workload_template` is that template:
+in the domain's namespace, owned by the domain (the garbage collector deletes it with the
+domain), one request for an IMEX channel of the class `compute-domain-default-channel.<driver>`,
+configured with the domain's UID and allocation mode. `domain_status` is the domain's
+`status.status` from the nodes that joined it (`status.nodes`, one entry per node, written by
+the node that prepares a channel): Ready once at least `numNodes` nodes joined and every one is
+ready, as NVIDIA's controller says it.
+
+It must not read or write the API server (compute_domain_controller.py does) nor know how a
+node joins (the kubelet plugin does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+from dra_driver.jsontypes import JSON
+
+VERSION: Final = "v1beta1"
+KIND: Final = "ComputeDomain"
+PLURAL: Final = "computedomains"
+CHANNEL_REQUEST: Final = "channel"
+CHANNEL_CONFIG_KIND: Final = "ComputeDomainChannelConfig"
+READY: Final = "Ready"
+NOT_READY: Final = "NotReady"
+SINGLE: Final = "Single"
+
+
+def channel_driver(driver: str) -> str:
+    """The DRA driver of IMEX channel devices (NVIDIA: compute-domain.nvidia.com)."""
+    return f"compute-domain.{driver}"
+
+
+def channel_class(driver: str) -> str:
+    """The DeviceClass of a workload's channel (NVIDIA: compute-domain-default-channel.nvidia.com)."""
+    return f"compute-domain-default-channel.{driver}"
+
+
+def domain_label(driver: str) -> str:
+    """The label that ties an object to its domain, valued with the domain's UID."""
+    return f"{driver}/computeDomain"
+
+
+def api_version(driver: str) -> str:
+    return f"{driver}/{VERSION}"
+
+
+def domains_path(driver: str, namespace: str | None = None) -> str:
+    where = f"/namespaces/{namespace}" if namespace else ""
+    return f"/apis/{driver}/{VERSION}{where}/{PLURAL}"
+
+
+def _spec(domain: Mapping[str, Any]) -> Mapping[str, Any]:
+    spec = domain.get("spec")
+    return spec if isinstance(spec, Mapping) else {}
+
+
+def template_name(domain: Mapping[str, Any]) -> str:
+    channel = _spec(domain).get("channel") or {}
+    return str((channel.get("resourceClaimTemplate") or {}).get("name", ""))
+
+
+def allocation_mode(domain: Mapping[str, Any]) -> str:
+    return str((_spec(domain).get("channel") or {}).get("allocationMode") or SINGLE)
+
+
+def workload_template(domain: Mapping[str, Any], driver: str) -> JSON:
+    """The ResourceClaimTemplate that the domain's workload pods name."""
+    meta = domain["metadata"]
+    parameters = {
+        "apiVersion": api_version(driver),
+        "kind": CHANNEL_CONFIG_KIND,
+        "domainID": meta["uid"],
+        "allocationMode": allocation_mode(domain),
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {
+            "name": template_name(domain),
+            "namespace": meta["namespace"],
+            "labels": {domain_label(driver): meta["uid"]},
+            "ownerReferences": [owner_reference(domain, driver)],
+        },
+        "spec": {
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {"name": CHANNEL_REQUEST, "exactly": {"deviceClassName": channel_class(driver)}}
+                    ],
+                    "config": [
+                        {
+                            "requests": [CHANNEL_REQUEST],
+                            "opaque": {"driver": channel_driver(driver), "parameters": parameters},
+                        }
+                    ],
+                }
+            }
+        },
+    }
+
+
+def owner_reference(domain: Mapping[str, Any], driver: str) -> JSON:
+    meta = domain["metadata"]
+    return {
+        "apiVersion": api_version(driver),
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def owned_by(obj: Mapping[str, Any], domain: Mapping[str, Any]) -> bool:
+    """Whether `obj` is the domain's own (its controller reference names the domain's UID)."""
+    uid = domain["metadata"]["uid"]
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
+
+
+def domain_status(domain: Mapping[str, Any]) -> str:
+    """Ready once at least numNodes nodes joined and each of them is ready; else NotReady."""
+    nodes = (domain.get("status") or {}).get("nodes") or []
+    wanted = int(_spec(domain).get("numNodes") or 0)
+    if len(nodes) < wanted or any(n.get("status") != READY for n in nodes):
+        return NOT_READY
+    return READY
+
+
+def not_ready_nodes(domain: Mapping[str, Any]) -> list[str]:
+    """The nodes of the domain that are not ready, by name: what a NotReady domain waits for."""
+    nodes = (domain.get("status") or {}).get("nodes") or []
+    return sorted(str(n.get("name")) for n in nodes if n.get("status") != READY)
+
+
+__all__ = [
+    "CHANNEL_REQUEST",
+    "KIND",
+    "NOT_READY",
+    "READY",
+    "allocation_mode",
+    "api_version",
+    "channel_class",
+    "channel_driver",
+    "domain_label",
+    "domain_status",
+    "domains_path",
+    "not_ready_nodes",
+    "owned_by",
+    "owner_reference",
+    "template_name",
+    "workload_template",
+]

@@ -1,0 +1,187 @@
+"""ComputeDomains against the real API server, garbage collector and `dra-driver
+compute-domain-controller`: the CRD as the chart renders it (its validation is the API
+server's), each domain's workload ResourceClaimTemplate, its status from the nodes that
+joined, and nothing left when it is deleted. The tests play the nodes' part (status.nodes).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from controller import compute_domains as cd
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import DRIVER
+from tests.harness.driver_image import render_chart
+from tests.harness.objects import api_error, sync_request, wait_for
+
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates"
+
+
+@pytest.fixture(scope="module")
+def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen[bytes]]:
+    (crd,) = render_chart(Path(tempfile.mkdtemp(prefix="cd-helm-")), "computeDomains.enabled=true",
+                          show_only="templates/computedomain-crd.yaml")
+    try:
+        sync_request(api, "POST", CRDS, crd)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+    def established() -> bool:
+        got = sync_request(api, "GET", f"{CRDS}/{crd['metadata']['name']}")
+        return any(c["type"] == "Established" and c["status"] == "True"
+                   for c in got.get("status", {}).get("conditions", []))
+
+    wait_for("the ComputeDomain CRD established", established)
+    wait_for("ComputeDomains served", lambda: sync_request(api, "GET", cd.domains_path(DRIVER)) is not None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dra_driver", "--log-format", "json", "compute-domain-controller",
+         "--driver-name", DRIVER, "--kubeconfig", str(control_plane.kubeconfig)],
+    )
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        sync_request(api, "DELETE", f"{CRDS}/{crd['metadata']['name']}")
+
+
+def domain(name: str, template: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": cd.api_version(DRIVER),
+        "kind": "ComputeDomain",
+        "metadata": {"name": name},
+        "spec": {"channel": {"resourceClaimTemplate": {"name": template}}, **spec},
+    }
+
+
+def create(api: client.ApiClient, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    return sync_request(api, "POST", cd.domains_path(DRIVER, ns), body)
+
+
+def template(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
+    try:
+        return sync_request(api, "GET", f"{TEMPLATES.format(ns=ns)}/{name}")
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def test_a_domain_gets_its_channel_template_owned_by_it(
+    controller: subprocess.Popen[bytes], api: client.ApiClient, namespace: str
+) -> None:
+    made = create(api, namespace, domain("job", "job-channel", numNodes=4))
+    assert made["spec"]["channel"]["allocationMode"] == "Single"  # the CRD's default, as NVIDIA's
+    got = wait_for("the domain's template", lambda: template(api, namespace, "job-channel"))
+    (request,) = got["spec"]["spec"]["devices"]["requests"]
+    assert request == {"name": "channel", "exactly": {"deviceClassName": cd.channel_class(DRIVER),
+                                                      "allocationMode": "ExactCount", "count": 1}}
+    (config,) = got["spec"]["spec"]["devices"]["config"]
+    assert config["opaque"]["driver"] == cd.channel_driver(DRIVER)
+    assert config["opaque"]["parameters"] == {
+        "apiVersion": cd.api_version(DRIVER), "kind": "ComputeDomainChannelConfig",
+        "domainID": made["metadata"]["uid"], "allocationMode": "Single",
+    }
+    (owner,) = got["metadata"]["ownerReferences"]
+    assert (owner["uid"], owner["controller"]) == (made["metadata"]["uid"], True)
+
+
+def test_status_is_ready_once_numnodes_nodes_joined_and_each_is_ready(
+    controller: subprocess.Popen[bytes], api: client.ApiClient, namespace: str
+) -> None:
+    create(api, namespace, domain("pair", "pair-channel", numNodes=2))
+    path = f"{cd.domains_path(DRIVER, namespace)}/pair"
+
+    def status() -> str | None:
+        got: str | None = (sync_request(api, "GET", path).get("status") or {}).get("status")
+        return got
+
+    def nodes(*entries: tuple[str, str]) -> None:
+        body = {"status": {"nodes": [
+            {"name": n, "ipAddress": f"10.0.0.{i}", "cliqueID": "c.1", "index": i, "status": s}
+            for i, (n, s) in enumerate(entries)
+        ]}}
+        sync_request(api, "PATCH", f"{path}/status", body, content_type="application/merge-patch+json")
+
+    wait_for("NotReady with no node", lambda: status() == "NotReady")
+    nodes(("n0", "Ready"))
+    wait_for("still NotReady with 1 of 2 nodes", lambda: status() == "NotReady")
+    nodes(("n0", "Ready"), ("n1", "NotReady"))
+    nodes(("n0", "Ready"), ("n1", "Ready"))
+    wait_for("Ready with both nodes ready", lambda: status() == "Ready")
+    nodes(("n0", "Ready"), ("n1", "NotReady"))
+    wait_for("NotReady again when a node is not", lambda: status() == "NotReady")
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ({"channel": {"resourceClaimTemplate": {"name": "t"}, "allocationMode": "Some"}}, "allocationMode"),
+        ({"numNodes": 1}, "channel"),
+        ({"channel": {"resourceClaimTemplate": {"name": "Not_A_Name"}}}, "name"),
+        ({"channel": {"resourceClaimTemplate": {"name": "t"}}, "numNodes": -1}, "numNodes"),
+    ],
+)
+def test_the_api_server_refuses_what_nvidias_crd_refuses(
+    controller: subprocess.Popen[bytes],
+    api: client.ApiClient,
+    namespace: str,
+    spec: dict[str, Any],
+    fragment: str,
+) -> None:
+    body = {"apiVersion": cd.api_version(DRIVER), "kind": "ComputeDomain", "metadata": {"name": "bad"},
+            "spec": spec}
+    with pytest.raises(ApiException) as refused:
+        create(api, namespace, body)
+    assert refused.value.status == 422 and fragment in api_error(refused.value), api_error(refused.value)
+
+
+def test_the_spec_cannot_change(
+    controller: subprocess.Popen[bytes], api: client.ApiClient, namespace: str
+) -> None:
+    create(api, namespace, domain("fixed", "fixed-channel"))
+    patch = {"spec": {"numNodes": 3}}
+    with pytest.raises(ApiException) as refused:
+        sync_request(api, "PATCH", f"{cd.domains_path(DRIVER, namespace)}/fixed", patch,
+                     content_type="application/merge-patch+json")
+    assert "immutable" in api_error(refused.value)
+
+
+def test_deleting_a_domain_leaves_no_template(
+    controller: subprocess.Popen[bytes], api: client.ApiClient, namespace: str
+) -> None:
+    create(api, namespace, domain("gone", "gone-channel"))
+    wait_for("the domain's template", lambda: template(api, namespace, "gone-channel"))
+    sync_request(api, "DELETE", f"{cd.domains_path(DRIVER, namespace)}/gone")
+    wait_for("the template garbage-collected", lambda: template(api, namespace, "gone-channel") is None,
+             timeout=60)
+
+
+def test_a_template_name_another_owner_holds_is_left_alone_and_said(
+    controller: subprocess.Popen[bytes], api: client.ApiClient, namespace: str
+) -> None:
+    mine = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "taken"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "x", "exactly": {"deviceClassName": "x"}}]}}}}
+    sync_request(api, "POST", TEMPLATES.format(ns=namespace), mine)
+    create(api, namespace, domain("late", "taken"))
+
+    def warned() -> list[dict[str, Any]]:
+        events = sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/events")["items"]
+        return [e for e in events if e["reason"] == "TemplateTaken" and e["involvedObject"]["name"] == "late"]
+
+    (event,) = wait_for("a TemplateTaken Event on the domain", warned)
+    assert "spec.channel.resourceClaimTemplate.name" in event["message"]
+    kept = template(api, namespace, "taken")
+    assert kept is not None and kept["spec"]["spec"]["devices"]["requests"][0]["name"] == "x"
+    assert not kept["metadata"].get("ownerReferences")
