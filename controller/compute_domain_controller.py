@@ -23,14 +23,18 @@ import structlog
 
 from controller import compute_domains as cd
 from dra_driver import kube, metrics
-from dra_driver.health.notify import event_body
 from dra_driver.jsontypes import JSON
 from dra_driver.kube import ApiClient, ApiException
+from dra_driver.kube.events import event_body
 
 log = structlog.get_logger(__name__)
 
 COMPONENT: Final = "compute-domains"  # the api_errors label
+# Paths as the least-privilege test reads them from this source (the chart's ClusterRole).
+DOMAINS: Final = "/apis/{group}/v1beta1/computedomains"
+DOMAIN_STATUS: Final = "/apis/{group}/v1beta1/namespaces/{namespace}/computedomains/{name}/status"
 TEMPLATES: Final = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
+TEMPLATE: Final = TEMPLATES + "/{name}"
 MAX_BACKOFF_SECONDS: Final = 30.0
 MAX_DOMAINS: Final = 10_000  # bounds what one list may hold in memory
 
@@ -50,7 +54,7 @@ class ComputeDomainController:
 
     async def run(self) -> None:
         backoff = 0.5
-        path = cd.domains_path(self.driver)
+        path = DOMAINS.format(group=self.driver)
         while True:
             try:
                 domains, version = await kube.list_all(self.api, path)
@@ -113,7 +117,8 @@ class ComputeDomainController:
         except ApiException as e:
             if e.status != 409:
                 raise
-        existing = await kube.request(self.api, "GET", f"{path}/{cd.template_name(domain)}")
+        where = TEMPLATE.format(namespace=domain["metadata"]["namespace"], name=cd.template_name(domain))
+        existing = await kube.request(self.api, "GET", where)
         if not cd.owned_by(existing, domain):
             await self._warn_once(
                 domain, "TemplateTaken",
@@ -128,7 +133,7 @@ class ComputeDomainController:
         if (domain.get("status") or {}).get("status") == wanted:
             return
         meta = domain["metadata"]
-        path = f"{cd.domains_path(self.driver, meta['namespace'])}/{meta['name']}/status"
+        path = DOMAIN_STATUS.format(group=self.driver, namespace=meta["namespace"], name=meta["name"])
         body = {"metadata": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]},
                 "status": {"status": wanted}}
         try:

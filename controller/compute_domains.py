@@ -22,7 +22,6 @@ from dra_driver.jsontypes import JSON
 
 VERSION: Final = "v1beta1"
 KIND: Final = "ComputeDomain"
-PLURAL: Final = "computedomains"
 CHANNEL_REQUEST: Final = "channel"
 CHANNEL_CONFIG_KIND: Final = "ComputeDomainChannelConfig"
 READY: Final = "Ready"
@@ -47,11 +46,6 @@ def domain_label(driver: str) -> str:
 
 def api_version(driver: str) -> str:
     return f"{driver}/{VERSION}"
-
-
-def domains_path(driver: str, namespace: str | None = None) -> str:
-    where = f"/namespaces/{namespace}" if namespace else ""
-    return f"/apis/{driver}/{VERSION}{where}/{PLURAL}"
 
 
 def _spec(domain: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -149,7 +143,6 @@ __all__ = [
     "channel_driver",
     "domain_label",
     "domain_status",
-    "domains_path",
     "not_ready_nodes",
     "owned_by",
     "owner_reference",

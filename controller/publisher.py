@@ -23,8 +23,8 @@ from controller.reconciler import SliceController
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import kube, metrics
 from dra_driver.gpu.model import Inventory
-from dra_driver.health.notify import event_body
 from dra_driver.kube import ApiClient
+from dra_driver.kube.events import event_body
 
 # SliceController is named here too for dra_driver.commands.kubelet_plugin's import.
 __all__ = ["ListAttributesMode", "SliceController", "pools_for", "slice_controller"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import structlog
 
@@ -21,6 +20,7 @@ from dra_driver import kube
 from dra_driver.health.effects import DeviceView
 from dra_driver.health.keeper import HealthKeeper
 from dra_driver.jsontypes import JSON
+from dra_driver.kube.events import event_body
 
 log = structlog.get_logger(__name__)
 
@@ -35,25 +35,6 @@ class ClaimUse:
     name: str
     uid: str
     devices: tuple[str, ...]
-
-
-def event_body(involved: JSON, reason: str, message: str, warning: bool, driver: str, node: str) -> JSON:
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"generateName": f"{involved['name']}.", "namespace": involved["namespace"]},
-        "involvedObject": involved,
-        "reason": reason,
-        "message": message[:1024],
-        "type": "Warning" if warning else "Normal",
-        "source": {"component": driver, "host": node},
-        "reportingComponent": driver,
-        "reportingInstance": node,
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
 
 
 class ClaimEvents:

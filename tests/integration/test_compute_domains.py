@@ -27,6 +27,10 @@ CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates"
 
 
+def domains_path(driver: str, namespace: str | None = None) -> str:
+    return f"/apis/{driver}/v1beta1" + (f"/namespaces/{namespace}" if namespace else "") + "/computedomains"
+
+
 @pytest.fixture(scope="module")
 def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen[bytes]]:
     (crd,) = render_chart(Path(tempfile.mkdtemp(prefix="cd-helm-")), "computeDomains.enabled=true",
@@ -42,7 +46,7 @@ def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[s
                    for c in got.get("status", {}).get("conditions", []))
 
     wait_for("the ComputeDomain CRD established", established)
-    wait_for("ComputeDomains served", lambda: sync_request(api, "GET", cd.domains_path(DRIVER)) is not None)
+    wait_for("ComputeDomains served", lambda: sync_request(api, "GET", domains_path(DRIVER)) is not None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dra_driver", "--log-format", "json", "compute-domain-controller",
          "--driver-name", DRIVER, "--kubeconfig", str(control_plane.kubeconfig)],
@@ -65,7 +69,7 @@ def domain(name: str, template: str, **spec: Any) -> dict[str, Any]:
 
 
 def create(api: client.ApiClient, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-    return sync_request(api, "POST", cd.domains_path(DRIVER, ns), body)
+    return sync_request(api, "POST", domains_path(DRIVER, ns), body)
 
 
 def template(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
@@ -100,7 +104,7 @@ def test_status_is_ready_once_numnodes_nodes_joined_and_each_is_ready(
     controller: subprocess.Popen[bytes], api: client.ApiClient, namespace: str
 ) -> None:
     create(api, namespace, domain("pair", "pair-channel", numNodes=2))
-    path = f"{cd.domains_path(DRIVER, namespace)}/pair"
+    path = f"{domains_path(DRIVER, namespace)}/pair"
 
     def status() -> str | None:
         got: str | None = (sync_request(api, "GET", path).get("status") or {}).get("status")
@@ -152,7 +156,7 @@ def test_the_spec_cannot_change(
     create(api, namespace, domain("fixed", "fixed-channel"))
     patch = {"spec": {"numNodes": 3}}
     with pytest.raises(ApiException) as refused:
-        sync_request(api, "PATCH", f"{cd.domains_path(DRIVER, namespace)}/fixed", patch,
+        sync_request(api, "PATCH", f"{domains_path(DRIVER, namespace)}/fixed", patch,
                      content_type="application/merge-patch+json")
     assert "immutable" in api_error(refused.value)
 
@@ -162,7 +166,7 @@ def test_deleting_a_domain_leaves_no_template(
 ) -> None:
     create(api, namespace, domain("gone", "gone-channel"))
     wait_for("the domain's template", lambda: template(api, namespace, "gone-channel"))
-    sync_request(api, "DELETE", f"{cd.domains_path(DRIVER, namespace)}/gone")
+    sync_request(api, "DELETE", f"{domains_path(DRIVER, namespace)}/gone")
     wait_for("the template garbage-collected", lambda: template(api, namespace, "gone-channel") is None,
              timeout=60)
 

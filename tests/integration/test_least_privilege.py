@@ -59,6 +59,7 @@ RELEASE = "lp"
 NAMESPACE = "lp-gpu-dra-driver"
 DRIVER = "gpu.dra-driver.dev"
 ENTRY = "dra_driver.commands.kubelet_plugin"
+CD_ENTRY = "dra_driver.commands.compute_domain_controller"
 PACKAGES = ("dra_driver", "controller")
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
 
@@ -407,6 +408,23 @@ def test_the_chart_grants_exactly_what_the_code_calls(chart: list[dict[str, Any]
     assert not [d for d in chart if d["kind"] in ("Role", "RoleBinding")], "a Role the scan does not cover"
     by_driver = [r for r in role["rules"] if "resourceclaims/driver" in r["resources"]]
     assert all(r.get("resourceNames") == [DRIVER] for r in by_driver), by_driver
+
+
+def test_the_compute_domain_controllers_role_grants_exactly_what_its_code_calls(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    helm = Helm(build_helm(), None, tmp_path_factory.mktemp("helm-home"))
+    rendered = render(helm, "computeDomains.enabled=true")
+    name = f"{RELEASE}-gpu-dra-driver-compute-domains"
+    (role,) = [d for d in rendered if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name]
+    # the API group is the driver name, a value: the source says "{group}"
+    need = {Grant(DRIVER if s.grant.group == "{}" else s.grant.group, s.grant.resource, s.grant.verb)
+            for s in call_sites(CD_ENTRY)}
+    have = granted(role)
+    assert need and need == have, f"missing: {sorted(need - have)}; unused: {sorted(have - need)}"
+    (binding,) = [d for d in rendered if d["kind"] == "ClusterRoleBinding" and d["roleRef"]["name"] == name]
+    (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]
+    assert binding["subjects"][0]["name"] == deployment["spec"]["template"]["spec"]["serviceAccountName"]
 
 
 def test_the_scan_reads_every_api_call_of_the_plugin() -> None:
