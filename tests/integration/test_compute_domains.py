@@ -6,6 +6,7 @@ joined, and nothing left when it is deleted. The tests play the nodes' part (sta
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -21,6 +23,7 @@ from controller import compute_domains as cd
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import render_chart
+from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import api_error, sync_request, wait_for
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -40,10 +43,11 @@ def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[s
     except ApiException as e:
         if e.status != 409:
             raise
+
     def established() -> bool:
         got = sync_request(api, "GET", f"{CRDS}/{crd['metadata']['name']}")
         return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in got.get("status", {}).get("conditions", []))
+                   for c in (got.get("status") or {}).get("conditions") or [])
 
     wait_for("the ComputeDomain CRD established", established)
     wait_for("ComputeDomains served", lambda: sync_request(api, "GET", domains_path(DRIVER)) is not None)
@@ -189,3 +193,28 @@ def test_a_template_name_another_owner_holds_is_left_alone_and_said(
     kept = template(api, namespace, "taken")
     assert kept is not None and kept["spec"]["spec"]["devices"]["requests"][0]["name"] == "x"
     assert not kept["metadata"].get("ownerReferences")
+
+
+# NVIDIA's manifests, changed as docs/compute-domains.md says (the test reads the sed from there)
+SED = re.compile(r"^sed -e '(?P<expression>[^']+)'", re.M)
+
+
+@pytest.mark.parametrize(("spec", "mode"), [("channel-injection.yaml", "Single"),
+                                            ("channel-injection-all.yaml", "All")])
+def test_nvidias_compute_domain_examples_get_their_templates_after_the_documented_sed(
+    controller: subprocess.Popen[bytes], api: client.ApiClient, namespace: str, spec: str, mode: str
+) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "compute-domains.md").read_text()
+    match = SED.search(docs)
+    assert match, "docs/compute-domains.md has no sed line"
+    source = nvidia_source() / "demo" / "specs" / "imex" / spec
+    changed = subprocess.run(["sed", "-e", match.group("expression"), str(source)], capture_output=True,
+                             text=True, check=True).stdout
+    (written,) = [d for d in yaml.safe_load_all(changed) if d and d["kind"] == "ComputeDomain"]
+    assert written["apiVersion"] == cd.api_version(DRIVER)
+    made = create(api, namespace, written)
+    name = written["spec"]["channel"]["resourceClaimTemplate"]["name"]
+    got = wait_for("the example's template", lambda: template(api, namespace, name))
+    (config,) = got["spec"]["spec"]["devices"]["config"]
+    assert config["opaque"]["parameters"]["allocationMode"] == mode
+    assert config["opaque"]["parameters"]["domainID"] == made["metadata"]["uid"]

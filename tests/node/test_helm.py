@@ -259,7 +259,7 @@ def test_install_runs_the_image_on_every_node_and_publishes_slices(env: HelmClus
     env.helm.run(
         "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
         "--set", f"simulate={PROFILE}", "--set", f"image.repository={IMAGE_REPOSITORY}",
-        "--set", f"image.tag={env.image.tag}",
+        "--set", f"image.tag={env.image.tag}", "--set", "computeDomains.enabled=true",
     )
     wait_for(
         "every node's ResourceSlice pool",
@@ -285,6 +285,30 @@ def test_install_runs_the_image_on_every_node_and_publishes_slices(env: HelmClus
     assert {DRIVER, f"mig.{DRIVER}"} <= _device_classes(env.api)
     policies = sync_request(env.api, "GET", f"{ADMISSION_API}/validatingadmissionpolicies")
     assert f"{RELEASE}-resourceslices" in {p["metadata"]["name"] for p in policies["items"]}
+
+
+def test_the_installed_compute_domain_controller_makes_each_domains_template(env: HelmCluster) -> None:
+    """The chart's controller Deployment, from the image, with its own service account: a
+    ComputeDomain written as NVIDIA's (group changed) gets its workload template."""
+    selector = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=compute-domain-controller"
+    wait_for("the compute-domain controller Running", lambda: [
+        p for p in sync_request(env.api, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods",
+                                query={"labelSelector": selector})["items"] if _ready(p)
+    ], timeout=120)
+    namespace = "helm-domains"
+    create_namespace(env.api, namespace)
+    domain = {"apiVersion": f"{DRIVER}/v1beta1", "kind": "ComputeDomain", "metadata": {"name": "job"},
+              "spec": {"numNodes": 2, "channel": {"resourceClaimTemplate": {"name": "job-channel"}}}}
+    domains = f"/apis/{DRIVER}/v1beta1/namespaces/{namespace}/computedomains"
+    made = sync_request(env.api, "POST", domains, domain)
+    template = wait_for("the domain's ResourceClaimTemplate", lambda: sync_request(
+        env.api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaimtemplates"
+    )["items"], timeout=60)
+    assert [t["metadata"]["name"] for t in template] == ["job-channel"]
+    assert template[0]["metadata"]["ownerReferences"][0]["uid"] == made["metadata"]["uid"]
+    status = wait_for("the domain's status written",
+                      lambda: sync_request(env.api, "GET", f"{domains}/job").get("status"))
+    assert status["status"] == "NotReady", status  # no node joined yet: numNodes is 2
 
 
 def test_pods_get_their_gpus(env: HelmCluster) -> None:
