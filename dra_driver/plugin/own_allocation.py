@@ -10,12 +10,14 @@ claim's MPS (issue 55). What the allocator copies from a claim is known, so an
 allocation made for another claim shows in the claim itself:
 
 * every result's `request` is one of the claim's requests, or `request/subrequest` of
-  one of its `firstAvailable` lists;
-* an ExactCount request (or the subrequest chosen) has exactly `count` results;
+  one of its `firstAvailable` lists (exactly one subrequest chosen per list);
+* each request (or the subrequest chosen) has its results: exactly `count` for
+  ExactCount, at least one for All;
 * a result has `adminAccess` only if its request asked for it;
-* the configs with `source: FromClaim` are the claim's own `spec.devices.config`
-  entries, in their order (the allocator leaves out those for subrequests not chosen,
-  and may empty `requests` when an entry names every request).
+* the configs with `source: FromClaim` are exactly the claim's own `spec.devices.config`
+  entries that the allocator copies, in their order: none foreign, none missing (it
+  leaves out only those for subrequests not chosen, and may empty `requests` when an
+  entry names every request).
 
 Where both claims have the same shape, the device still shows it when the request names
 one of the DeviceClasses the chart ships (`foreign_device`: a MIG slice asked, a whole GPU
@@ -56,11 +58,14 @@ def foreign_allocation(claim: Mapping[str, Any]) -> str | None:
     """What shows that the claim's allocation was made for another claim; None if nothing does."""
     devices = _mapping(_mapping(claim.get("spec")).get("devices"))
     allocated = _mapping(_mapping(_mapping(claim.get("status")).get("allocation")).get("devices"))
-    requests = _requests(_list(devices.get("requests")))
+    requests = [r for r in _list(devices.get("requests")) if isinstance(r, Mapping)]
     results = [r for r in _list(allocated.get("results")) if isinstance(r, Mapping)]
-    return _results_differ(requests, results) or _configs_differ(
-        _list(devices.get("config")), [c for c in _list(allocated.get("config")) if _from_claim(c)]
-    )
+    chosen = _chosen(requests, Counter(str(r.get("request", "")) for r in results))
+    if isinstance(chosen, str):
+        return chosen
+    return _configs_differ(
+        _list(devices.get("config")), [c for c in _list(allocated.get("config")) if _from_claim(c)], chosen
+    ) or _admin_differs(_requests(requests), results)
 
 
 def foreign_device(
@@ -100,22 +105,39 @@ def _requests(requests: Sequence[Any]) -> dict[str, Mapping[str, Any]]:
     return out
 
 
-def _results_differ(
-    requests: Mapping[str, Mapping[str, Any]], results: Sequence[Mapping[str, Any]]
-) -> str | None:
-    counts = Counter(str(r.get("request", "")) for r in results)
-    unknown = sorted(n for n in counts if n not in requests)
+def _chosen(requests: Sequence[Mapping[str, Any]], counts: Counter[str]) -> list[str] | str:
+    """The request names the results must carry (a request's own, or the one subrequest of its
+    firstAvailable list that was chosen), each with as many results as it asks for; or what
+    shows that the results were made for other requests."""
+    known = _requests(requests)
+    unknown = sorted(n for n in counts if n not in known)
     if unknown:
         return (
             f"it has results for request(s) {', '.join(unknown)}, which the claim does not have "
-            f"(its requests: {', '.join(sorted(requests)) or 'none'})"
+            f"(its requests: {', '.join(sorted(known)) or 'none'})"
         )
-    for name, got in sorted(counts.items()):
-        request = requests[name]
-        if request.get("allocationMode", _EXACT_COUNT) == _EXACT_COUNT:
-            wanted = request.get("count", 1)
-            if got != wanted:
-                return f"request {name} asks for {wanted} device(s), the allocation has {got}"
+    chosen: list[str] = []
+    for request in requests:
+        name = str(request.get("name", ""))
+        if "exactly" in request:
+            names = [name]
+        else:
+            names = [n for n in (f"{name}/{s.get('name', '')}" for s in _list(request.get("firstAvailable"))
+                                 if isinstance(s, Mapping)) if counts[n]]
+            if len(names) != 1:
+                return f"request {name} has results for {len(names)} of its firstAvailable subrequests, not 1"
+        for n in names:
+            mode = known[n].get("allocationMode", _EXACT_COUNT)
+            wanted = known[n].get("count", 1) if mode == _EXACT_COUNT else None
+            if (wanted is not None and counts[n] != wanted) or counts[n] == 0:
+                return f"request {n} asks for {wanted or 'all'} device(s), the allocation has {counts[n]}"
+        chosen += names
+    return chosen
+
+
+def _admin_differs(
+    requests: Mapping[str, Mapping[str, Any]], results: Sequence[Mapping[str, Any]]
+) -> str | None:
     admin = sorted({str(r.get("request")) for r in results if r.get("adminAccess")
                     and not requests[str(r.get("request"))].get("adminAccess")})
     if admin:
@@ -123,17 +145,29 @@ def _results_differ(
     return None
 
 
-def _configs_differ(own: Sequence[Any], copied: Sequence[Mapping[str, Any]]) -> str | None:
-    """The copied FromClaim entries must be the claim's own, in order (some may be left out)."""
-    remaining = iter(own)
-    for entry in copied:
-        if not any(_same_config(entry, mine) for mine in remaining):
+def _configs_differ(
+    own: Sequence[Any], copied: Sequence[Mapping[str, Any]], chosen: Sequence[str]
+) -> str | None:
+    """The copied FromClaim entries must be exactly the claim's own entries that the allocator
+    copies, in order: those for every request, for one of its requests, or for a subrequest
+    that was chosen."""
+    names = {n.split("/", 1)[0] for n in chosen} | set(chosen)
+    expected = [c for c in own if isinstance(c, Mapping)
+                and (not _list(c.get("requests")) or names & set(map(str, _list(c.get("requests")))))]
+    for i, entry in enumerate(copied):
+        if i >= len(expected) or not _same_config(entry, expected[i]):
             driver = _mapping(entry.get("opaque")).get("driver", "?")
             return (
                 f"it carries a configuration for driver {driver} (requests "
                 f"{', '.join(map(str, _list(entry.get('requests')))) or 'all'}) that is not among the "
                 f"claim's own {len(own)} config entr{'y' if len(own) == 1 else 'ies'}"
             )
+    if len(copied) < len(expected):
+        driver = _mapping(expected[len(copied)].get("opaque")).get("driver", "?")
+        return (
+            f"it lacks the claim's own configuration for driver {driver} (it carries {len(copied)} of "
+            f"the claim's {len(expected)} config entr{'y' if len(expected) == 1 else 'ies'} for its requests)"
+        )
     return None
 
 

@@ -69,6 +69,10 @@ def from_claim(opaque: dict[str, Any], requests: list[str] | None = None) -> dic
     return entry
 
 
+FIRST_AVAILABLE = {"name": "gpu", "firstAvailable": [
+    {"name": "big", "deviceClassName": DRIVER}, {"name": "small", "deviceClassName": DRIVER, "count": 2}]}
+
+
 # the old claim's allocation (a whole GPU, its MPS config) on the new claim (MIG, no config)
 RECREATED = claim([exactly("dev")], [], [result("dev")], [from_claim(MPS, ["dev"])])
 # the same, where both claims asked MPS: only the device's kind shows it
@@ -119,15 +123,19 @@ def test_the_plugin_prepares_nothing_and_starts_no_daemon_for_it(
                [from_claim(TIME_SLICING), from_claim(MPS)]), "not among"),  # the order is the claim's
         (claim([exactly("gpu")], [{"requests": ["gpu"], "opaque": MPS}], [result("gpu")],
                [from_claim(MPS, ["other"])]), "not among"),
+        # the old claim had no config: the new one's MPS would be lost
+        (claim([exactly("gpu")], [{"requests": ["gpu"], "opaque": MPS}], [result("gpu")], []),
+         "lacks the claim's own configuration"),
+        (claim([exactly("a"), exactly("b")], [], [result("a")], []),
+         "request b asks for 1 device(s), the allocation has 0"),
+        (claim([exactly("a", allocationMode="All")], [], [], []), "request a asks for all device(s)"),
+        (claim([FIRST_AVAILABLE], [], [result("gpu/big"), result("gpu/small", "gpu-1")], []),
+         "results for 2 of its firstAvailable subrequests"),
     ],
 )
 def test_each_sign_of_another_claims_allocation_is_named(case: dict[str, Any], fragment: str) -> None:
     why = foreign_allocation(case)
     assert why is not None and fragment in why, why
-
-
-FIRST_AVAILABLE = {"name": "gpu", "firstAvailable": [
-    {"name": "big", "deviceClassName": DRIVER}, {"name": "small", "deviceClassName": DRIVER, "count": 2}]}
 
 
 @pytest.mark.parametrize(
@@ -137,9 +145,12 @@ FIRST_AVAILABLE = {"name": "gpu", "firstAvailable": [
         claim([exactly("gpu")], [{"requests": ["gpu"], "opaque": MPS}], [result("gpu")], [from_claim(MPS)]),
         claim([exactly("a"), exactly("b")], [{"requests": ["a"], "opaque": MPS}, {"opaque": TIME_SLICING}],
               [result("a"), result("b", "gpu-1")], [from_claim(MPS, ["a"]), from_claim(TIME_SLICING)]),
-        # a config for a subrequest that was not chosen is left out
+        # a config for a subrequest that was not chosen is left out; one for the request is not
         claim([FIRST_AVAILABLE], [{"requests": ["gpu/big"], "opaque": MPS}],
               [result("gpu/small"), result("gpu/small", "gpu-1")], []),
+        claim([FIRST_AVAILABLE],
+              [{"requests": ["gpu/big"], "opaque": MPS}, {"requests": ["gpu"], "opaque": MPS}],
+              [result("gpu/small"), result("gpu/small", "gpu-1")], [from_claim(MPS, ["gpu"])]),
         # class configs are not the claim's to check
         claim([exactly("gpu")], [], [result("gpu")],
               [{"source": "FromClass", "requests": ["gpu"], "opaque": MPS}]),
