@@ -205,13 +205,16 @@ def _parse_sharing(value: object, kind: str, where: str) -> SharingConfig:
 
 def parse_nvidia_config(obj: Mapping[str, Any], where: str) -> GpuConfig:
     """One `opaque.parameters` object of NVIDIA's API version, as this driver's config.
-    Raises ConfigError naming the field and the reason."""
-    check_fields(obj, ("apiVersion", "kind", "sharing"), where)
+    Raises ConfigError naming the field and the reason. A kind of NVIDIA's with no
+    counterpart here is refused before the fields are checked: its own fields (a
+    VfioDeviceConfig's `iommu`, a channel's `domainID`) are no mistake of the user's, the
+    kind is."""
     kind = obj.get("kind")
-    if kind is None:
-        raise ConfigError(f"{where}.kind is missing; {KIND_REASON.replace('must be', 'set it to')}")
     if kind in NVIDIA_ONLY_KINDS:
         raise _refuse(f"{where}.kind", f"{kind} {NO_COUNTERPART_REASON}")
+    check_fields(obj, ("apiVersion", "kind", "sharing"), where)
+    if kind is None:
+        raise ConfigError(f"{where}.kind is missing; {KIND_REASON.replace('must be', 'set it to')}")
     if kind not in KINDS:
         raise _refuse(f"{where}.kind", KIND_REASON)
     if obj.get("sharing") is None:

@@ -4,7 +4,8 @@ plugin's config parser give the same verdict, with the same field path, on every
 Hypothesis generates `opaque.parameters` of both API versions (ours,
 `gpu.dra-driver.dev/v1alpha1`, and NVIDIA's, `resource.nvidia.com/v1beta1`): kinds,
 strategies, every field and unknown ones, quantities from 0 to 2^63 and beyond in every
-suffix (and strings that are almost quantities), wrong types and nulls. Each config goes
+suffix (and strings that are almost quantities), wrong types and nulls; NVIDIA's kinds
+with no counterpart here with their own fields (iommu, domainID). Each config goes
 to the real API server as a server-side dry-run create of a ResourceClaim (nothing is
 stored) and through `parse_claim_config`, as the plugin reads it after a JSON round trip.
 A disagreement fails the test with the config and both answers: admitted by one and
@@ -258,7 +259,22 @@ our_parameters = _parameters(
     mostly(st.sampled_from(["GpuConfig"] * 10 + ["GPUConfig", "MigDeviceConfig"])),
     _sharing_ours(),
 )
-parameters = mostly(st.one_of(nvidia_parameters, our_parameters))
+# NVIDIA's kinds with no counterpart here, with their own fields (VfioDeviceConfig's iommu,
+# the ComputeDomain configs' domainID and allocationMode) and now and then a stray one
+_NVIDIA_ONLY_FIELDS = {
+    "iommu": mostly(
+        fields({}, {"backendPolicy": mostly(st.sampled_from(["LegacyOnly", "PreferIommuFD"])),
+                    "enableAPIDevice": mostly(st.booleans())}, {"backendPolicy", "enableAPIDevice"})
+    ),
+    "domainID": mostly(st.uuids().map(str)),
+    "allocationMode": mostly(st.sampled_from(["Single", "All"])),
+}
+nvidia_only_parameters = st.builds(
+    lambda kind, rest: {"apiVersion": NV, "kind": kind, **rest},
+    st.sampled_from(["VfioDeviceConfig", "ComputeDomainChannelConfig", "ComputeDomainDaemonConfig"]),
+    fields({}, _NVIDIA_ONLY_FIELDS, set(_NVIDIA_ONLY_FIELDS) | {"apiVersion", "kind"}),
+)
+parameters = mostly(st.one_of(nvidia_parameters, nvidia_parameters, nvidia_only_parameters, our_parameters))
 
 
 # --------------------------------------------------------------------------- both answers
@@ -405,6 +421,28 @@ def check_agreement(bench: Bench, run_seed: int) -> tuple[int, float]:
     finally:
         pool.shutdown()
     return sum(checked), time.monotonic() - start
+
+
+# As NVIDIA's users write them (its demo's gpu-test-vfio-config.yaml; its ComputeDomain
+# channel and daemon configs): both must refuse the kind, not one of its fields.
+NVIDIA_ONLY = [
+    {
+        "apiVersion": NV,
+        "kind": "VfioDeviceConfig",
+        "iommu": {"backendPolicy": "LegacyOnly", "enableAPIDevice": True},
+    },
+    {"apiVersion": NV, "kind": "ComputeDomainChannelConfig", "domainID": "4f1b", "allocationMode": "All"},
+    {"apiVersion": NV, "kind": "ComputeDomainDaemonConfig", "domainID": "4f1b"},
+]
+
+
+@pytest.mark.parametrize("params", NVIDIA_ONLY, ids=lambda p: str(p["kind"]))
+def test_nvidias_kinds_with_no_counterpart_are_refused_for_their_kind_by_both(
+    bench: Bench, params: dict[str, Any]
+) -> None:
+    policy, plugin = policy_verdict(bench.clients[0], bench.namespace, params), plugin_verdict(params)
+    assert policy.path == plugin.path == "opaque.parameters.kind", f"policy: {policy}\nplugin: {plugin}"
+    assert policy.message == plugin.message and "offers no VFIO passthrough" in plugin.message
 
 
 @pytest.mark.parametrize("which", ["fixed", "random"])

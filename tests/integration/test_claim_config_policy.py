@@ -1,7 +1,9 @@
 """Claim configs against the real API server and scheduler: NVIDIA's form
 (resource.nvidia.com/v1beta1) and ours accepted at admission and prepared as asked; what the
 plugin would refuse refused when written, by the chart's claim-config policy, with the
-plugin's own message; a claim written before the policy took effect never stuck by it.
+plugin's own message; a request for NVIDIA's VFIO class under this driver's domain (NVIDIA's
+VFIO examples after docs/migrating.md's sed) refused when written, since no such class
+exists here; a claim written before the policy took effect never stuck by it.
 
 One `dra-driver kubelet-plugin` on a simulated a100-mig box (whole A100s gpu-0..3, MIG
 devices on the others) with a stand-in `nvidia-cuda-mps-control` (tests/harness/fake_mps.py)
@@ -16,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,17 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from dra_driver.jsontypes import JSON
 from dra_driver.sharing.config import ConfigError
-from dra_driver.sharing.nvidia_config import parse_claim_config
+from dra_driver.sharing.nvidia_config import NVIDIA_ONLY_KINDS, parse_claim_config
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.driver_image import render_chart
 from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import (
     allocation_results,
     create_device_class,
@@ -350,6 +355,9 @@ def test_our_own_config_is_prepared_as_before(case: Case) -> None:
 REFUSED = [
     {**NV, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}},
     {**NV, "kind": "VfioDeviceConfig"},
+    # NVIDIA's kinds as its users write them: refused for the kind, not for its fields
+    {**NV, "kind": "VfioDeviceConfig", "iommu": {"backendPolicy": "LegacyOnly", "enableAPIDevice": True}},
+    {**NV, "kind": "ComputeDomainChannelConfig", "domainID": "4f1b", "allocationMode": "All"},
     {**NV, "sharing": {"strategy": "MPS", "mpsConfig": {"multiUser": True}}},
     {**NV, "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 0}}},
     {
@@ -378,6 +386,8 @@ def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
     assert message is not None and expected.endswith(message) and message.startswith("opaque.parameters"), (
         f"policy: {message}\nplugin: {expected}"
     )
+    if parameters.get("kind") in NVIDIA_ONLY_KINDS:  # refused for its kind, whatever its fields
+        assert message.startswith(f"opaque.parameters.kind: {parameters['kind']} has no counterpart"), message
     template = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
@@ -387,6 +397,64 @@ def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
     assert policy_denial(bench.api, namespace, template) == message
     claims = sync_request(bench.api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims")["items"]
     assert claims == []  # nothing was written, so nothing can be allocated
+
+
+VFIO_CLASS = f"vfio.{DRIVER}"
+VFIO_MESSAGE = (
+    f"devices.requests: request gpu asks for class {VFIO_CLASS}, which does not exist: this driver "
+    "offers no VFIO passthrough (NVIDIA's class vfio.gpu.nvidia.com has no counterpart here); ask for "
+    f"a whole GPU (class {DRIVER}) or a MIG device (class mig.{DRIVER})"
+)
+
+
+def test_a_request_for_nvidias_vfio_class_under_our_domain_is_refused_when_written(
+    bench: Bench, namespace: str
+) -> None:
+    """No such class exists here: admitted, the claim's pod would wait for ever."""
+    plain = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": VFIO_CLASS}}]}
+    assert policy_denial(bench.api, namespace, _claim("vfio", plain)) == VFIO_MESSAGE
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "vfio"},
+        "spec": {"spec": {"devices": plain}},
+    }
+    assert policy_denial(bench.api, namespace, template) == VFIO_MESSAGE
+    alternatives = {
+        "requests": [
+            {
+                "name": "gpu",
+                "firstAvailable": [
+                    {"name": "passthrough", "deviceClassName": VFIO_CLASS},
+                    {"name": "whole", "deviceClassName": GPU_CLASS},
+                ],
+            }
+        ]
+    }
+    assert policy_denial(bench.api, namespace, _claim("vfio", alternatives)) == VFIO_MESSAGE
+    # NVIDIA's own class belongs to NVIDIA's driver, which may run beside this one
+    theirs = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "vfio.gpu.nvidia.com"}}]}
+    assert policy_denial(bench.api, namespace, _claim("theirs", theirs), dry_run=True) is None
+
+
+# the recipe's `sed -e '...' -e '...'` in docs/migrating.md
+_SED_EXPRESSION = re.compile(r"-e '([^']+)'")
+
+
+@pytest.mark.parametrize("spec", ["gpu-test-vfiopci.yaml", "gpu-test-vfio-config.yaml"])
+def test_nvidias_vfio_examples_after_the_documented_sed_are_refused_when_written(
+    bench: Bench, namespace: str, spec: str
+) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "migrating.md").read_text()
+    recipe = docs.split("## The recipe", 1)[1].split("```", 2)[1]
+    expressions = [a for e in _SED_EXPRESSION.findall(recipe) for a in ("-e", e)]
+    assert expressions, "docs/migrating.md's recipe has no sed expression"
+    source = nvidia_source() / "demo" / "specs" / "quickstart" / "v1" / spec
+    changed = subprocess.run(["sed", *expressions, str(source)], capture_output=True, text=True,
+                             check=True).stdout
+    (template,) = [d for d in yaml.safe_load_all(changed) if d and d["kind"] == "ResourceClaimTemplate"]
+    del template["metadata"]["namespace"]
+    assert policy_denial(bench.api, namespace, template) == VFIO_MESSAGE
 
 
 def test_another_drivers_config_is_not_ours_to_check(bench: Bench, namespace: str) -> None:

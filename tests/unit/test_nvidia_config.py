@@ -102,6 +102,23 @@ def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
             "kind",
             f"ComputeDomainChannelConfig {nv.NO_COUNTERPART_REASON}",
         ),
+        # As NVIDIA's users write them (its demo's gpu-test-vfio-config.yaml, its ComputeDomain
+        # channel and daemon configs): refused for the kind, not for a field of that kind.
+        (
+            {**nvidia("VfioDeviceConfig"), "iommu": {"backendPolicy": "LegacyOnly", "enableAPIDevice": True}},
+            "kind",
+            f"VfioDeviceConfig {nv.NO_COUNTERPART_REASON}",
+        ),
+        (
+            {**nvidia("ComputeDomainChannelConfig"), "domainID": "4f1b", "allocationMode": "All"},
+            "kind",
+            f"ComputeDomainChannelConfig {nv.NO_COUNTERPART_REASON}",
+        ),
+        (
+            {**nvidia("ComputeDomainDaemonConfig"), "domainID": "4f1b"},
+            "kind",
+            f"ComputeDomainDaemonConfig {nv.NO_COUNTERPART_REASON}",
+        ),
         (nvidia("GPUConfig"), "kind", nv.KIND_REASON),
         (
             nvidia(sharing=mps(defaultActiveThreadPercentage=1000)),
