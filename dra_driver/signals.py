@@ -5,13 +5,19 @@ pod deletion and a Ctrl-C take the same path. The loop's thread pool (`asyncio.t
 is bounded to `IO_THREADS`: the daemons' blocking work is file I/O that a file lock
 serializes anyway, and the default pool (up to 32 threads on a big node, each with its own
 malloc arena) only costs memory.
+
+SIGUSR2 writes the stack of every thread to stderr (`faulthandler`, from a C signal
+handler, so it answers even when the event loop is stuck) and the daemon carries on: the
+`kill -USR2` an operator of NVIDIA's driver sends for a goroutine dump works here too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import signal
+import sys
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
@@ -39,4 +45,8 @@ def run_until_signalled(main: Coroutine[Any, Any, None]) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await main
 
-    asyncio.run(runner())
+    faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
+    try:
+        asyncio.run(runner())
+    finally:
+        faulthandler.unregister(signal.SIGUSR2)
