@@ -29,6 +29,9 @@ a rollback to that build must find it intact) or another driver did
 (`CheckpointOfAnotherDriver`: two releases pointed at one state dir; adopting or rewriting
 the other's record would cost its pods their devices). A file from before the driver was
 recorded (no `driver` field) is read as this driver's and gets the field on the next save.
+A failed checksum is reported with both sums, the claim entries the file holds and where it
+differs from the same payload as this build writes it (as NVIDIA's plugin logs a diff), so
+that the log line that moves it aside says what was corrupted.
 
 `Checkpoint` is immutable and its entries (`started_entry`, `completed_entry`) are made by
 pure functions; only `load`, `save`, `read_boot_id`, `boot_time` and `quarantine` do I/O. This
@@ -42,6 +45,7 @@ import enum
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -368,6 +372,73 @@ def _decode_payload(payload: Any) -> Checkpoint:
     return Checkpoint(boot_id=boot_id, claims=claims, driver=driver)
 
 
+# how many claim entries, and differences, a checksum report names before "and N more"
+REPORT_ITEMS: Final = 10
+_SHA256: Final = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def _capped(items: Sequence[str]) -> str:
+    shown = ", ".join(items[:REPORT_ITEMS])
+    return shown + (f" and {len(items) - REPORT_ITEMS} more" if len(items) > REPORT_ITEMS else "")
+
+
+def _differences(on_disk: Any, ours: Any, where: str) -> list[str]:
+    """Where `on_disk` and `ours` (the same payload as this build writes it) differ."""
+    if isinstance(on_disk, dict) and isinstance(ours, dict):
+        out = [f"{where}.{k} (only in the file)" for k in sorted(set(on_disk) - set(ours))]
+        out += [f"{where}.{k} (missing from the file)" for k in sorted(set(ours) - set(on_disk))]
+        for k in sorted(set(on_disk) & set(ours)):
+            out += _differences(on_disk[k], ours[k], f"{where}.{k}")
+        return out
+    if isinstance(on_disk, list) and isinstance(ours, list) and len(on_disk) == len(ours):
+        return [d for i, (a, b) in enumerate(zip(on_disk, ours, strict=True))
+                for d in _differences(a, b, f"{where}[{i}]")]
+    if on_disk != ours or type(on_disk) is not type(ours):
+        return [f"{where} ({_canonical(on_disk)[:80]} in the file, {_canonical(ours)[:80]} as written)"]
+    return []
+
+
+def _entries_named(payload: Any) -> list[str]:
+    """The claim entries that can still be made out in a payload that does not decode."""
+    claims = payload.get("claims") if isinstance(payload, dict) else None
+    out: list[str] = []
+    for c in claims if isinstance(claims, list) else ():
+        if isinstance(c, dict):
+            names = [c.get(k) for k in ("namespace", "name", "uid")]
+            out.append("/".join(n if isinstance(n, str) else "?" for n in names[:2])
+                       + f" (uid {names[2] if isinstance(names[2], str) else '?'})")
+    return out
+
+
+def _mismatch_report(payload: Any, recorded: str) -> str:
+    """What a person needs to see what was corrupted, for a payload that fails its checksum:
+    the claim entries in it, and (as NVIDIA's plugin logs a diff against its re-marshalled
+    checkpoint) where it differs from the same payload as this build writes it. A value
+    changed in place re-encodes unchanged: the checksum cannot say which one it was."""
+    try:
+        cp = _decode_payload(payload)
+    except _Shape as e:
+        named = _entries_named(payload)
+        return (f"the payload does not read either ({e}); the claim entries still named in it: "
+                f"{_capped(named) if named else 'none'}")
+    entries = [
+        f"{c.namespace}/{c.name} (uid {c.uid}, {c.phase.value}, devices "
+        f"{','.join(d.device for d in c.devices) or 'none'})"
+        for c in sorted(cp.claims.values(), key=lambda c: c.uid)
+    ]
+    report = (f"the payload still reads (boot {cp.boot_id}): {len(entries)} claim entries"
+              + (f": {_capped(entries)}" if entries else ""))
+    ours = _payload(cp)
+    differences = _differences(payload, ours, "payload")
+    if not differences:
+        if not _SHA256.fullmatch(recorded):
+            return report + "; it re-encodes unchanged; the recorded checksum, no SHA-256, was edited"
+        return report + ("; it re-encodes unchanged, so a value in it (or the checksum itself) was "
+                         "edited in place, and the checksum cannot say which")
+    matches = "; written that way it matches the recorded checksum" if _checksum(ours) == recorded else ""
+    return report + f"; it differs from what this build writes at {_capped(differences)}{matches}"
+
+
 def decode(data: bytes, path: Path) -> Checkpoint:
     """Parse and verify a checkpoint file's bytes; the exception names what is wrong."""
     try:
@@ -389,7 +460,9 @@ def decode(data: bytes, path: Path) -> Checkpoint:
     actual = _checksum(doc["payload"])
     if actual != doc["checksum"]:
         raise CheckpointUnreadable(
-            path, f"checksum mismatch (file says {doc['checksum']}, content is {actual})"
+            path,
+            f"checksum mismatch (file says {doc['checksum']}, content is {actual}); "
+            + _mismatch_report(doc["payload"], doc["checksum"]),
         )
     try:
         return _decode_payload(doc["payload"])

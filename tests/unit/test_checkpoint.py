@@ -200,6 +200,50 @@ def test_edited_payload_fails_the_checksum(tmp_path: Path) -> None:
     assert "checksum mismatch" in err.problem
 
 
+def test_a_failed_checksum_names_both_sums_and_the_claims_in_the_file(tmp_path: Path) -> None:
+    """What an operator reads in the log line: the recorded and the computed checksum, and
+    the claim entries the file holds (the edited device among them)."""
+    doc = json.loads(valid_bytes())
+    recorded = doc["checksum"]
+    doc["payload"]["claims"][0]["devices"][0]["device"] = "gpu-7"
+    problem = corrupt(tmp_path, json.dumps(doc).encode()).problem
+    assert f"file says {recorded}, content is {ckpt._checksum(doc['payload'])}" in problem
+    assert f"team-a/train (uid {UID_A}, completed, devices gpu-7,gpu-1)" in problem
+    assert f"team-b/infer (uid {UID_B}, started, devices gpu-2)" in problem
+    assert "re-encodes unchanged, so a value in it (or the checksum itself) was edited in place" in problem
+
+
+def test_a_failed_checksum_names_where_the_file_differs_from_what_this_build_writes(tmp_path: Path) -> None:
+    """As NVIDIA's plugin logs a diff against its re-marshalled checkpoint: a field added by
+    hand (or by a build that writes more) is named, and the rest matches the sum."""
+    doc = json.loads(valid_bytes())
+    doc["payload"]["claims"][1]["devices"][0]["note"] = "edited"
+    problem = corrupt(tmp_path, json.dumps(doc).encode()).problem
+    where = "payload.claims[1].devices[0].note"
+    assert f"differs from what this build writes at {where} (only in the file)" in problem
+    assert problem.endswith("written that way it matches the recorded checksum")
+
+
+def test_a_failed_checksum_on_a_payload_that_no_longer_reads_names_the_entries_left(tmp_path: Path) -> None:
+    doc = json.loads(valid_bytes())
+    doc["payload"]["claims"][1]["phase"] = "halfway"
+    problem = corrupt(tmp_path, json.dumps(doc).encode()).problem
+    assert "the payload does not read either (payload.claims[1].phase: unknown phase 'halfway')" in problem
+    assert f"still named in it: team-a/train (uid {UID_A}), team-b/infer (uid {UID_B})" in problem
+
+
+def test_a_failed_checksum_report_is_bounded(tmp_path: Path) -> None:
+    cp = ckpt.Checkpoint.empty(BOOT)
+    for i in range(ckpt.REPORT_ITEMS + 5):
+        cp = with_started(cp, "ns", f"c{i:02}", f"uid-{i:02}", [record()], now=T0)
+    doc = json.loads(ckpt.encode(cp))
+    doc["checksum"] = "sha256:0"
+    problem = corrupt(tmp_path, json.dumps(doc).encode()).problem
+    assert f"{ckpt.REPORT_ITEMS + 5} claim entries" in problem and "and 5 more" in problem
+    assert "c09 (uid uid-09" in problem and "uid-10" not in problem
+    assert problem.endswith("the recorded checksum, no SHA-256, was edited")
+
+
 def test_a_single_flipped_byte_is_detected(tmp_path: Path) -> None:
     data = bytearray(valid_bytes())
     i = data.index(b"gpu-1")
