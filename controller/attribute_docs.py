@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.attributes import (
+    ADDRESSING_MODE,
     ARCHITECTURE,
     BRAND,
     COPY_ENGINES,
@@ -84,16 +85,21 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
                  "PCI address (of the parent, for MIG); standard name", "yes (v25.12+)", _BOTH),
     AttributeDoc(PCIE_ROOT, "string", '"pci0000:3a"',
                  "PCIe root complex; standard name, match it to co-locate with NICs", "yes", _BOTH),
-    AttributeDoc(STANDARD_NUMA_NODE, "int (ints with list attributes)", "0",
-                 "NUMA node of the PCI device, only when known; standard name", "yes", _BOTH),
+    AttributeDoc(STANDARD_NUMA_NODE, "int", "0",
+                 "NUMA node of the PCI device, only when known; standard name; scalar even where "
+                 "list-type attributes are served, as NVIDIA publishes it by default", "yes", _BOTH),
+    AttributeDoc(ADDRESSING_MODE, "string", '"ATS"',
+                 "how the GPU addresses CPU memory (NVML addressing mode, of the parent for MIG): "
+                 '"ATS" or "HMM" where the coherent-memory mode is active (ATS on GH200/GB200), '
+                 '"None" where NVML answers but none is (an x86 H100, driver 580); absent where NVML '
+                 "does not report it", "yes", _BOTH),
     AttributeDoc(PARENT_UUID, "string", '"GPU-5b1c…"', "UUID of the MIG instance's GPU", "yes", "mig"),
     AttributeDoc(PROFILE, "string", '"1g.10gb"', "MIG profile", "yes", "mig"),
     AttributeDoc(INDEX, "int", "3", "NVML index of the GPU", "v25.3 only", "gpu"),
     AttributeDoc(MINOR, "int", "3", "device minor: `/dev/nvidia<minor>`", "v25.3 only", "gpu"),
     AttributeDoc(PARENT_INDEX, "int", "3", "NVML index of the MIG instance's GPU", "v25.3 only", "mig"),
     AttributeDoc(NUMA_NODE, "int", "0", "legacy, opt-in (`--legacy-attributes`): NUMA node, only when "
-                 "known (scalar even with list attributes); repeats resource.kubernetes.io/numaNode",
-                 "no", _BOTH),
+                 "known; repeats resource.kubernetes.io/numaNode", "no", _BOTH),
     AttributeDoc(NVLINK_PEER_COUNT, "int", "4",
                  "opt-in (`--topology-detail-attributes`): how many other GPUs of the node this GPU has "
                  "NVLink to (GPUs in MIG mode included)",

@@ -45,6 +45,7 @@ CUDA_DRIVER_VERSION = "cudaDriverVersion"
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 STANDARD_NUMA_NODE = "resource.kubernetes.io/numaNode"
+ADDRESSING_MODE = "addressingMode"
 PARENT_UUID = "parentUUID"
 PROFILE = "profile"
 INDEX = "index"
@@ -72,13 +73,14 @@ NVLINK_GROUP_SIZES = (2, 4, 8, 16, 32, 64)
 # attributes (LEGACY_ATTRIBUTES) are dropped before the layers when a device would go over it.
 WHOLE_GPU_BASE: tuple[str, ...] = (
     TYPE, UUID, PRODUCT_NAME, BRAND, ARCHITECTURE, CUDA_COMPUTE_CAPABILITY, DRIVER_VERSION,
-    CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, INDEX, MINOR, NVLINK_CLIQUE_SIZE,
+    CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, ADDRESSING_MODE, INDEX, MINOR,
+    NVLINK_CLIQUE_SIZE,
     NVLINK_PEER_COUNT, NVLINK_PEERS, NVLINK_ISLAND, NVLINK_CLIQUES, NVLINK_DOMAIN, FABRIC_CLIQUE_ID,
     MIG_ENABLED, "memory", "multiprocessors",
 )
 # How many nvlinkClique<L> layers a node may publish: one claim tries them through
 # firstAvailable (at most MAX_LAYERS subrequests), and they must fit the 32 entries of a
-# device beside everything else (22 at most): min(8, 32 - 22) = 8.
+# device beside everything else (24 at most): min(8, 32 - 24) = 8.
 NVLINK_LAYERS = min(MAX_LAYERS, MAX_ATTRIBUTES_AND_CAPACITIES - len(WHOLE_GPU_BASE))
 
 # --- capacity names ---
@@ -290,12 +292,9 @@ def _peer_string(peers: tuple[int, ...]) -> JSON | None:
 
 # --- devices ---
 
-def _common(gpu: GpuInfo, inventory: Inventory, list_attributes: bool) -> dict[str, JSON | None]:
+def _common(gpu: GpuInfo, inventory: Inventory) -> dict[str, JSON | None]:
     """What a whole GPU and its MIG instances share: NVIDIA's common set plus NUMA."""
     numa = _known_numa(gpu.numa_node)
-    standard_numa: JSON | None = None
-    if numa is not None:
-        standard_numa = {"ints": [numa]} if list_attributes else {"int": numa}
     return {
         PRODUCT_NAME: _string(gpu.product_name, free_text=True),
         BRAND: _string(gpu.brand, free_text=True),
@@ -305,8 +304,12 @@ def _common(gpu: GpuInfo, inventory: Inventory, list_attributes: bool) -> dict[s
         CUDA_DRIVER_VERSION: _version(inventory.cuda_driver_version),
         PCI_BUS_ID: _string(gpu.pci_bus_id),
         PCIE_ROOT: _string(gpu.pcie_root),
-        STANDARD_NUMA_NODE: standard_numa,
+        # Scalar even where list-type attributes are served: NVIDIA's driver publishes the
+        # list form only behind its own alpha DRAListTypeAttributes gate, and a claim's
+        # `numaNode == 0` never matches a list.
+        STANDARD_NUMA_NODE: _int(numa),
         NUMA_NODE: _int(numa),
+        ADDRESSING_MODE: _string(gpu.addressing_mode),
     }
 
 
@@ -340,7 +343,7 @@ def _gpu_device(gpu: GpuInfo, inventory: Inventory, facts: NvlinkFacts | None,
     attrs: dict[str, JSON | None] = {
         TYPE: {"string": DEVICE_TYPE_GPU},
         UUID: _string(gpu.uuid),
-        **_common(gpu, inventory, list_attributes),
+        **_common(gpu, inventory),
         INDEX: _int(gpu.index),
         MINOR: _int(gpu.minor),
         **_nvlink(facts, gpu, list_attributes),
@@ -353,15 +356,15 @@ def _gpu_device(gpu: GpuInfo, inventory: Inventory, facts: NvlinkFacts | None,
     return attrs, capacity
 
 
-def _mig_device(gpu: GpuInfo, mig: MigDevice, inventory: Inventory,
-                list_attributes: bool) -> tuple[dict[str, JSON | None], dict[str, JSON | None]]:
+def _mig_device(gpu: GpuInfo, mig: MigDevice,
+                inventory: Inventory) -> tuple[dict[str, JSON | None], dict[str, JSON | None]]:
     # No NVLink or fabric attributes: MIG instances cannot do NVLink peer-to-peer.
     attrs: dict[str, JSON | None] = {
         TYPE: {"string": DEVICE_TYPE_MIG},
         UUID: _string(mig.uuid),
         PARENT_UUID: _string(gpu.uuid),
         PROFILE: _string(mig.profile),
-        **_common(gpu, inventory, list_attributes),
+        **_common(gpu, inventory),
         PARENT_INDEX: _int(gpu.index),
     }
     capacity: dict[str, JSON | None] = {
@@ -439,7 +442,7 @@ def device_attributes(device: NodeDevice, inventory: Inventory, nvlink: NvlinkFa
         attrs, capacity = _gpu_device(device.gpu, inventory, nvlink, list_attributes)
         optional_capacity: tuple[str, ...] = (MULTIPROCESSORS,)
     else:
-        attrs, capacity = _mig_device(device.gpu, device.mig, inventory, list_attributes)
+        attrs, capacity = _mig_device(device.gpu, device.mig, inventory)
         optional_capacity = tuple(sorted((k for k in capacity if k.startswith(MEMORY_SLICE_PREFIX)),
                                          key=lambda k: -int(k[len(MEMORY_SLICE_PREFIX):])))
     left_out = (frozenset() if legacy else LEGACY_ATTRIBUTES) | (

@@ -130,6 +130,10 @@ class GpuInfo:
     peer_paths: tuple[PeerPath, ...] = ()  # one per other GPU of the node
     # GPU-instance profiles and their possible placements, read only in MIG mode (dynamic MIG)
     mig_profiles: tuple[GiProfile, ...] = ()
+    # nvmlDeviceGetAddressingMode, spelled as NVIDIA's driver publishes it: "ATS" (GH200/GB200)
+    # or "HMM" where the GPU addresses CPU memory through one, "None" where NVML answers but
+    # neither is active (an x86 H100, driver 580)
+    addressing_mode: str | None = None
 
     @property
     def active_nvlinks(self) -> int:

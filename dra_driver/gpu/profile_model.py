@@ -70,6 +70,7 @@ class GpuSpec:
     mig_devices: tuple[MigInstanceSpec, ...]
     fabric: FabricSpec | None
     errors: Mapping[str, int] = field(default_factory=dict)
+    addressing_mode: int | None = None  # NVML_DEVICE_ADDRESSING_MODE_*; None: NotSupported
 
 
 @dataclass(frozen=True)

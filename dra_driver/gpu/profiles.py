@@ -56,6 +56,7 @@ BRANDS = _nvml_enum("NVML_BRAND_")
 ARCHITECTURES = _nvml_enum("NVML_DEVICE_ARCH_")
 NVML_ERRORS = _nvml_enum("NVML_ERROR_")
 FABRIC_STATES = _nvml_enum("NVML_GPU_FABRIC_STATE_")
+ADDRESSING_MODES = _nvml_enum("NVML_DEVICE_ADDRESSING_MODE_")
 
 
 class _Fields:
@@ -130,6 +131,14 @@ class _Fields:
 
     def enum(self, key: str, table: Mapping[str, int], default: str | None = None) -> int:
         name = self.str_(key, default)
+        if name not in table:
+            raise self.fail(key, f"unknown value {name!r}; one of: {', '.join(sorted(table))}")
+        return table[name]
+
+    def opt_enum(self, key: str, table: Mapping[str, int]) -> int | None:
+        name = self.opt_str(key)
+        if name is None:
+            return None
         if name not in table:
             raise self.fail(key, f"unknown value {name!r}; one of: {', '.join(sorted(table))}")
         return table[name]
@@ -316,6 +325,7 @@ def _gpu(
         mig_devices=mig_devices,
         fabric=_fabric(f),
         errors=_errors(f, "errors"),
+        addressing_mode=f.opt_enum("addressing_mode", ADDRESSING_MODES),
     )
     f.done()
     return spec

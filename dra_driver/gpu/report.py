@@ -86,6 +86,7 @@ def _gpu_document(g: GpuInfo, topology: NvlinkTopology) -> dict[str, Any]:
         "pciBusID": g.pci_bus_id,
         "pcieRoot": g.pcie_root,
         "numaNode": g.numa_node,
+        "addressingMode": g.addressing_mode,
         "migEnabled": g.mig_enabled,
         "migDevices": [_mig_document(m) for m in g.mig_devices],
         "nvlinkActiveLinks": g.active_nvlinks,

@@ -248,6 +248,13 @@ class FakeNvml(MigCalls):
             raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return numa
 
+    def nvmlDeviceGetAddressingMode(self, handle: Any) -> int:
+        self._enter("nvmlDeviceGetAddressingMode", handle)
+        mode = self._gpu(handle).addressing_mode
+        if mode is None:
+            raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return mode
+
     def nvmlDeviceGetAttributes(self, handle: Any) -> Any:
         self._enter("nvmlDeviceGetAttributes", handle)
         attrs = pynvml.c_nvmlDeviceAttributes()
