@@ -3,8 +3,9 @@ plan (`controller.compute_domains`) says, against the API server.
 
 One loop: list every domain, then follow the watch; each domain seen is reconciled once per
 change, by itself (a task per domain at a time, the latest version wins). Reconciling a
-domain: create its template if it is missing (one POST; a template of that name that another
-owner holds is left alone, said once in the log and as a Warning Event on the domain), and
+domain: create its template if it is missing (one POST, once per domain and list: the nodes'
+status writes that follow cost none; a template of that name that another owner holds is
+left alone, said once in the log and as a Warning Event on the domain), and
 write `status.status` when it differs from what the nodes say (one status PATCH). Nothing
 is written when nothing changed. A deleted domain needs nothing here: its template carries
 the domain as its controller owner, so the garbage collector removes it.
@@ -49,6 +50,9 @@ class ComputeDomainController:
         self._latest: dict[str, JSON] = {}  # by uid: the newest version seen, not yet reconciled
         self._running: dict[str, asyncio.Task[None]] = {}
         self._warned: set[tuple[str, str]] = set()  # (uid, what): said once per domain
+        # domains whose template this process made or found: their later events (the status
+        # writes of nodes) cost no request; checked again after each list
+        self._templated: set[str] = set()
         self.writes = 0  # API writes made (tests and benchmarks read it)
         self.synced = asyncio.Event()
 
@@ -58,6 +62,7 @@ class ComputeDomainController:
         while True:
             try:
                 domains, version = await kube.list_all(self.api, path)
+                self._templated.clear()
                 for domain in domains[:MAX_DOMAINS]:
                     self._seen(domain)
                 self.synced.set()
@@ -65,7 +70,9 @@ class ComputeDomainController:
                     if kind in ("ADDED", "MODIFIED"):
                         self._seen(domain)
                     elif kind == "DELETED":
-                        self._warned = {w for w in self._warned if w[0] != domain["metadata"]["uid"]}
+                        uid = domain["metadata"]["uid"]
+                        self._warned = {w for w in self._warned if w[0] != uid}
+                        self._templated.discard(uid)
                 backoff = 0.5
             except kube.TRANSIENT_ERRORS as error:
                 metrics.api_error(COMPONENT, error)
@@ -107,11 +114,14 @@ class ComputeDomainController:
             self._latest.setdefault(meta["uid"], domain)
 
     async def _ensure_template(self, domain: JSON, fields: dict[str, str]) -> None:
+        if domain["metadata"]["uid"] in self._templated:
+            return
         desired = cd.workload_template(domain, self.driver)
         path = TEMPLATES.format(namespace=domain["metadata"]["namespace"])
         try:
             await kube.request(self.api, "POST", path, desired)
             self.writes += 1
+            self._templated.add(domain["metadata"]["uid"])
             log.info("made the domain's ResourceClaimTemplate", template=cd.template_name(domain), **fields)
             return
         except ApiException as e:
@@ -119,6 +129,7 @@ class ComputeDomainController:
                 raise
         where = TEMPLATE.format(namespace=domain["metadata"]["namespace"], name=cd.template_name(domain))
         existing = await kube.request(self.api, "GET", where)
+        self._templated.add(domain["metadata"]["uid"])
         if not cd.owned_by(existing, domain):
             await self._warn_once(
                 domain, "TemplateTaken",
