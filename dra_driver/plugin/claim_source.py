@@ -21,7 +21,7 @@ import structlog
 
 from dra_driver import kube, metrics
 from dra_driver.kube import ApiClient
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected, describe
+from dra_driver.plugin.claims import ClaimGone, ClaimRef, ClaimRejected, describe
 
 log = structlog.get_logger(__name__)
 
@@ -72,7 +72,7 @@ class ClaimReader:
             except kube.TRANSIENT_ERRORS as e:
                 metrics.api_error("claims", e)
                 if isinstance(e, kube.ApiException) and e.status == 404:
-                    return ClaimRejected(f"claim {ref.namespace}/{ref.name} does not exist (any more)")
+                    return ClaimGone(f"claim {ref.namespace}/{ref.name} does not exist (any more)")
                 where = f"ResourceClaim {ref.namespace}/{ref.name}"
                 return ClaimRejected(f"reading {where} from the API server failed: {_describe(e)}")
 

@@ -22,6 +22,10 @@ class ClaimRejected(Exception):
     """This claim cannot be prepared here; the message is shown to the user."""
 
 
+class ClaimGone(ClaimRejected):
+    """The API server says the claim does not exist (404)."""
+
+
 class ForeignAllocation(ClaimRejected):
     """The claim's allocation was made for another claim of the same name (own_allocation.py)."""
 

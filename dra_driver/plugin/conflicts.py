@@ -3,12 +3,14 @@ edited claim): a device prepared exclusively for two claims, or one GPU given ou
 whole and as a memory share.
 
 Pure: it reads the checkpoint's entries as the transaction's locked section holds them
-and returns the refusal's text. It must NOT read files, take the lock or change entries.
+and returns the refusal's text with the claim that holds the device (`Conflict`). It must
+NOT read files, take the lock or change entries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from dra_driver.devices import NodeDevice
 from dra_driver.plugin import checkpoint as ckpt
@@ -16,14 +18,22 @@ from dra_driver.plugin.claim_steps import ClaimPlan
 from dra_driver.plugin.prepared import PreparedDevice
 
 
+@dataclass(frozen=True)
+class Conflict:
+    """Why a plan cannot be prepared: `holder` holds what it asks for."""
+
+    holder: ckpt.ClaimEntry
+    text: str
+
+
 def conflict(
     claims: Mapping[str, ckpt.ClaimEntry], plan: ClaimPlan, devices: Mapping[str, NodeDevice]
-) -> str | None:
+) -> Conflict | None:
     """Why `plan` cannot be prepared beside `claims`, None if it can."""
     return _exclusive_conflict(claims, plan) or _share_conflict(claims, plan, devices)
 
 
-def _exclusive_conflict(claims: Mapping[str, ckpt.ClaimEntry], plan: ClaimPlan) -> str | None:
+def _exclusive_conflict(claims: Mapping[str, ckpt.ClaimEntry], plan: ClaimPlan) -> Conflict | None:
     exclusive_here = {d.device for d in plan.devices if not (d.admin_access or d.share_id)}
     if not exclusive_here:
         return None
@@ -32,16 +42,16 @@ def _exclusive_conflict(claims: Mapping[str, ckpt.ClaimEntry], plan: ClaimPlan) 
             continue
         for d in other.devices:
             if d.device in exclusive_here and not (d.admin_access or d.share_id):
-                return (
+                return Conflict(other, (
                     f"device {d.device} is already prepared for claim {other.namespace}/{other.name} "
                     f"(uid {other.uid}); delete that pod first, or use a shared claim or adminAccess"
-                )
+                ))
     return None
 
 
 def _share_conflict(
     claims: Mapping[str, ckpt.ClaimEntry], plan: ClaimPlan, devices: Mapping[str, NodeDevice]
-) -> str | None:
+) -> Conflict | None:
     """A whole GPU and a memory share of it are two device names for one GPU; the scheduler
     keeps them apart (a shared counter), this refuses an allocation that did not."""
 
@@ -57,8 +67,8 @@ def _share_conflict(
                 held, wanted = ("a memory share", "the whole GPU")
                 if not d.share_id:
                     held, wanted = wanted, "a memory share"
-                return (
+                return Conflict(other, (
                     f"{d.device} ({gpu(d)}) is held as {held} by claim {other.namespace}/{other.name} "
                     f"(uid {other.uid}), so it cannot also be given out as {wanted}; delete that pod first"
-                )
+                ))
     return None

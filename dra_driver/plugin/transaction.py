@@ -1,11 +1,13 @@
 """One Prepare or Unprepare of a chunk of claims, as one object whose named methods are its steps.
 
 `PrepareTransaction`: `read` admits outside the lock (refs checked, the claims prepared
-already answered without an API read, the others read from the API server and planned);
-`run` is the locked section, in a worker thread: lock, read the checkpoint, `_admit`
-(prepared already?, leftovers of an interrupted prepare undone, conflicts, MIG placements
-free?, each admitted claim's `started` entry, saved only if a sharing daemon starts or a
-MIG instance is made), then `_carry_out` each claim (MIG instances, sharing, the CDI
+already answered without an API read, the others read from the API server and planned;
+where the checkpoint says another claim holds a planned device, that claim is read too, and
+one the API server says is gone is marked `stale`); `run` is the locked section, in a worker
+thread: lock, read the checkpoint, `_admit` (prepared already?, leftovers of an interrupted
+prepare undone, conflicts, a stale holder released rather than refused, MIG placements
+free?, each admitted claim's `started` entry, saved only if a sharing daemon starts, a MIG
+instance is made or a holder was released), then `_carry_out` each claim (MIG instances, sharing, the CDI
 spec), then the checkpoint with every entry `completed`. `UnprepareTransaction.run`
 removes each claim's spec, sharing and MIG instances, then its entry. Each claim's answer
 goes to `results`; one claim's failure never touches another's.
@@ -29,7 +31,14 @@ from dra_driver.gpu.mig import MigError
 from dra_driver.jsontypes import JSON
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_steps import ClaimPlan, ClaimSteps, fault
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected, ForeignAllocation, check_ref, describe
+from dra_driver.plugin.claims import (
+    ClaimGone,
+    ClaimRef,
+    ClaimRejected,
+    ForeignAllocation,
+    check_ref,
+    describe,
+)
 from dra_driver.plugin.conflicts import conflict
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.mig_steps import MigLeftBehind, intent
@@ -63,6 +72,8 @@ class PrepareTransaction:
         self.results: dict[str, ClaimResult] = {}
         self.plans: list[ClaimPlan] = []
         self.read_claims: dict[str, JSON | ClaimRejected] = {}
+        self.stale: frozenset[str] = frozenset()  # holders the API server released (`_stale_holders`)
+        self.released: list[ClaimRef] = []  # those of them the locked section released
 
     async def read(self, source: ClaimSource) -> None:
         """Admit, outside the lock: a slow API server never holds up other claims' bookkeeping."""
@@ -83,6 +94,33 @@ class PrepareTransaction:
                 if isinstance(e, ForeignAllocation):
                     metrics.foreign_allocations.inc()
                 self.results[ref.uid] = ClaimResult(error=str(e))
+        self.stale = await self._stale_holders(source)
+
+    async def _stale_holders(self, source: ClaimSource) -> frozenset[str]:
+        """The claims that the checkpoint says hold what a plan asks for and that the API server
+        says are gone or no longer hold those devices here: a pod deleted with --force before
+        the kubelet unprepared its claim, whose devices the scheduler gave to the next pod.
+        The locked section releases them rather than telling the next pod to delete a pod
+        that no longer exists. Asked only where there is such a conflict (one GET each)."""
+        if not self.plans:
+            return frozenset()
+        try:
+            held = self.steps.load().claims
+        except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused):
+            return frozenset()  # the locked section decides what to do about it
+        holders: dict[str, ckpt.ClaimEntry] = {}
+        for plan in self.plans:
+            rest = dict(held)
+            while (found := conflict(rest, plan, self.steps.devices)) is not None:
+                holders[found.holder.uid] = rest.pop(found.holder.uid)
+        if not holders:
+            return frozenset()
+        answers = await source.read([ClaimRef(h.namespace, h.name, h.uid) for h in holders.values()])
+        steps = self.steps
+        return frozenset(
+            uid for uid, h in holders.items()
+            if released_by_api(answers.get(uid), h, steps.driver, steps.pool)
+        )
 
     def run(self) -> dict[str, ClaimResult]:
         """The locked section (blocking: run it in a worker thread). Raises CheckpointUnreadable
@@ -93,8 +131,10 @@ class PrepareTransaction:
         with exclusive(steps.lock_path):
             claims = dict(steps.load().claims)  # this section's working copy
             todo = self._admit(claims)
-            if any(plan.sharing is not None or plan.mig for plan in todo):
-                steps.save(claims)  # `started`, before a daemon or MIG instance that only this entry records
+            if self.released or any(plan.sharing is not None or plan.mig for plan in todo):
+                # `started`, before a daemon or MIG instance that only this entry records; a
+                # released claim's entry gone with its files
+                steps.save(claims)
             fault("prepare-after-started")
             for plan in todo:
                 self._carry_out(plan, claims)
@@ -131,7 +171,7 @@ class PrepareTransaction:
                     self.results[uid] = ClaimResult(error=error)
                     continue
                 del claims[uid]
-            refusal = conflict(claims, plan, self.steps.devices) or self.steps.mig_steps.free(ref, plan.mig)
+            refusal = self._conflict(claims, plan) or self.steps.mig_steps.free(ref, plan.mig)
             if refusal:
                 self.results[uid] = ClaimResult(error=refusal)
                 continue
@@ -139,6 +179,28 @@ class PrepareTransaction:
             mig = [intent(p) for p in plan.mig]
             claims[uid] = ckpt.started_entry(ref.namespace, ref.name, uid, plan.devices, mig=mig)
         return todo
+
+    def _conflict(self, claims: dict[str, ckpt.ClaimEntry], plan: ClaimPlan) -> str | None:
+        """Why `plan` cannot be prepared beside `claims`; a holder the API server released
+        (`stale`) is released here first, its spec, sharing and MIG instances removed."""
+        while (found := conflict(claims, plan, self.steps.devices)) is not None:
+            holder = found.holder
+            if holder.uid not in self.stale:
+                return found.text
+            ref = ClaimRef(holder.namespace, holder.name, holder.uid)
+            try:
+                why = "released: the API server says it is gone or holds nothing here"
+                self.steps.roll_back(ref, why, holder.mig)
+            except (MigError, SharingError) as e:
+                return f"{found.text} (releasing it, since the API server says it is gone, failed: {e})"
+            del claims[holder.uid]
+            self.released.append(ref)
+            log.warning(
+                "released a claim that the API server says is gone, to prepare another on its devices "
+                "(its pod was deleted before the kubelet unprepared it)",
+                released=str(ref), **plan.ref.log_fields(),
+            )
+        return None
 
     def _carry_out(self, plan: ClaimPlan, claims: dict[str, ckpt.ClaimEntry]) -> None:
         """MIG instances, sharing, then the CDI spec from what they returned; the entry becomes
@@ -241,6 +303,26 @@ class UnprepareTransaction:
         return claims.pop(ref.uid, None) is not None
 
 
+def released_by_api(
+    answer: JSON | ClaimRejected | None, held: ckpt.ClaimEntry, driver: str, pool: str
+) -> bool:
+    """Whether the API server's answer for a claim this node holds says the claim no longer
+    holds those devices here: gone (404), re-created under its name, or allocated without
+    them. Any other answer (an error, a timeout) says nothing."""
+    if isinstance(answer, ClaimGone):
+        return True
+    if not isinstance(answer, dict):
+        return False
+    if (answer.get("metadata") or {}).get("uid") != held.uid:
+        return True
+    allocation = (answer.get("status") or {}).get("allocation") or {}
+    here = {
+        r.get("device") for r in (allocation.get("devices") or {}).get("results") or []
+        if r.get("driver") == driver and r.get("pool") == pool
+    }
+    return not here & {d.device for d in held.devices}
+
+
 def checked(refs: Sequence[ClaimRef], results: dict[str, ClaimResult]) -> list[ClaimRef]:
     """The refs that could come from the API server; the others get their error in `results`."""
     good = []
@@ -253,4 +335,4 @@ def checked(refs: Sequence[ClaimRef], results: dict[str, ClaimResult]) -> list[C
     return good
 
 
-__all__ = ["ClaimSource", "PrepareTransaction", "UnprepareTransaction"]
+__all__ = ["ClaimSource", "PrepareTransaction", "UnprepareTransaction", "released_by_api"]

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimGone, ClaimRef, ClaimRejected
 
 
 def with_spec(claim: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +47,7 @@ class ClaimsInMemory:
         self.claims = {c["metadata"]["uid"]: with_spec(c) for c in claims}
 
     async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
-        return {r.uid: self.claims.get(r.uid) or ClaimRejected(f"no claim {r}") for r in refs}
+        return {r.uid: self.claims.get(r.uid) or ClaimGone(f"no claim {r}") for r in refs}
 
     async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
         return list(self.claims.values())

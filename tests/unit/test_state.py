@@ -22,7 +22,7 @@ from dra_driver.devices import node_devices
 from dra_driver.driver_root import simulated_driver_files
 from dra_driver.gpu import discover
 from dra_driver.plugin import checkpoint as ckpt
-from dra_driver.plugin.claims import ClaimRef, ClaimRejected
+from dra_driver.plugin.claims import ClaimGone, ClaimRef, ClaimRejected
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.state import ClaimResult, NodePreparer
 from dra_driver.sharing.mps.daemon import MpsControl
@@ -56,6 +56,7 @@ class Node:
         self.driver = driver
         self.state_dir = state_dir or root / "state"
         self.claims: dict[str, dict[str, Any]] = {}
+        self.claims_unanswerable: set[str] = set()  # reads of these time out
         self.api_up = True
         self.reads = 0
         self.lists = 0
@@ -64,7 +65,8 @@ class Node:
     async def read(self, refs: Sequence[ClaimRef]) -> dict[str, dict[str, Any] | ClaimRejected]:
         self.reads += len(refs)
         return {
-            r.uid: self.claims.get(r.uid) or ClaimRejected(f"claim {r.name} does not exist") for r in refs
+            r.uid: ClaimRejected(f"timed out reading claim {r.name}") if r.uid in self.claims_unanswerable
+            else self.claims.get(r.uid) or ClaimGone(f"claim {r.name} does not exist") for r in refs
         }
 
     async def allocated_here(self, driver: str, pool: str) -> list[dict[str, Any]] | None:
@@ -289,6 +291,48 @@ def test_a_device_prepared_for_one_claim_is_refused_to_another(tmp_path: Path) -
         await prepared(p, node.add("first", "gpu-1"))
         assert "already prepared for claim ns/first" in await refused(p, node.add("second", "gpu-1"))
         assert node.specs() == {"uid-first"}
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("how", ["deleted", "re-created", "allocated elsewhere"])
+def test_a_device_whose_claim_the_api_server_released_is_taken_over(tmp_path: Path, how: str) -> None:
+    """`kubectl delete pod --force --grace-period=0`: the pod and then its claim are gone before
+    the kubelet unprepares it, and the scheduler gives its GPU to the next pod. That pod is
+    prepared at once, not told to delete a pod that no longer exists; the old claim's spec
+    goes with it, and the kubelet's late Unprepare of it still answers."""
+
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        first = node.add("first", "gpu-1")
+        await prepared(p, first)
+        if how == "deleted":
+            del node.claims[first.uid]
+        elif how == "re-created":
+            node.claims[first.uid] = {**node.claims[first.uid], "metadata": {
+                "namespace": "ns", "name": "first", "uid": "uid-first-again"}}
+        else:
+            node.add("first", "gpu-3")  # the same claim, now holding another GPU
+        second = node.add("second", "gpu-1")
+        assert await prepared(p, second) == ["gpu-1"]
+        assert node.specs() == {second.uid}
+        assert set(p.read_checkpoint().claims) == {second.uid}
+        assert (await p.unprepare([first]))[first.uid].error is None
+
+    asyncio.run(run())
+
+
+def test_a_holder_the_api_server_cannot_answer_for_is_kept(tmp_path: Path) -> None:
+    async def run() -> None:
+        node = Node(tmp_path)
+        p = await _started(node)
+        first = node.add("first", "gpu-1")
+        await prepared(p, first)
+        answer = node.claims.pop(first.uid)
+        node.claims_unanswerable = {first.uid}
+        assert "already prepared for claim ns/first" in await refused(p, node.add("second", "gpu-1"))
+        assert node.specs() == {first.uid} and answer
 
     asyncio.run(run())
 
