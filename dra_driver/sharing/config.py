@@ -220,9 +220,10 @@ def _parse_sharing(value: object, where: str) -> SharingConfig:
         raise ConfigError(
             f"{where}.strategy: {raw!r} is not a sharing strategy; use one of: {choices}"
         ) from None
+    mps = obj.get("mps")  # null: left out, as in NVIDIA's form (nvidia_config.py)
     if strategy is SharingStrategy.MPS:
-        return SharingConfig(strategy, _parse_mps(obj.get("mps", {}), f"{where}.mps"))
-    if "mps" in obj:
+        return SharingConfig(strategy, _parse_mps({} if mps is None else mps, f"{where}.mps"))
+    if mps is not None:
         raise ConfigError(f"{where}.mps is only allowed with strategy MPS (the strategy is {strategy.value})")
     return SharingConfig(strategy)
 
@@ -240,7 +241,7 @@ def parse_gpu_config(parameters: object, driver: str = DEFAULT_GROUP, where: str
         raise ConfigError(f"{where}.kind is missing; set it to {KIND}")
     if obj.get("kind") != KIND:
         raise ConfigError(f"{where}.kind: {obj.get('kind')!r} is not supported; use {KIND}")
-    if "sharing" not in obj:
+    if obj.get("sharing") is None:  # left out or null: nothing shared, as NVIDIA reads its own
         return GpuConfig()
     return GpuConfig(sharing=_parse_sharing(obj["sharing"], f"{where}.sharing"))
 
@@ -295,7 +296,9 @@ def claim_config_entries(
 
 
 def config_for_request(entries: Sequence[ConfigEntry], request: str) -> GpuConfig:
-    """The configuration of one allocated request: claim entries over class entries, later over earlier."""
+    """The configuration of one allocated request: claim entries over class entries, later over
+    earlier, whether or not an entry names the request (NVIDIA's driver picks the same way; two
+    entries that disagree are not an error: docs/migrating.md, "Several configs in one claim")."""
     chosen = DEFAULT_CONFIG
     for from_class in (True, False):
         for entry in entries:

@@ -181,6 +181,8 @@ def _parse_sharing(value: object, kind: str, where: str) -> SharingConfig:
     allowed = (
         ("strategy", "timeSlicingConfig", "mpsConfig") if kind == GPU_KIND else ("strategy", "mpsConfig")
     )
+    # A MigDeviceConfig has no timeSlicingConfig field at all: NVIDIA's strict decoder refuses
+    # the key whatever its value, null included.
     if kind == MIG_KIND and "timeSlicingConfig" in obj:
         raise _refuse(f"{where}.timeSlicingConfig", TIME_SLICING_ONLY_REASON)
     check_fields(obj, allowed, where)
@@ -188,17 +190,21 @@ def _parse_sharing(value: object, kind: str, where: str) -> SharingConfig:
     if raw not in (SharingStrategy.TIME_SLICING.value, SharingStrategy.MPS.value):
         raise _refuse(f"{where}.strategy", STRATEGY_REASON)
     strategy = SharingStrategy(raw)
+    # A null field is a field left out, as NVIDIA's decoder reads it (a nil pointer), and
+    # what NVIDIA's Normalize then defaults: a null timeSlicingConfig is interval Default, a
+    # null mpsConfig MPS's own defaults (`kubectl create` leaves `timeSlicingConfig:` null
+    # once its interval is removed).
+    time_slicing, mps = obj.get("timeSlicingConfig"), obj.get("mpsConfig")
     if strategy is SharingStrategy.MPS:
-        if "timeSlicingConfig" in obj:
+        if time_slicing is not None:
             raise _refuse(f"{where}.timeSlicingConfig", TIME_SLICING_ONLY_REASON)
-        raw_mps = obj.get("mpsConfig")
-        return SharingConfig(strategy, _parse_mps({} if raw_mps is None else raw_mps, f"{where}.mpsConfig"))
-    if "mpsConfig" in obj:
+        return SharingConfig(strategy, _parse_mps({} if mps is None else mps, f"{where}.mpsConfig"))
+    if mps is not None:
         raise _refuse(f"{where}.mpsConfig", MPS_ONLY_REASON)
-    if "timeSlicingConfig" in obj:
-        ts = _mapping(obj["timeSlicingConfig"], f"{where}.timeSlicingConfig")
+    if time_slicing is not None:
+        ts = _mapping(time_slicing, f"{where}.timeSlicingConfig")
         check_fields(ts, ("interval",), f"{where}.timeSlicingConfig")
-        if ts.get("interval", "Default") != "Default":
+        if ts.get("interval") not in (None, "Default"):
             raise _refuse(f"{where}.timeSlicingConfig.interval", INTERVAL_REASON)
     return SharingConfig(strategy)
 

@@ -4,7 +4,8 @@ plugin's config parser give the same verdict, with the same field path, on every
 Hypothesis generates `opaque.parameters` of both API versions (ours,
 `gpu.dra-driver.dev/v1alpha1`, and NVIDIA's, `resource.nvidia.com/v1beta1`): kinds,
 strategies, every field and unknown ones, quantities from 0 to 2^63 and beyond in every
-suffix (and strings that are almost quantities), wrong types and nulls; NVIDIA's kinds
+suffix (and strings that are almost quantities), wrong types and nulls, null or empty objects
+where NVIDIA's driver takes its default; NVIDIA's kinds
 with no counterpart here with their own fields (iommu, domainID). Each config goes
 to the real API server as a server-side dry-run create of a ResourceClaim (nothing is
 stored) and through `parse_claim_config`, as the plugin reads it after a JSON round trip.
@@ -162,6 +163,12 @@ def mostly(good: Any, bad: Any = None) -> Any:
     return _one_in_ten(good, bad if bad is not None else anything)
 
 
+def or_empty(obj: Any) -> Any:
+    """An object field: `obj` three times in four, else null or {} (what `kubectl create`
+    leaves of a field whose only setting was removed)."""
+    return st.one_of(obj, obj, obj, st.sampled_from([None, {}]))
+
+
 def sometimes_without(obj: Any, key: str) -> Any:
     """`obj` (a strategy of objects) without `key` one time in four."""
     return st.tuples(obj, st.integers(0, 3)).map(
@@ -197,13 +204,13 @@ def _mps_nvidia() -> Any:
 
 def _sharing_nvidia() -> Any:
     time_slicing = fields(
-        {}, {"interval": mostly(st.sampled_from(["Default", "Short", "Medium", "Long"]))}, {"interval"}
+        {}, {"interval": mostly(st.sampled_from(["Default", "Short", "Medium", "Long", None]))}, {"interval"}
     )
     required = {
         "strategy": mostly(st.sampled_from(["MPS"] * 5 + ["TimeSlicing"] * 3 + ["Fabric", "mps"])),
-        "mpsConfig": mostly(_mps_nvidia()),
+        "mpsConfig": mostly(or_empty(_mps_nvidia())),
     }
-    optional = {"timeSlicingConfig": mostly(time_slicing)}
+    optional = {"timeSlicingConfig": mostly(or_empty(time_slicing))}
     known = {*required, *optional}
     return sometimes_without(sometimes_without(fields(required, optional, known), "mpsConfig"), "strategy")
 
@@ -218,7 +225,7 @@ def _sharing_ours() -> Any:
     }
     required = {
         "strategy": mostly(st.sampled_from(["MPS"] * 5 + ["TimeSlicing"] * 3 + ["MPX"])),
-        "mps": mostly(fields({}, mps, set(mps))),
+        "mps": mostly(or_empty(fields({}, mps, set(mps)))),
     }
     known = {*required, "timeSlicing", "timeSlicingConfig"}
     plain = sometimes_without(sometimes_without(fields(required, {}, known), "mps"), "strategy")
@@ -230,7 +237,8 @@ def _sharing_ours() -> Any:
 def _parameters(api_version: Any, kinds: Any, sharing: Any) -> Any:
     known = {"apiVersion", "kind", "sharing"}
     full = sometimes_without(
-        fields({"apiVersion": api_version, "kind": kinds, "sharing": mostly(sharing)}, {}, known), "sharing"
+        fields({"apiVersion": api_version, "kind": kinds, "sharing": mostly(or_empty(sharing))}, {}, known),
+        "sharing",
     )
     return st.tuples(full, st.integers(0, 19)).map(  # now and then no kind at all
         lambda t: {k: v for k, v in t[0].items() if k != "kind"} if t[1] == 19 else t[0]
@@ -443,6 +451,30 @@ def test_nvidias_kinds_with_no_counterpart_are_refused_for_their_kind_by_both(
     policy, plugin = policy_verdict(bench.clients[0], bench.namespace, params), plugin_verdict(params)
     assert policy.path == plugin.path == "opaque.parameters.kind", f"policy: {policy}\nplugin: {plugin}"
     assert policy.message == plugin.message and "offers no VFIO passthrough" in plugin.message
+
+
+# Null objects where NVIDIA's driver takes its default (docs/migrating.md), refused by both
+# before: both admit. (A null sharing, `timeSlicingConfig: {}` and a null mpsConfig with MPS
+# were admitted by both already; the generated runs cover them.)
+NV_GPU = {"apiVersion": NV, "kind": "GpuConfig"}
+OURS = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig"}
+NULL_OR_EMPTY = [
+    {**NV_GPU, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": None}},
+    {
+        **NV_GPU,
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": None}, "mpsConfig": None},
+    },
+    {**NV_GPU, "sharing": {"strategy": "MPS", "mpsConfig": {}, "timeSlicingConfig": None}},
+    {**OURS, "sharing": None},
+    {**OURS, "sharing": {"strategy": "MPS", "mps": None}},
+    {**OURS, "sharing": {"strategy": "TimeSlicing", "mps": None}},
+]
+
+
+@pytest.mark.parametrize("params", NULL_OR_EMPTY, ids=lambda p: json.dumps(p["sharing"]))
+def test_a_null_or_empty_object_is_its_default_for_both(bench: Bench, params: dict[str, Any]) -> None:
+    policy, plugin = policy_verdict(bench.clients[0], bench.namespace, params), plugin_verdict(params)
+    assert policy.admitted and plugin.admitted, f"policy: {policy}\nplugin: {plugin}"
 
 
 @pytest.mark.parametrize("which", ["fixed", "random"])

@@ -349,6 +349,35 @@ def test_our_own_config_is_prepared_as_before(case: Case) -> None:
     assert _mps(env["gpu"])["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2G"
 
 
+# What `kubectl create` leaves once a field's only setting is removed (docs/migrating.md's
+# `interval`): null or {}; NVIDIA's driver reads each as its default, and so does this one.
+NULL_OR_EMPTY = [
+    {**NV, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": None}},
+    {**NV, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": None}}},
+    {**NV, "sharing": {"strategy": "TimeSlicing", "mpsConfig": None}},
+    {**NV, "sharing": {"strategy": "MPS", "timeSlicingConfig": None, "mpsConfig": None}},
+    {**OURS, "sharing": None},
+    {**OURS, "sharing": {"strategy": "MPS", "mps": None}},
+    {**OURS, "sharing": {"strategy": "TimeSlicing", "mps": None}},
+]
+
+
+@pytest.mark.parametrize("parameters", NULL_OR_EMPTY, ids=lambda p: json.dumps(p["sharing"]))
+def test_a_null_or_empty_object_is_taken_as_its_default_when_written(
+    bench: Bench, namespace: str, parameters: JSON
+) -> None:
+    claim = _claim("empty", _one_request(parameters))
+    assert policy_denial(bench.api, namespace, claim, dry_run=True) is None
+    parse_claim_config(parameters, DRIVER, "opaque.parameters")  # and by the plugin
+
+
+def test_a_time_slicing_config_left_null_is_prepared_as_the_default(case: Case) -> None:
+    parameters = {**NV, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": None}}
+    name = case.create(_one_request(parameters))
+    env = case.env_by_request(case.claim_of(name))
+    assert _mps(env["gpu"]) == {}
+
+
 # --------------------------------------------------------------------------- refused when written
 
 
@@ -461,6 +490,47 @@ def test_another_drivers_config_is_not_ours_to_check(bench: Bench, namespace: st
     devices = _one_request({**NV, "kind": "VfioDeviceConfig"})
     devices["config"][0]["opaque"]["driver"] = "gpu.nvidia.com"
     assert policy_denial(bench.api, namespace, _claim("theirs", devices), dry_run=True) is None
+
+
+def _nvidia_driver_message(request: str) -> str:
+    return (
+        "devices.config: an entry with opaque.driver gpu.nvidia.com (NVIDIA's driver) applies to "
+        f"request {request}, which asks for this driver's devices only: NVIDIA's driver never "
+        "prepares them and this driver reads only entries of its own, so the claim would run "
+        f"without this sharing config; change opaque.driver to {DRIVER} (the sed in "
+        "docs/migrating.md does it)"
+    )
+
+
+def test_an_nvidia_driver_config_on_this_drivers_classes_is_refused_when_written(
+    bench: Bench, namespace: str
+) -> None:
+    """A claim half-migrated (the class renamed, `opaque.driver` still gpu.nvidia.com) would
+    run without its sharing: neither driver reads that entry for this driver's devices."""
+    mps = {**NV, "sharing": {"strategy": "MPS"}}
+
+    def devices(classes: dict[str, str], requests: list[str] | None) -> JSON:
+        entry: JSON = {"opaque": {"driver": "gpu.nvidia.com", "parameters": mps}}
+        if requests is not None:
+            entry["requests"] = requests
+        return {
+            "requests": [{"name": n, "exactly": {"deviceClassName": c}} for n, c in classes.items()],
+            "config": [entry],
+        }
+
+    def verdict(classes: dict[str, str], requests: list[str] | None) -> str | None:
+        return policy_denial(bench.api, namespace, _claim("half", devices(classes, requests)), dry_run=True)
+
+    ours = (DRIVER, f"mig.{DRIVER}", f"gpu-share.{DRIVER}", f"mig-dynamic.{DRIVER}", f"gpu-linked.{DRIVER}")
+    for cls in ours:
+        for requests in (["gpu"], None):
+            assert verdict({"gpu": cls}, requests) == _nvidia_driver_message("gpu"), cls
+    mixed = {"theirs": "gpu.nvidia.com", "ours": DRIVER}
+    assert verdict(mixed, ["theirs", "ours"]) == _nvidia_driver_message("ours")
+    # NVIDIA's own requests, and an entry for every request of a claim that has some of them
+    assert verdict(mixed, ["theirs"]) is None
+    assert verdict(mixed, None) is None
+    assert verdict({"gpu": GPU_CLASS}, None) is None
 
 
 # --------------------------------------------------------------------------- written before the policy

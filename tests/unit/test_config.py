@@ -108,6 +108,14 @@ def test_defaults() -> None:
     assert parse_gpu_config(params(strategy="TimeSlicing"), DRIVER).sharing == SharingConfig()
 
 
+def test_a_null_sharing_or_mps_is_left_out_as_in_nvidias_form() -> None:
+    assert parse_gpu_config({"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig", "sharing": None}) == (
+        DEFAULT_CONFIG
+    )
+    assert parse_gpu_config(params(strategy="MPS", mps=None), DRIVER).sharing.mps == MpsConfig()
+    assert parse_gpu_config(params(strategy="TimeSlicing", mps=None), DRIVER).sharing == SharingConfig()
+
+
 def test_a_renamed_driver_accepts_its_own_group_and_the_default() -> None:
     for group in ("gpu.example.com", DRIVER):
         obj = {**MPS_10GI, "apiVersion": f"{group}/v1alpha1"}

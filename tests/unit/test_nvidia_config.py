@@ -77,6 +77,31 @@ def test_time_slicing_at_the_default_interval_is_what_a_gpu_does(sharing: dict[s
     assert parsed.sharing == SharingConfig(SharingStrategy.TIME_SLICING) and not parsed.uses_mps
 
 
+@pytest.mark.parametrize(
+    ("sharing", "expected"),
+    [
+        # what `kubectl create` leaves once docs/migrating.md's `interval` is removed
+        ({"strategy": "TimeSlicing", "timeSlicingConfig": None}, SharingConfig()),
+        ({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": None}}, SharingConfig()),
+        ({"strategy": "TimeSlicing", "mpsConfig": None}, SharingConfig()),
+        (
+            {
+                "strategy": "MPS",
+                "timeSlicingConfig": None,
+                "mpsConfig": {"defaultActiveThreadPercentage": None},
+            },
+            SharingConfig(SharingStrategy.MPS, MpsConfig()),
+        ),
+    ],
+)
+def test_a_null_or_empty_object_is_the_default_nvidia_normalizes_it_to(
+    sharing: dict[str, Any], expected: SharingConfig
+) -> None:
+    """NVIDIA's decoder reads null as a field left out (a nil pointer), and its Normalize
+    defaults a nil timeSlicingConfig to interval Default and a nil mpsConfig to MPS's own."""
+    assert nv.parse_claim_config(nvidia(sharing=sharing)).sharing == expected
+
+
 def test_no_sharing_mps_without_settings_and_mig_kinds_map() -> None:
     assert nv.parse_claim_config(nvidia()) == GpuConfig(nvidia_kind="GpuConfig")
     assert nv.parse_claim_config(nvidia(sharing={"strategy": "MPS"})).sharing.mps == MpsConfig()
