@@ -73,7 +73,7 @@ from dra_driver.gpu.placements import Placement
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claim_steps import ClaimSteps
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.plugin.prepared import ClaimResult, PreparedDevice
+from dra_driver.plugin.prepared import ClaimResult
 from dra_driver.plugin.recovery import ListAllocated, recover
 from dra_driver.plugin.transaction import ClaimSource, PrepareTransaction, UnprepareTransaction
 from dra_driver.sharing.policy import Sharing
@@ -120,9 +120,9 @@ class NodePreparer:
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
         """Prepare every claim; each gets its own answer (one bad claim never fails the rest)."""
         results: dict[str, ClaimResult] = {}
-        done = self._completed_now(refs)
+        held = self._held_now()
         for chunk in _chunks(refs, CHUNK):
-            txn = PrepareTransaction(self.steps, chunk, done)
+            txn = PrepareTransaction(self.steps, chunk, held)
             await txn.read(self.claims)
             try:
                 try:
@@ -149,14 +149,13 @@ class NodePreparer:
                 results.update(txn.refused(e))
         return results
 
-    def _completed_now(self, refs: Sequence[ClaimRef]) -> dict[str, tuple[PreparedDevice, ...]]:
-        """The devices of those of `refs` that are prepared already."""
+    def _held_now(self) -> Mapping[str, ckpt.ClaimEntry]:
+        """The checkpoint's entries as they are now (none if it cannot be read: the locked
+        section decides what to do about that)."""
         try:
-            cp = self.read_checkpoint()
+            return self.read_checkpoint().claims
         except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused):
-            return {}  # the locked section decides what to do about it
-        entries = (cp.claims.get(r.uid) for r in refs)
-        return {e.uid: e.devices for e in entries if e is not None and e.phase == ckpt.ClaimPhase.COMPLETED}
+            return {}
 
 
 def _chunks(items: Sequence[ClaimRef], size: int) -> Iterator[Sequence[ClaimRef]]:

@@ -64,11 +64,16 @@ class PrepareTransaction:
     """Prepares the claims of one chunk of a kubelet call."""
 
     def __init__(
-        self, steps: ClaimSteps, refs: Sequence[ClaimRef], done: Mapping[str, tuple[PreparedDevice, ...]]
+        self, steps: ClaimSteps, refs: Sequence[ClaimRef], held: Mapping[str, ckpt.ClaimEntry]
     ) -> None:
         self.steps = steps
         self.refs = refs
-        self.done = done  # the devices of the claims the checkpoint had `completed` before the call
+        self.held = held  # the checkpoint's entries before the call, read outside the lock
+        # the devices of the claims the checkpoint had `completed` before the call
+        self.done = {
+            r.uid: held[r.uid].devices for r in refs
+            if r.uid in held and held[r.uid].phase == ckpt.ClaimPhase.COMPLETED
+        }
         self.results: dict[str, ClaimResult] = {}
         self.plans: list[ClaimPlan] = []
         self.read_claims: dict[str, JSON | ClaimRejected] = {}
@@ -102,17 +107,12 @@ class PrepareTransaction:
         the kubelet unprepared its claim, whose devices the scheduler gave to the next pod.
         The locked section releases them rather than telling the next pod to delete a pod
         that no longer exists. Asked only where there is such a conflict (one GET each)."""
-        if not self.plans:
-            return frozenset()
-        try:
-            held = self.steps.load().claims
-        except (ckpt.CheckpointUnreadable, ckpt.CheckpointRefused):
-            return frozenset()  # the locked section decides what to do about it
         holders: dict[str, ckpt.ClaimEntry] = {}
         for plan in self.plans:
-            rest = dict(held)
+            rest = self.held  # copied only where there is a conflict
             while (found := conflict(rest, plan, self.steps.devices)) is not None:
-                holders[found.holder.uid] = rest.pop(found.holder.uid)
+                holders[found.holder.uid] = found.holder
+                rest = {uid: e for uid, e in rest.items() if uid != found.holder.uid}
         if not holders:
             return frozenset()
         answers = await source.read([ClaimRef(h.namespace, h.name, h.uid) for h in holders.values()])
