@@ -77,8 +77,10 @@ def configure(level: str = "info", fmt: LogFormat = "auto") -> None:
     global _threshold
     _threshold = numeric = _LEVELS[level.upper()]
     structlog.configure(
-        processors=[_drop_below_level, *shared, structlog.processors.StackInfoRenderer(), *tracebacks,
-                    renderer],
+        # set_exc_info: the generic BoundLogger's `exception()` passes no exc_info of its own,
+        # and without it both renderers dropped the exception (type, message, traceback)
+        processors=[_drop_below_level, *shared, structlog.processors.StackInfoRenderer(),
+                    structlog.dev.set_exc_info, *tracebacks, renderer],
         logger_factory=_logger,
         wrapper_class=structlog.BoundLogger,
         cache_logger_on_first_use=True,

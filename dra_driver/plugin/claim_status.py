@@ -21,7 +21,8 @@ latest wanted state wins; a claim is never written by two workers at once), at m
 come in bursts as pods start, and a burst's writes wait for its end; a claim prepared and
 unprepared within it is never written), each failure retried with backoff by this queue
 alone (ATTEMPTS in all; 404/409/422 end it: the claim is gone, re-created or deallocated). An error is logged
-with the claim's identity and counted (`gpu_dra_api_errors{component="claim-status"}`).
+with the claim's identity and counted (`gpu_dra_api_errors{component="claim-status"}`); a 404 is
+not one: a claim made from a template goes with its pod, and its release finds it gone (debug).
 
 What an entry says is worked out in device_status.py (pure); this module is the queue and
 its writes. It must NOT fail, delay or hold up a Prepare, raise to its caller, or touch
@@ -358,8 +359,11 @@ class ClaimStatus:
                          ready=[e["conditions"][0]["status"] for e in entries])
                 return "done"
             except kube.TRANSIENT_ERRORS as e:
-                metrics.api_error(COMPONENT, e)
                 status = getattr(e, "status", None)
+                if status == 404:  # the claim is gone (its pod's deletion took it): the expected end
+                    log.debug("claim gone; its device status needs no write")
+                    return "final"
+                metrics.api_error(COMPONENT, e)
                 final = status in FINAL_STATUSES
                 attempt = self._attempts.get(ref.uid, 1)
                 log.warning("claim device status write failed", error=str(e)[:300], status=status,
