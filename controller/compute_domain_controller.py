@@ -53,8 +53,6 @@ class ComputeDomainController:
         # domains whose template this process made or found: their later events (the status
         # writes of nodes) cost no request; checked again after each list
         self._templated: set[str] = set()
-        self.writes = 0  # API writes made (tests and benchmarks read it)
-        self.synced = asyncio.Event()
 
     async def run(self) -> None:
         backoff = 0.5
@@ -65,7 +63,6 @@ class ComputeDomainController:
                 self._templated.clear()
                 for domain in domains[:MAX_DOMAINS]:
                     self._seen(domain)
-                self.synced.set()
                 async for kind, domain in kube.watch(self.api, path, version):
                     if kind in ("ADDED", "MODIFIED"):
                         self._seen(domain)
@@ -76,7 +73,6 @@ class ComputeDomainController:
                 backoff = 0.5
             except kube.TRANSIENT_ERRORS as error:
                 metrics.api_error(COMPONENT, error)
-                self.synced.clear()
                 if isinstance(error, ApiException) and error.status == 410:
                     continue
                 log.warning("listing or watching ComputeDomains failed; retrying", error=str(error)[:300])
@@ -120,7 +116,6 @@ class ComputeDomainController:
         path = TEMPLATES.format(namespace=domain["metadata"]["namespace"])
         try:
             await kube.request(self.api, "POST", path, desired)
-            self.writes += 1
             self._templated.add(domain["metadata"]["uid"])
             log.info("made the domain's ResourceClaimTemplate", template=cd.template_name(domain), **fields)
             return
@@ -153,7 +148,6 @@ class ComputeDomainController:
             if e.status == 409:  # a node wrote meanwhile: its MODIFIED event brings the new version
                 return
             raise
-        self.writes += 1
         log.info("ComputeDomain status", status=wanted, waiting_for=cd.not_ready_nodes(domain), **fields)
 
     async def _warn_once(self, domain: JSON, reason: str, message: str, fields: dict[str, str]) -> None:
@@ -167,7 +161,6 @@ class ComputeDomainController:
                     "namespace": meta["namespace"], "uid": meta["uid"]}
         body = event_body(involved, reason, message, True, self.driver, self.identity)
         await kube.request(self.api, "POST", f"/api/v1/namespaces/{meta['namespace']}/events", body)
-        self.writes += 1
 
 
 __all__ = ["ComputeDomainController"]

@@ -136,12 +136,7 @@ class _Fields:
         return table[name]
 
     def opt_enum(self, key: str, table: Mapping[str, int]) -> int | None:
-        name = self.opt_str(key)
-        if name is None:
-            return None
-        if name not in table:
-            raise self.fail(key, f"unknown value {name!r}; one of: {', '.join(sorted(table))}")
-        return table[name]
+        return None if self.opt_str(key) is None else self.enum(key, table)
 
     def list_(self, key: str) -> list[Any]:
         value = self.raw(key, False)

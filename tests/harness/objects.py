@@ -340,6 +340,24 @@ def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | 
 # -- pods, claims, scheduler ----------------------------------------------------------------
 
 
+def pinned_pod(name: str, node: str, claim: str, command: Sequence[str] = ("sleep", "1")) -> JSON:
+    """A busybox pod on `node` whose one container uses the ResourceClaim `claim`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "automountServiceAccountToken": False,
+            "resourceClaims": [{"name": "c", "resourceClaimName": claim}],
+            "containers": [
+                {"name": "main", "image": "busybox:1.37", "command": list(command),
+                 "resources": {"claims": [{"name": "c"}]}}
+            ],
+        },
+    }
+
+
 def get_pod(api: client.ApiClient, namespace: str, name: str) -> JSON:
     return sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
 

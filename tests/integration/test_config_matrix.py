@@ -49,6 +49,7 @@ from tests.harness.objects import (
     api_error,
     get_claim,
     get_pod,
+    pinned_pod,
     scheduler_reason,
     sync_request,
     wait_for,
@@ -245,29 +246,7 @@ def _create_cell(
 
 
 def _create_pod(api: client.ApiClient, ns: str, name: str) -> None:
-    sync_request(
-        api,
-        "POST",
-        f"/api/v1/namespaces/{ns}/pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": NODE},
-                "automountServiceAccountToken": False,
-                "resourceClaims": [{"name": "c", "resourceClaimName": name}],
-                "containers": [
-                    {
-                        "name": "c",
-                        "image": "busybox:1.37",
-                        "command": ["sleep", "1"],
-                        "resources": {"claims": [{"name": "c"}]},
-                    }
-                ],
-            },
-        },
-    )
+    sync_request(api, "POST", f"/api/v1/namespaces/{ns}/pods", pinned_pod(name, NODE, name))
 
 
 def _bound(api: client.ApiClient, ns: str, name: str) -> dict[str, Any] | None:
@@ -422,29 +401,7 @@ def test_the_whole_gpu_class_never_hands_out_a_gpu_in_mig_mode(bench: Bench, nam
             "spec": {"devices": {"requests": [{"name": "all", "exactly": exactly}]}},
         },
     )
-    sync_request(
-        api,
-        "POST",
-        f"/api/v1/namespaces/{namespace}/pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "all"},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": NODE},
-                "automountServiceAccountToken": False,
-                "resourceClaims": [{"name": "c", "resourceClaimName": "all"}],
-                "containers": [
-                    {
-                        "name": "c",
-                        "image": "busybox:1.37",
-                        "command": ["sleep", "1"],
-                        "resources": {"claims": [{"name": "c"}]},
-                    }
-                ],
-            },
-        },
-    )
+    _create_pod(api, namespace, "all")
     try:
         wait_for("the pod bound", lambda: get_pod(api, namespace, "all")["spec"].get("nodeName"), timeout=30)
         results = get_claim(api, namespace, "all")["status"]["allocation"]["devices"]["results"]

@@ -27,6 +27,7 @@ from tests.harness.objects import (
     delete_node_and_slices,
     get_claim,
     get_pod,
+    pinned_pod,
     scheduler_reason,
     sync_request,
     wait_for,
@@ -52,15 +53,8 @@ def _claim_and_pod(api: client.ApiClient, namespace: str, name: str, expression:
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
         "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
             "deviceClassName": CLASS, "count": 2, "selectors": [{"cel": {"expression": expression}}]}}]}}})
-    sync_request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": NODE},
-            "automountServiceAccountToken": False,
-            "resourceClaims": [{"name": "gpus", "resourceClaimName": name}],
-            "containers": [{"name": "main", "image": "busybox:1.37", "command": ["sleep", "3600"],
-                            "resources": {"claims": [{"name": "gpus"}]}}],
-        }})
+    sync_request(api, "POST", f"/api/v1/namespaces/{namespace}/pods",
+                 pinned_pod(name, NODE, name, command=("sleep", "3600")))
 
 
 def _allocated(api: client.ApiClient, namespace: str, name: str) -> set[str]:
