@@ -6,7 +6,9 @@ health from the devices' taints), the NVLink matrix (GPUs that share an `nvlinkC
 `nvlinkCliques` or `nvlinkDomain` value, plus `nvlinkPeers` where `--topology-detail-attributes`
 publishes it), and
 per device the claims and pods that hold it: whole GPUs, memory shares with the memory each
-got, MIG instances; with the `Ready` condition the plugin wrote in the claim's status.
+got, MIG instances; with the `Ready` condition the plugin wrote in the claim's status. A claim
+with adminAccess is listed on its devices but holds none of them: the scheduler still gives
+them to other claims, so a device only such claims have is `free, admin access`.
 `-o json` prints the same view as JSON. A big cluster's claims are read page by page with a
 progress line on stderr.
 
@@ -51,6 +53,8 @@ class Holder:
     memory: str | None = None  # what a share consumed
     ready: str | None = None  # the Ready condition the plugin wrote: "True", "False: <reason>"
     uuid: str | None = None  # what the plugin wrote in status.devices (a made MIG instance's UUID)
+    # adminAccess: it does not hold the device (the scheduler gives it to other claims too)
+    admin_access: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,7 @@ def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[J
                 meta["namespace"], meta["name"], meta["uid"], pod_names, share, memory,
                 _ready(claim, driver, result["pool"], result["device"], share),
                 _status_uuid(claim, driver, result["pool"], result["device"], share),
+                bool(result.get("adminAccess")),
             ))
 
     mig_states = _mig_states(node, driver, slices, claims)
@@ -337,13 +342,14 @@ def render(view: NodeView) -> str:
         for d in g.devices:
             if d.kind == "mig" and not d.holders and d.state != "static":
                 continue  # free and blocked placements are counted per profile above
-            state = d.state or ("held" if d.holders else "free")
+            state = d.state or ("held" if any(not h.admin_access for h in d.holders) else "free")
             if not d.holders and d.kind != "share":  # a free GPU shows once, as itself
                 rows.append((d.name, d.kind, d.memory, state, "-", "-", "-", d.uuid))
             for h in d.holders:
                 detail = f"{h.memory} of {d.memory}" if h.memory else d.memory
-                rows.append((d.name, d.kind, detail, state, f"{h.claim_namespace}/{h.claim_name}",
-                             ", ".join(h.pods) or "-", h.ready or "-", d.uuid))
+                rows.append((d.name, d.kind, detail, f"{state}, admin access" if h.admin_access else state,
+                             f"{h.claim_namespace}/{h.claim_name}", ", ".join(h.pods) or "-", h.ready or "-",
+                             d.uuid))
     lines += _table(("DEVICE", "KIND", "MEMORY", "STATE", "CLAIM", "PODS", "READY", "UUID"), rows)
     return "\n".join(lines)
 

@@ -94,6 +94,30 @@ def test_whole_gpus_and_shares_show_their_claims_pods_and_readiness() -> None:
     assert as_json["gpus"][3]["devices"][0]["holders"][0]["claim_name"] == "train"
 
 
+@pytest.mark.parametrize("features", [SliceFeatures(), SliceFeatures(memory_shares=True)],
+                         ids=["whole", "shares"])
+def test_an_admin_access_claim_holds_no_device(features: SliceFeatures) -> None:
+    """A monitoring claim with adminAccess on every GPU (allocationMode All): the scheduler
+    still gives those GPUs to other claims, so they are free; the one a pod holds is held."""
+    specs = desired_slices(discover("l4x4"), NODE, DRIVER, features)
+    node_slices = [{"metadata": {"name": f"s{i}"}, "spec": spec} for i, spec in enumerate(specs)]
+    monitor = claim("monitor", "c-mon", [{"device": f"gpu-{i}", "adminAccess": True} for i in range(4)],
+                    [("dcgm", "p-mon")])
+    train = claim("train", "c-train", [{"device": "gpu-2"}], [("trainer", "p-train")])
+    view = node_view(NODE, DRIVER, node_slices, [monitor, train],
+                     [pod("dcgm", "p-mon", "Running"), pod("trainer", "p-train", "Running")])
+    devices = {d.name: d for g in view.gpus for d in g.devices}
+    assert [h.admin_access for h in devices["gpu-0"].holders] == [True]
+    text = render(view)
+    devices_table = text[text.index("\nDEVICE "):].splitlines()
+    rows = [line for line in devices_table if line.startswith(("gpu-0 ", "gpu-2 "))]
+    free0 = [r for r in rows if r.startswith("gpu-0 ")]
+    assert len(free0) == 1 and "free, admin access" in free0[0] and "team/monitor" in free0[0], rows
+    held2 = [r for r in rows if r.startswith("gpu-2 ") and "team/train" in r]
+    assert len(held2) == 1 and " held " in held2[0], rows
+    assert not any(" held " in r for r in rows if r.startswith("gpu-0 ")), rows
+
+
 def test_mig_instances_are_listed_under_their_gpu() -> None:
     inventory = discover("a100-mig")
     mig_slices = slices("a100-mig")
