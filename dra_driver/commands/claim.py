@@ -2,10 +2,12 @@
 
 Reads the driver's ResourceSlices from the API server and prints, as YAML, the
 ResourceClaimTemplate for K mutually NVLink-linked GPUs that is cheapest for the scheduler
-and still complete for this fleet (`controller.claim_fit`: fewest subrequests, the
-gpu-linked-K class that fails fast, or the whole-GPU class and a selector where that class is
-not served); what it chose and why goes to stderr, so that stdout pipes into
-`kubectl apply -f -` as it is. Wiring only: the choice is `controller.claim_fit`'s.
+and still complete for this fleet (`controller.claim_fit`: fewest subrequests, on the
+selector-free class `gpu-linked.<driver name>` (deploy/deviceclasses/gpu-linked.yaml), or on
+the driver's whole-GPU class `<driver name>` with a selector where that class is not served);
+what it chose and why goes to stderr, so that stdout pipes into `kubectl apply -f -` as it is.
+Whether the server keeps list-type attributes is read from the fleet's slices: any list value
+published says it does (`lists_kept`). Wiring only: the choice is `controller.claim_fit`'s.
 It must NOT write anything to the cluster.
 """
 
@@ -16,6 +18,7 @@ import asyncio
 import click
 import yaml
 
+from controller.attributes import NVLINK_CLIQUES, NVLINK_LAYERS, TYPE, nvlink_layer_attribute
 from controller.claim_fit import FittedClaim, claim_template, fit_linked_claim
 from controller.claim_shapes import linked_class
 from dra_driver import DEFAULT_DRIVER_NAME, kube, log
@@ -23,6 +26,38 @@ from dra_driver.jsontypes import JSON
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
 PAGE = 500
+_LIST_KINDS = frozenset({"ints", "strings", "bools", "versions"})  # DRAListTypeAttributes' value kinds
+
+
+def lists_kept(slices: list[JSON], driver: str) -> bool:
+    """Whether the server keeps list-type attributes: some device of the driver publishes one
+    (a server without DRAListTypeAttributes drops them, so the plugin publishes none there)."""
+    return any(kind in _LIST_KINDS
+               for s in slices if (s.get("spec") or {}).get("driver") == driver
+               for device in s["spec"].get("devices") or []
+               for value in (device.get("attributes") or {}).values() for kind in value)
+
+
+def with_clique_lists(slices: list[JSON], driver: str) -> list[JSON]:
+    """The slices as `claim_fit` reads them where the server keeps list-type attributes: a whole
+    GPU in no clique has an empty nvlinkCliques. The plugin leaves an empty list out, and
+    claim_fit takes a node none of whose GPUs publishes nvlinkCliques (a PCIe-only node, a
+    one-GPU node) for a server that keeps no lists: its note then said so of this very server."""
+    if not lists_kept(slices, driver):
+        return slices
+    out = []
+    for s in slices:
+        spec = s.get("spec") or {}
+        devices = []
+        for device in spec.get("devices") or []:
+            attributes = device.get("attributes") or {}
+            linked = NVLINK_CLIQUES in attributes or any(
+                nvlink_layer_attribute(n) in attributes for n in range(NVLINK_LAYERS))
+            if attributes.get(TYPE) == {"string": "gpu"} and not linked:
+                device = {**device, "attributes": {**attributes, NVLINK_CLIQUES: {"strings": []}}}
+            devices.append(device)
+        out.append({**s, "spec": {**spec, "devices": devices}})
+    return out
 
 
 async def read_slices(kubeconfig: str | None, driver: str) -> list[JSON]:
@@ -71,7 +106,7 @@ def _fit(linked: int, driver: str, device_class: str | None, selectors: tuple[st
         raise click.ClickException(f"no ResourceSlices of driver {driver}: is the driver installed, and is "
                                    "--driver-name right?")
     try:
-        return fit_linked_claim(linked, slices, driver, device_class, selectors)
+        return fit_linked_claim(linked, with_clique_lists(slices, driver), driver, device_class, selectors)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--linked") from None
 
@@ -93,7 +128,7 @@ _OPTIONS = [
     click.option("--selector", "selectors", multiple=True, metavar="CEL",
                  help="A CEL selector added to every subrequest (memory, product...); repeatable."),
     click.option("--device-class", default=None,
-                 help="The DeviceClass [default: gpu-linked-K.<driver name> where served, "
+                 help="The DeviceClass [default: gpu-linked.<driver name> where served, "
                       "else the driver name]."),
     click.option("--driver-name", default=DEFAULT_DRIVER_NAME, show_default=True),
     click.option("--kubeconfig", type=click.Path(dir_okay=False), default=None,

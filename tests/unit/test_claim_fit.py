@@ -122,6 +122,36 @@ def test_the_command_prints_a_template_and_says_why(monkeypatch: pytest.MonkeyPa
     assert empty.exit_code != 0 and "no ResourceSlices" in empty.output
 
 
+@pytest.mark.parametrize("features", [GA, LISTS], ids=["ga", "list-attrs"])
+def test_a_node_with_no_linked_gpu_does_not_hide_the_servers_list_attributes(
+    monkeypatch: pytest.MonkeyPatch, features: SliceFeatures
+) -> None:
+    """A one-GPU node publishes no nvlinkCliques, list-type attributes served or not: the
+    command reads whether the server keeps them from the fleet, not from that node."""
+    slices = fleet(features, "dgx1-v100", "h200-single")
+
+    async def read(kubeconfig: str | None, driver: str) -> list[dict[str, Any]]:
+        return slices
+
+    async def exists(kubeconfig: str | None, name: str) -> bool:
+        return True
+
+    monkeypatch.setattr(claim_cmd, "read_slices", read)
+    monkeypatch.setattr(claim_cmd, "class_served", exists)
+    result = CliRunner().invoke(claim_cmd.claim, ["--linked", "3"])
+    assert result.exit_code == 0, result.output
+    assert "1 of 2 nodes can hold 3 linked GPUs" in result.stderr
+    assert ("the server keeps no list-type attributes" in result.stderr) == (features is GA), result.stderr
+    assert claim_cmd.lists_kept(slices, DRIVER) == (features is LISTS)
+
+
+def test_the_help_names_the_linked_class_that_exists() -> None:
+    text = CliRunner().invoke(claim_cmd.claim, ["--help"]).output + (claim_cmd.__doc__ or "")
+    assert "gpu-linked-K" not in text
+    shipped = yaml.safe_load((DEPLOY / "deviceclasses" / "gpu-linked.yaml").read_text())["metadata"]["name"]
+    assert shipped == linked_class(DRIVER) and "gpu-linked.<driver name>" in " ".join(text.split())
+
+
 async def _none() -> list[dict[str, Any]]:
     return []
 
