@@ -2,9 +2,10 @@
 node by node, or where they are.
 
 Reads the API server only (the pod, its claims or their templates, the nodes, every
-ResourceSlice, DeviceClass and allocated ResourceClaim: what the scheduler's allocator
-reads) and hands them to dra_driver.explain, which replays the allocator. It must NOT
-write anything or need anything on a node.
+ResourceSlice, DeviceClass, DeviceTaintRule (at the newest version the server serves, none
+where it serves none) and allocated ResourceClaim: what the scheduler's allocator reads) and
+hands them to dra_driver.explain, which replays the allocator. It must NOT write anything or
+need anything on a node.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from dra_driver.commands.listing import list_all as _list
 from dra_driver.explain.render import DEFAULT_NODES, render
 from dra_driver.explain.why import PodClaim, PodReport, explain_pod
 from dra_driver.jsontypes import JSON
+
+# resource.k8s.io versions that have served DeviceTaintRules, newest first (v1alpha3: 1.33-1.35)
+TAINT_RULE_VERSIONS = ("v1", "v1beta2", "v1alpha3")
 
 
 class WhyError(click.ClickException):
@@ -62,6 +66,23 @@ async def pod_claims(api: kube.ApiClient, pod: JSON) -> list[PodClaim]:
     return found
 
 
+async def taint_rules(api: kube.ApiClient, progress: Callable[[str], None]) -> list[JSON]:
+    """The DeviceTaintRules, from the newest version served; none where none is (404). One the
+    user may not list (403) is said on stderr: the explanation then misses its taints."""
+    for version in TAINT_RULE_VERSIONS:
+        try:
+            return await _list(api, f"/apis/resource.k8s.io/{version}/devicetaintrules", "DeviceTaintRules",
+                               {}, progress)
+        except kube.ApiException as e:
+            if e.status == 403:
+                click.echo("\rwarning: DeviceTaintRules cannot be listed with these credentials: the taints "
+                           "they put on devices are not counted", err=True)
+                return []
+            if e.status != 404:
+                raise
+    return []
+
+
 async def read_report(
     api: kube.ApiClient, namespace: str, pod_name: str, progress: Callable[[str], None] = lambda _: None
 ) -> PodReport:
@@ -69,15 +90,16 @@ async def read_report(
     if pod is None:
         raise WhyError(f"pod {namespace}/{pod_name} does not exist (kubectl get pods -n {namespace})")
     claims = await pod_claims(api, pod)
-    nodes, slices, classes, all_claims = await asyncio.gather(
+    nodes, slices, classes, all_claims, rules = await asyncio.gather(
         _list(api, "/api/v1/nodes", "Nodes", {}, progress),
         _list(api, f"{RESOURCE_API}/resourceslices", "ResourceSlices", {}, progress),
         _list(api, f"{RESOURCE_API}/deviceclasses", "DeviceClasses", {}, progress),
         _list(api, f"{RESOURCE_API}/resourceclaims", "ResourceClaims", {}, progress),
+        taint_rules(api, progress),
     )
     allocated = [c for c in all_claims if (c.get("status") or {}).get("allocation")]
     by_class = {c["metadata"]["name"]: c for c in classes}
-    return explain_pod(pod, claims, nodes, slices, by_class, allocated)
+    return explain_pod(pod, claims, nodes, slices, by_class, allocated, rules)
 
 
 def explain(

@@ -166,8 +166,8 @@ class Matcher:
                     outcome = evaluate(compile_selector(expression), variable)
                 except CelError as e:
                     return Outcome(False, f"{where}: {e}")
-                if outcome.error:
-                    return Outcome(False, f"{where}: selector on device {device.name}: {outcome.error}")
+                if outcome.error:  # one text for every device it fails on: it is reported once
+                    return Outcome(False, f"{where}: {outcome.error}")
                 if not outcome.matches:
                     return outcome
         return Outcome(True)
@@ -316,7 +316,7 @@ class Search:
         self.devices: list[tuple[Pool, Device]] = [(p, d) for p in pools if p.complete for d in p.devices]
         self.left = {p.name + "\0" + p.driver: counters_left(p, held) for p in pools}
         self.consuming: dict[str, dict[str, dict[str, Decimal]]] = {}
-        self.taking: set[DeviceId] = set()
+        self.taking: dict[DeviceId, set[int]] = {}  # device -> the claims taking it
         self.sharing: dict[DeviceId, dict[str, Decimal]] = {}
         # per claim, per constraint: the value sets of the devices added so far
         self.constraint_sets: list[list[list[frozenset[tuple[str, Any]]]]] = [
@@ -352,7 +352,10 @@ class Search:
         return True
 
     def in_use(self, request: Request, device: Device) -> bool:
-        return not request.admin and (device.id in self.held.devices or device.id in self.taking)
+        """As the allocator: adminAccess may take what others hold, not twice in one claim."""
+        if request.admin:
+            return request.claim in self.taking.get(device.id, ())
+        return device.id in self.held.devices or bool(self.taking.get(device.id))
 
     def try_device(self, request: Request, pool: Pool, device: Device) -> Callable[[], None] | None:
         """Take the device for the request; the undo, or None when it cannot be taken."""
@@ -397,8 +400,9 @@ class Search:
                 stack.append(narrowed)
             undo.append(functools.partial(_drop, stack))
         if not multi:
-            self.taking.add(device.id)
-            undo.append(lambda: self.taking.discard(device.id))
+            claims = self.taking.setdefault(device.id, set())
+            claims.add(request.claim)
+            undo.append(lambda: claims.discard(request.claim))
         if not capacity_fits(request, device, self._used_capacity(device)):
             rollback()
             return None
@@ -424,7 +428,7 @@ class Search:
     def selectable(self, request: Request, device: Device) -> bool:
         outcome = self.matcher.match(request, device)
         if outcome.error:
-            raise Refused(outcome.error)
+            raise Refused(f"{outcome.error} (device {device.name})")
         return outcome.matches
 
     # -- the recursion

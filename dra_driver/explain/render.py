@@ -1,6 +1,7 @@
 """A `PodReport` as a person reads it in a terminal: the headline, the pod's claims, one
-line per node (the closest few unless every node is asked for), and with `verbose` the
-detail of every request and subrequest on the nodes shown.
+line per node (the closest few unless every node is asked for; where no node is considered,
+the first few that say why), and with `verbose` the detail of every request and subrequest
+on the nodes shown.
 
 Pure: it must NOT compute verdicts (why.py does) or read anything.
 """
@@ -16,8 +17,9 @@ DEFAULT_NODES = 5
 def _detail(r: RequestReport) -> list[str]:
     lines = [f"    {r.request}: {r.asked} asked; {r.matched} match the class and selectors"]
     for label, items in (
-        ("selector errors", r.errors),
+        (f"selector errors (on {r.error_devices} device{'s' * (r.error_devices != 1)})", r.errors),
         ("held", r.held),
+        ("without the attribute constrained", r.lacking),
         ("tainted", r.tainted),
         ("blocked by counters", r.counters),
         ("short of capacity", r.capacity),
@@ -57,8 +59,12 @@ def render(
             lines.append(f"  {c.pod_claim}{name}: {c.state}")
     if report.node is not None or not report.nodes:
         return "\n".join(lines)
-    shown = list(report.nodes) if all_nodes else [n for n in report.nodes if n.verdict != "excluded"][:limit]
-    lines.append("Nodes, closest first:" if not all_nodes else "Nodes:")
+    considered = [n for n in report.nodes if n.verdict != "excluded"]
+    shown = list(report.nodes) if all_nodes else (considered or list(report.nodes))[:limit]
+    if all_nodes:
+        lines.append("Nodes:")
+    else:
+        lines.append("Nodes, closest first:" if considered else "Nodes, none considered:")
     for n in shown:
         lines.extend(_node(n, verbose))
     rest = len(report.nodes) - len(shown)

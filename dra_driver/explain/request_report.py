@@ -1,7 +1,9 @@
 """One request's finding on one node, for `dra_driver.explain.why`: what matches the class and
-selectors, why each match is out (held by which claim and pod, tainted, blocked by counters
-that held MIG slices or shares take, short of capacity), the free devices, the largest free
-set a matchAttribute constraint allows; and the request's part of the node's line.
+selectors, why each match is out (held by which claim and pod, without the attribute a
+constraint on the request needs (not linked), tainted by the driver or a DeviceTaintRule,
+blocked by counters that held MIG slices or shares take, short of capacity), the free devices,
+the largest free set a matchAttribute constraint allows; and the request's part of the node's
+line. A selector that fails to evaluate is one error, however many devices it failed on.
 
 Pure, as the rest of explain: it must NOT read the API server, nor judge a whole node or pod
 (`why` does).
@@ -46,12 +48,14 @@ class RequestReport:
     count: int
     matched: int
     held: tuple[str, ...]  # "gpu-1 (ns/claim for ns/pod)"
+    lacking: tuple[str, ...]  # without the attribute a constraint on the request needs
     tainted: tuple[str, ...]
     counters: tuple[str, ...]  # blocked by counters, with who holds them
     capacity: tuple[str, ...]  # short of capacity, with what is left
     mig_mode: tuple[str, ...]  # matched whole GPUs that are in MIG mode
     free: tuple[str, ...]
-    errors: tuple[str, ...]
+    errors: tuple[str, ...]  # each selector error once
+    error_devices: int = 0  # on how many devices they failed
     group_attribute: str | None = None  # the matchAttribute constraint on the request
     largest_group: tuple[str, ...] = ()  # the largest set of free devices it allows
     most_left: str | None = None  # for shares: the most capacity left, and where
@@ -65,7 +69,9 @@ class RequestReport:
     @property
     def enough(self) -> bool:
         if self.count <= 0:  # allocationMode All
-            return self.matched > 0 and not (self.held or self.tainted or self.counters or self.capacity)
+            return self.matched > 0 and not (
+                self.held or self.lacking or self.tainted or self.counters or self.capacity
+            )
         return self.available >= self.count
 
 
@@ -113,17 +119,20 @@ def request_report(
     matched: list[tuple[Pool, Device]] = []
     of_class: list[Device] = []
     errors: list[str] = []
+    error_devices = 0
     for p, d in devices:
         outcome = matcher.match(request, d)
         if outcome.error:
             errors.append(outcome.error)
+            error_devices += 1
         elif outcome.matches:
             matched.append((p, d))
         if not outcome.matches and request.selectors and matcher.class_match(request, d).matches:
             of_class.append(d)
     lefts = {p.name: counters_left(p, state) for p in node_pools}
     takers_of = {p.name: counter_takers(p, state) for p in node_pools}
-    held_, tainted, counters, capacity, mig_mode, free = [], [], [], [], [], []
+    held_, lacking, tainted, counters, capacity, mig_mode, free = [], [], [], [], [], [], []
+    constrained = [c.attribute for c in plan.constraints if c.applies(request)]
     free_devices: list[Device] = []
     most: tuple[Decimal, str] | None = None
     for p, d in matched:
@@ -132,9 +141,16 @@ def request_report(
         if not request.admin and d.id in state.devices:
             held_.append(_who(state, d))
             continue
+        missing = [a for a in constrained if value_set(d.attribute(a)) is None]
+        if missing:  # the allocator never takes it for this request
+            lacking.append(f"{d.name} (no {', '.join(a.rpartition('/')[2] for a in missing)})")
+            continue
         taint = taint_blocks(d, request.tolerations)
         if taint is not None:
-            tainted.append(f"{d.name} ({taint.get('key')}={taint.get('value', '')}:{taint.get('effect')})")
+            rule = f", DeviceTaintRule {taint['rule']}" if taint.get("rule") else ""
+            tainted.append(
+                f"{d.name} ({taint.get('key')}={taint.get('value', '')}:{taint.get('effect')}{rule})"
+            )
             continue
         skip = d.multi and d.id in state.capacity
         short = [] if skip or not d.consumes() else counters_short(d, lefts[p.name])
@@ -192,12 +208,14 @@ def request_report(
         count=0 if request.all_devices else request.count,
         matched=len(matched),
         held=tuple(held_),
+        lacking=tuple(lacking),
         tainted=tuple(tainted),
         counters=tuple(counters),
         capacity=tuple(capacity),
         mig_mode=tuple(mig_mode),
         free=tuple(free),
         errors=tuple(sorted(set(errors))),
+        error_devices=error_devices,
         group_attribute=group_attr,
         largest_group=largest,
         most_left=most[1] if most else None,
@@ -227,7 +245,10 @@ def request_line(r: RequestReport) -> str:
     """One request's finding, as it goes on a node's line."""
     parts = [f"{r.asked} asked"]
     if r.errors:
-        parts.append(f"selector errors: {r.errors[0]}")
+        more = f" (and {len(r.errors) - 1} more)" if len(r.errors) > 1 else ""
+        on = f"{r.error_devices} device{'s' if r.error_devices != 1 else ''}"
+        parts.append(f"a selector fails to evaluate on {on}: {r.errors[0]}{more}")
+        return "; ".join(parts)
     if not r.matched and r.class_only:
         selectors = " && ".join(r.selectors)
         parts.append(f"{r.class_only} of the class, none passes the claim's selector {selectors}")
@@ -240,6 +261,10 @@ def request_line(r: RequestReport) -> str:
         claims = sorted({h.split(" (", 1)[1].rstrip(")") for h in r.held if " (" in h})
         by = f" by {claims[0]}" if len(claims) == 1 else f" by {len(claims)} claims" if claims else ""
         out.append(f"{len(r.held)} held{by}")
+    if r.lacking:
+        linked = r.group_attribute and "nvlink" in r.group_attribute.lower()
+        why = "in no linked set" if linked else "without the attribute constrained"
+        out.append(f"{len(r.lacking)} {why}")
     if r.counters:
         mig = any("memory-slice" in c or "counter-set" in c for c in r.counters)
         out.append(

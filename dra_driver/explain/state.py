@@ -3,8 +3,10 @@
 ResourceSlices become pools (per driver and pool name, only the newest generation, complete
 or not) of devices with their counters; allocated ResourceClaims become what is held: whole
 devices, consumed capacity of shareable devices, and the counters their devices consume,
-each with the claim and pods that hold it. Node selection of slices follows the allocator
-(nodeName, allNodes, nodeSelector).
+each with the claim and pods that hold it (a result with adminAccess holds nothing, as in the
+scheduler). Node selection of slices follows the allocator (nodeName, allNodes, nodeSelector).
+DeviceTaintRules add their taint to the devices they select, as the scheduler's slice tracker
+adds them (`with_taint_rules`).
 
 Pure: JSON in, frozen dataclasses out. It must NOT read the API server or evaluate CEL.
 """
@@ -92,6 +94,38 @@ class Held:
     def allocated(self, device: DeviceId) -> bool:
         """The allocator's IsDeviceAllocated: held whole or holding any share."""
         return device in self.devices or device in self.capacity
+
+
+def with_taint_rules(slices: Sequence[JSON], rules: Sequence[JSON]) -> list[JSON]:
+    """The slices with each DeviceTaintRule's taint added to the devices it selects, as the
+    scheduler's slice tracker adds them: by driver, pool and device name, each optional; a rule
+    without a selector selects nothing. The taint added names its rule under `rule`. (A 1.34
+    v1alpha3 rule's deviceClassName and CEL selectors, dropped since 1.35, are not evaluated.)"""
+    active = [r for r in rules if (r.get("spec") or {}).get("deviceSelector") is not None]
+    if not active:
+        return list(slices)
+    out = []
+    for s in slices:
+        spec = s.get("spec") or {}
+        pool = (spec.get("pool") or {}).get("name")
+        mine = [
+            r for r in active
+            if r["spec"]["deviceSelector"].get("driver") in (None, spec.get("driver"))
+            and r["spec"]["deviceSelector"].get("pool") in (None, pool)
+        ]
+        if not mine:
+            out.append(s)
+            continue
+        devices = []
+        for d in spec.get("devices") or []:
+            added = [
+                {**(r["spec"].get("taint") or {}), "rule": (r.get("metadata") or {}).get("name", "")}
+                for r in mine
+                if r["spec"]["deviceSelector"].get("device") in (None, d.get("name"))
+            ]
+            devices.append({**d, "taints": [*(d.get("taints") or []), *added]} if added else d)
+        out.append({**s, "spec": {**spec, "devices": devices}})
+    return out
 
 
 def node_selector_matches(selector: JSON, node: JSON) -> bool:

@@ -1,17 +1,20 @@
 """Why a pod is pending: per node, whether its claims fit (the allocator's search) and, per
 request and subrequest, what matches the class and selectors and why each match is out
-(held by which claim and pod, tainted, blocked by counters that held MIG slices or shares
-take, short of capacity), the free devices, the largest free set a matchAttribute
+(held by which claim and pod, not linked, tainted, blocked by counters that held MIG slices or
+shares take, short of capacity), the free devices, the largest free set a matchAttribute
 constraint allows, and one specific line per node. Each request's finding is
 `dra_driver.explain.request_report`'s; this module judges nodes and the pod from them.
+What the scheduler reads is what it counts: DeviceTaintRules taint the devices they select,
+a claim allocated with adminAccess holds nothing. Nodes come closest first: fitting, then by
+how much of each request is free, then by how much matches at all.
 
-Pure: the pod, its claims (or their templates' specs), nodes, slices, classes and every
-allocated claim in; a `PodReport` out. It must NOT read the API server.
+Pure: the pod, its claims (or their templates' specs), nodes, slices, DeviceTaintRules,
+classes and every allocated claim in; a `PodReport` out. It must NOT read the API server.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +38,7 @@ from dra_driver.explain.state import (
     held,
     node_selector_matches,
     pools,
+    with_taint_rules,
 )
 from dra_driver.jsontypes import JSON
 
@@ -46,7 +50,9 @@ class NodeReport:
     summary: str
     allocation: tuple[str, ...] = ()  # "gpus/layer1: gpu-2" of the allocation the search found
     requests: tuple[RequestReport, ...] = ()
-    closeness: float = 0.0
+    closeness: float = 0.0  # per request, the share of the devices asked that are free
+    matching: float = 0.0  # per request, the share of the devices asked that match at all
+    reason: str = ""  # why it is not considered (excluded)
 
     @property
     def fits(self) -> bool:
@@ -136,6 +142,14 @@ def _closeness(reports: Sequence[RequestReport]) -> float:
     )
 
 
+def _matching(reports: Sequence[RequestReport]) -> float:
+    if not reports:
+        return 0.0
+    return sum(min(1.0, r.matched / r.count) if r.count else float(r.matched > 0) for r in reports) / len(
+        reports
+    )
+
+
 def node_report(
     node: JSON,
     pod: JSON,
@@ -148,7 +162,7 @@ def node_report(
     name = node["metadata"]["name"]
     excluded = node_excluded(pod, node) or allocated_elsewhere
     if excluded:
-        return NodeReport(name, "excluded", f"{name}: not considered: {excluded}")
+        return NodeReport(name, "excluded", f"{name}: not considered: {excluded}", reason=excluded)
     node_pools = pools(slices, node)
     per_request: list[RequestReport] = []
     best: list[RequestReport] = []
@@ -158,15 +172,16 @@ def node_report(
                 reports = [request_report(a, plan, node_pools, state, matcher) for a in alternatives]
                 per_request.extend(reports)
                 # a firstAvailable request is as close as its best subrequest
-                best.append(max(reports, key=lambda r: (r.enough, r.available)))
+                best.append(max(reports, key=lambda r: (r.enough, r.available, r.matched)))
     except Refused as e:
         return NodeReport(name, "refused", f"{name}: {e}")
-    closeness = _closeness(best)
+    closeness, matching = _closeness(best), _matching(best)
     try:
         found = Search(plans, node_pools, state, matcher).run()
     except Refused as e:
         return NodeReport(
-            name, "refused", f"{name}: the scheduler stops here: {e}", requests=tuple(per_request)
+            name, "refused", f"{name}: the scheduler stops here: {e}", requests=tuple(per_request),
+            closeness=closeness, matching=matching,
         )
     except Undecided as e:
         return NodeReport(
@@ -175,6 +190,7 @@ def node_report(
             f"{name}: {e}; see the detail",
             requests=tuple(per_request),
             closeness=closeness,
+            matching=matching,
         )
     if found is not None:
         allocation = tuple(
@@ -188,7 +204,7 @@ def node_report(
             for req, d, _ in results:
                 by_request[req].append(d.name)
         text = "; ".join(f"{req} gets {', '.join(names)}" for req, names in by_request.items())
-        return NodeReport(name, "fits", f"{name}: fits: {text}", allocation, tuple(per_request), 2.0)
+        return NodeReport(name, "fits", f"{name}: fits: {text}", allocation, tuple(per_request), 2.0, 2.0)
     if not node_pools:
         return NodeReport(
             name, "full", f"{name}: no devices published for this node", requests=tuple(per_request)
@@ -200,7 +216,9 @@ def node_report(
             line += f" (and {len(failing) - 1} more request{'s' if len(failing) > 2 else ''} short)"
     else:
         line = "each request fits alone, not all together: " + "; ".join(request_line(r) for r in best)
-    return NodeReport(name, "full", f"{name}: {line}", requests=tuple(per_request), closeness=closeness)
+    return NodeReport(
+        name, "full", f"{name}: {line}", requests=tuple(per_request), closeness=closeness, matching=matching
+    )
 
 
 # --------------------------------------------------------------------------- per pod
@@ -241,6 +259,7 @@ def explain_pod(
     slices: Sequence[JSON],
     classes: Mapping[str, JSON],
     all_claims: Sequence[JSON],
+    taint_rules: Sequence[JSON] = (),
 ) -> PodReport:
     """Where the pod's claims are, or why they cannot be allocated on each node."""
     claims: list[ClaimState] = []
@@ -287,6 +306,7 @@ def explain_pod(
         return PodReport(name, None, f"pod {name} has no resource claims", (), ())
     state = held(all_claims)
     matcher = Matcher(classes)
+    slices = with_taint_rules(slices, taint_rules)
     reports = []
     for node in nodes:
         node_name = node["metadata"]["name"]
@@ -295,7 +315,7 @@ def explain_pod(
         )
         reports.append(node_report(node, pod, plans, slices, state, matcher, elsewhere))
     order = {"fits": 0, "full": 1, "undecided": 1, "refused": 2, "excluded": 3}
-    reports.sort(key=lambda r: (order[r.verdict], -r.closeness, r.node))
+    reports.sort(key=lambda r: (order[r.verdict], -r.closeness, -r.matching, r.node))
     fitting = [r.node for r in reports if r.fits]
     considered = [r for r in reports if r.verdict != "excluded"]
     if fitting:
@@ -305,7 +325,16 @@ def explain_pod(
             "the reason is outside its claims: kubectl describe pod)"
         )
     elif not considered:
-        headline = f"pod {name}: no node is considered for it (see why per node)"
+        reasons = Counter(r.reason for r in reports)
+        why = "; ".join(f"{reason} ({n} node{'s' if n > 1 else ''})" for reason, n in reasons.most_common(3))
+        more = f"; and {len(reasons) - 3} more reasons" if len(reasons) > 3 else ""
+        headline = f"pod {name}: no node is considered for it: {why}{more}" if reports else (
+            f"pod {name}: the cluster has no nodes")
+    elif errors := sorted({e for n in considered for r in n.requests for e in r.errors}):
+        erring = sum(1 for n in considered if any(r.errors for r in n.requests))
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        headline = (f"pod {name}: its claims fit on none of {len(considered)} nodes considered; a selector "
+                    f"fails to evaluate on {erring} of them, where the scheduler stops: {errors[0]}{more}")
     else:
         headline = f"pod {name}: its claims fit on none of {len(considered)} nodes considered"
         names = {r.request for r in considered[0].requests if r.matched == 0}

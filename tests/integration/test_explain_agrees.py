@@ -8,9 +8,12 @@ own with DeviceClasses of its own, each node labelled with its profile:
 - shares: two HGX H200 boards with memory shares: whole GPUs, linked sets, shares;
 - mig: two HGX H200 MIG boards (dynamic MIG and memory shares): MIG placements, whole GPUs,
   shares.
-Each trial (seeded) fills the profile's nodes at random with single, linked, share and MIG
-claims, allocated cheaply: each claim's `status.allocation` is written directly (valid by
-construction: free devices, counters left, capacity left), with no pod and no scheduling.
+Each trial (seeded) fills the profile's nodes at random with single, linked, share, MIG and
+adminAccess claims, allocated cheaply: each claim's `status.allocation` is written directly
+(valid by construction: free devices, counters left, capacity left; an adminAccess claim
+takes any GPU, as it holds none), with no pod and no scheduling. Some trials first put
+DeviceTaintRules on a device or a whole node (NoSchedule, or the effect None that does not
+count), and some probes tolerate them or ask for adminAccess.
 Then the probe claim and its pod (pinned to the profile by a nodeSelector, held back by a
 scheduling gate) are created, the explanation is read exactly as `kubectl gpu why` reads
 it (dra_driver.commands.why.read_report), the gate is lifted, and the scheduler answers:
@@ -18,10 +21,12 @@ the pod is bound, or its PodScheduled condition says Unschedulable. Whenever the
 explanation says a node can hold the claim, the scheduler must bind it, on such a node;
 whenever it says none can, the pod must stay pending. Every disagreement is a failure.
 Some probes are pinned to one node, so that the verdict on each single node is checked too.
+The seeds are new on every run (WHY_SEED fixes the first); a disagreement names its seed.
 
 The probe claim is created after the fills, and the scheduler reads both from one claim
 watch, so by the time it can schedule the pod (it waits for the claim) it has seen every
-fill: the state it decides on is the one explained.
+fill: the state it decides on is the one explained. DeviceTaintRules come through a watch of
+their own: they are written before the fills and given RULE_SETTLE_S to arrive.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from controller.claim_shapes import linked_gpus_ga, linked_gpus_list
 from controller.slices import SliceFeatures, desired_slices
@@ -69,7 +75,11 @@ CLASS_EXPRESSIONS = {
 LABEL = "why-test/profile"
 SLICES = f"{RESOURCE_API}/resourceslices"
 TRIALS = int(os.environ.get("WHY_TRIALS", "70"))  # per profile
-SEED = int(os.environ.get("WHY_SEED", "3900"))
+SEED = int(os.environ.get("WHY_SEED") or random.SystemRandom().randrange(1_000_000))
+RULES = "why-test/rules"  # the label of this module's DeviceTaintRules
+TAINT_KEY = "why-test/maintenance"
+RULE_SETTLE_S = 0.5  # for the scheduler's DeviceTaintRule watch, written before a trial's fills
+ADMIN_NAMESPACE = {"resource.kubernetes.io/admin-access": "true"}
 MIG_PROFILES = ("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb")
 
 PROFILES: dict[str, list[tuple[str, str, SliceFeatures]]] = {
@@ -99,6 +109,19 @@ class Fleet:
     nodes: dict[str, list[str]]  # profile -> node names
     devices: dict[str, list[JSON]] = field(default_factory=dict)  # node -> its slice devices
     counters: dict[str, dict[str, dict[str, Decimal]]] = field(default_factory=dict)  # node -> sets
+    rules: str | None = None  # where DeviceTaintRules are served; None: nowhere
+
+
+def _rules_path(api: client.ApiClient) -> str | None:
+    for version in ("v1", "v1beta2", "v1alpha3"):
+        path = f"/apis/resource.k8s.io/{version}/devicetaintrules"
+        try:
+            sync_request(api, "GET", path, query={"limit": "1"})
+            return path
+        except ApiException as e:
+            if e.status != 404:
+                raise
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +138,7 @@ def fleet(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Fleet]
                 "spec": {"selectors": [{"cel": {"expression": CLASS_EXPRESSIONS[kind]}}]},
             },
         )
-    f = Fleet(api, str(control_plane.kubeconfig), {})
+    f = Fleet(api, str(control_plane.kubeconfig), {}, rules=_rules_path(api))
     try:
         for profile, members in PROFILES.items():
             for short, hardware, features in members:
@@ -145,6 +168,8 @@ def fleet(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Fleet]
         yield f
     finally:
         sync_request(api, "DELETE", SLICES, query={"fieldSelector": f"spec.driver={DRIVER}"})
+        if f.rules:
+            sync_request(api, "DELETE", f.rules, query={"labelSelector": f"{RULES}={SUFFIX}"})
         for nodes in f.nodes.values():
             for node in nodes:
                 sync_request(api, "DELETE", f"/api/v1/nodes/{node}")
@@ -167,6 +192,7 @@ class Filler:
     def __init__(self, fleet: Fleet, nodes: list[str], rng: random.Random) -> None:
         self.fleet, self.nodes, self.rng = fleet, nodes, rng
         self.whole: set[tuple[str, str]] = set()
+        self.admin_fills = 0
         self.shared: dict[tuple[str, str], Decimal] = {}
         self.left = {n: {s: dict(c) for s, c in fleet.counters[n].items()} for n in nodes}
 
@@ -208,7 +234,12 @@ class Filler:
     def claim(self) -> tuple[str, list[tuple[str, str, JSON | None]]] | None:
         """A random fill: (node, [(request, device, consumed)]) or None when it found no room."""
         node = self.rng.choice(self.nodes)
-        kind = self.rng.choice(["single", "single", "linked", "share", "mig"])
+        kind = self.rng.choice(["single", "single", "linked", "share", "mig", "admin"])
+        if kind == "admin":  # holds nothing: any GPU, held or not, and nothing taken
+            gpus = [d for d in self.fleet.devices[node] if _attr(d, "type") == "gpu"]
+            chosen = self.rng.sample(gpus, self.rng.randint(1, min(3, len(gpus))))
+            self.admin_fills += 1
+            return node, [("watch", d["name"], None) for d in chosen]
         if kind == "single":
             free = self._of(node, "gpu")
             if not free:
@@ -260,7 +291,7 @@ class Filler:
 def _probe(profile: str, rng: random.Random) -> tuple[str, JSON]:
     """A random claim of the kinds the profile serves: (description, spec.devices)."""
     gpu, share, mig = CLASSES["gpu"], CLASSES["share"], CLASSES["mig"]
-    choices = ["single", "linked"]
+    choices = ["single", "linked", "admin"]
     if profile == "nvlink":
         choices += ["linked-list", "linked"]
     if profile in ("shares", "mig"):
@@ -271,6 +302,10 @@ def _probe(profile: str, rng: random.Random) -> tuple[str, JSON]:
     if kind == "single":
         n = rng.choice([1, 1, 2, 3, 5, 8])
         return f"{n} GPUs", {"requests": [{"name": "gpu", "exactly": {"deviceClassName": gpu, "count": n}}]}
+    if kind == "admin":
+        n = rng.choice([1, 2, 3, 9])
+        exactly = {"deviceClassName": gpu, "count": n, "adminAccess": True}
+        return f"{n} GPUs with adminAccess", {"requests": [{"name": "gpu", "exactly": exactly}]}
     if kind == "linked":
         k = rng.choice([2, 2, 3, 4, 6])
         return f"{k} linked (GA)", linked_gpus_ga(k, driver=DRIVER, device_class=gpu)
@@ -313,10 +348,15 @@ def _fill(
         "gpus": CLASSES["gpu"],
         "mem": CLASSES["share"],
         "mig": CLASSES["mig"],
+        "watch": CLASSES["gpu"],
     }
-    devices = {
+    devices: JSON = {
         "requests": [
-            {"name": r, "exactly": {"deviceClassName": first_class[r], "count": n}}
+            {
+                "name": r,
+                "exactly": {"deviceClassName": first_class[r], "count": n}
+                | ({"adminAccess": True} if r == "watch" else {}),
+            }
             for r, n in requests.items()
         ]
     }
@@ -329,6 +369,8 @@ def _fill(
     results = []
     for request, device, consumed in taken:
         result: JSON = {"request": request, "driver": DRIVER, "pool": node, "device": device}
+        if request == "watch":
+            result["adminAccess"] = True
         if consumed:
             result["shareID"] = str(uuid.uuid4())
             result["consumedCapacity"] = consumed
@@ -346,6 +388,37 @@ def _fill(
     sync_request(api, "PUT", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims/{name}/status", claim)
 
 
+def _taint_rules(fleet: Fleet, profile: str, rng: random.Random) -> list[JSON]:
+    """None, or one or two DeviceTaintRules on a random device or a whole node of the profile."""
+    if not fleet.rules or rng.random() >= 0.35:
+        return []
+    rules = []
+    for _ in range(rng.randint(1, 2)):
+        node = rng.choice(fleet.nodes[profile])
+        kind = rng.choice(["device", "device", "node", "no effect"])
+        selector: JSON = {"driver": DRIVER, "pool": node}
+        if kind != "node":
+            selector["device"] = rng.choice(fleet.devices[node])["name"]
+        rules.append({
+            "metadata": {"generateName": "why-", "labels": {RULES: SUFFIX}},
+            "spec": {
+                "deviceSelector": selector,
+                "taint": {"key": TAINT_KEY, "value": kind.replace(" ", "-"),
+                          "effect": "None" if kind == "no effect" else "NoSchedule"},
+            },
+        })
+    return rules
+
+
+def _tolerating(devices: JSON) -> JSON:
+    """The claim's requests (and subrequests) tolerating TAINT_KEY."""
+    toleration = [{"key": TAINT_KEY, "operator": "Exists"}]
+    for r in devices["requests"]:
+        for body in [r["exactly"]] if "exactly" in r else r["firstAvailable"]:
+            body["tolerations"] = toleration
+    return devices
+
+
 def _json_patch(api: client.ApiClient, path: str, ops: list[JSON]) -> None:
     params = api.param_serialize(
         method="PATCH",
@@ -361,7 +434,9 @@ def _json_patch(api: client.ApiClient, path: str, ops: list[JSON]) -> None:
     json.loads(data)
 
 
-def _clear(api: client.ApiClient, ns: str) -> None:
+def _clear(api: client.ApiClient, ns: str, rules: str | None) -> None:
+    if rules:
+        sync_request(api, "DELETE", rules, query={"labelSelector": f"{RULES}={SUFFIX}"})
     sync_request(api, "DELETE", f"/api/v1/namespaces/{ns}/pods", query={"gracePeriodSeconds": "0"})
     sync_request(api, "DELETE", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims")
 
@@ -412,7 +487,10 @@ def test_the_explanation_agrees_with_the_scheduler(
     fleet: Fleet, namespace: str, profile: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     api = fleet.api
+    sync_request(api, "PATCH", f"/api/v1/namespaces/{namespace}", {"metadata": {"labels": ADMIN_NAMESPACE}},
+                 content_type="application/merge-patch+json")
     verdicts: Counter[str] = Counter()
+    seen: Counter[str] = Counter()  # trials with DeviceTaintRules, with adminAccess
     disagreements: list[str] = []
     started = time.monotonic()
     first_seed = SEED + 1000 * list(PROFILES).index(profile)
@@ -420,6 +498,12 @@ def test_the_explanation_agrees_with_the_scheduler(
         seed = first_seed + trial
         rng = random.Random(seed)
         filler = Filler(fleet, fleet.nodes[profile], rng)
+        rules = _taint_rules(fleet, profile, rng)
+        for rule in rules:
+            version = str(fleet.rules).split("/")[3]  # /apis/resource.k8s.io/<version>/devicetaintrules
+            body = {"apiVersion": f"resource.k8s.io/{version}", "kind": "DeviceTaintRule", **rule}
+            sync_request(api, "POST", str(fleet.rules), body)
+        settle = time.monotonic() + (RULE_SETTLE_S if rules else 0)
         fills = 0
         for attempt in range(rng.randint(0, 24)):
             found = filler.claim()
@@ -427,6 +511,20 @@ def test_the_explanation_agrees_with_the_scheduler(
                 _fill(api, namespace, f"fill{attempt}", *found)
                 fills += 1
         what, devices = _probe(profile, rng)
+        if rules:
+            on = [r["spec"]["deviceSelector"] for r in rules]
+            taints = ", ".join(f"{s.get('device', s['pool'])} {r['spec']['taint']['effect']}"
+                               for s, r in zip(on, rules, strict=True))
+            what += f", DeviceTaintRules on {taints}"
+            seen["DeviceTaintRules"] += 1
+            if rng.random() < 0.3:
+                devices = _tolerating(devices)
+                what += ", tolerated"
+        if any(r.get("exactly", {}).get("adminAccess") for r in devices["requests"]):
+            seen["adminAccess probe"] += 1
+        if filler.admin_fills:
+            seen["adminAccess fills"] += 1
+        time.sleep(max(0.0, settle - time.monotonic()))
         # Some probes are pinned to one node: then the verdict on that very node is checked.
         selector = {LABEL: profile}
         if rng.random() < 0.4:
@@ -480,13 +578,15 @@ def test_the_explanation_agrees_with_the_scheduler(
                 f"seed {seed} ({what}, {fills} fills): explanation {said}; scheduler: "
                 f"{answer} {detail}\n{text}"
             )
-        _clear(api, namespace)
+        _clear(api, namespace, fleet.rules if rules else None)
+        if rules:
+            time.sleep(RULE_SETTLE_S)  # the next trial's scheduler must not see them
     elapsed = time.monotonic() - started
     with capsys.disabled():  # shown by `make test` (pytest -q) too
         print(
             f"\n[why-agreement] profile {profile}: {TRIALS} trials, "
             f"seeds {first_seed}..{first_seed + TRIALS - 1}, {elapsed:.0f} s; "
-            f"verdicts: {dict(sorted(verdicts.items()))}"
+            f"verdicts: {dict(sorted(verdicts.items()))}; trials with {dict(sorted(seen.items()))}"
         )
     assert not disagreements, "\n\n".join(disagreements[:3])
     # A check that only ever sees one answer could not fail on the other.

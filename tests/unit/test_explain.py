@@ -199,7 +199,7 @@ def test_whole_gpu_in_mig_mode_with_a_held_slice_is_blocked() -> None:
 
 def test_a_share_bigger_than_what_is_left() -> None:
     slices = _slices("one", "h200-single", SliceFeatures(memory_shares=True))
-    share = {
+    share: JSON = {
         "requests": [
             {
                 "name": "mem",
@@ -246,6 +246,128 @@ def test_nodes_the_pod_cannot_use_are_not_considered_and_closest_come_first() ->
     assert "none free" in _line(report, "nvs")
 
 
+# --------------------------------------------------------------------------- what the scheduler reads
+
+
+def _one(
+    n: int = 1, *, admin: bool = False, tolerations: list[JSON] | None = None, name: str = "gpu"
+) -> JSON:
+    exactly: JSON = {"deviceClassName": "gpu", "count": n}
+    if admin:
+        exactly["adminAccess"] = True
+    if tolerations:
+        exactly["tolerations"] = tolerations
+    return {"name": name, "exactly": exactly}
+
+
+def _rule(name: str, selector: JSON | None, effect: str = "NoSchedule") -> JSON:
+    spec: JSON = {"taint": {"key": "example.com/maintenance", "value": "", "effect": effect}}
+    if selector is not None:
+        spec["deviceSelector"] = selector
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+def _pod(**spec: JSON) -> JSON:
+    claims = [{"name": "gpus", "resourceClaimName": "c"}]
+    return {"metadata": {"namespace": "ns", "name": "p"}, "spec": {"resourceClaims": claims, **spec}}
+
+
+def _claim(devices: JSON) -> PodClaim:
+    meta = {"namespace": "ns", "name": "c", "uid": "c"}
+    return PodClaim("gpus", {"metadata": meta, "spec": {"devices": devices}})
+
+
+def _explain_with(slices: list[JSON], nodes: list[str], devices: JSON, held: list[JSON],
+                  rules: list[JSON]) -> PodReport:
+    return explain_pod(_pod(), [_claim(devices)], [_node(n) for n in nodes], slices, CLASSES, held, rules)
+
+
+def test_a_device_taint_rule_taints_the_devices_it_selects() -> None:
+    """The scheduler's slice tracker adds a rule's taint to every device of the driver, pool and
+    device name it names; with the only free GPU tainted, the claim fits nowhere."""
+    slices = _slices("l4", "l4x4")
+    busy = [_held("l4", "gpu-0", "gpu-1", "gpu-2")]
+    claim = {"requests": [_one()]}
+    assert _explain_with(slices, ["l4"], claim, busy, []).fitting == ("l4",)
+    rule = _rule("drain-gpu-3", {"driver": D, "pool": "l4", "device": "gpu-3"})
+    report = _explain_with(slices, ["l4"], claim, busy, [rule])
+    assert report.fitting == ()
+    assert "1 tainted" in _line(report, "l4"), _line(report, "l4")
+    (request,) = report.nodes[0].requests
+    assert request.tainted == ("gpu-3 (example.com/maintenance=:NoSchedule, DeviceTaintRule drain-gpu-3)",)
+    # what the rule does not select, a taint with no effect on scheduling, a toleration
+    for other in (
+        _rule("other-pool", {"pool": "elsewhere"}),
+        _rule("other-driver", {"driver": "other.example.com"}),
+        _rule("no-selector", None),
+        _rule("none", {"driver": D}, effect="None"),
+    ):
+        assert _explain_with(slices, ["l4"], claim, busy, [other]).fitting == ("l4",), other
+    tolerant = {"requests": [_one(tolerations=[{"key": "example.com/maintenance", "operator": "Exists"}])]}
+    assert _explain_with(slices, ["l4"], tolerant, busy, [rule]).fitting == ("l4",)
+    every = _rule("all", {})  # the empty selector selects every device
+    assert _explain_with(slices, ["l4"], claim, [], [every]).fitting == ()
+
+
+def test_admin_access_takes_held_devices_but_not_one_device_twice_in_a_claim() -> None:
+    slices = _slices("one", "h200-single")
+    monitor = _held("one", "gpu-0", name="monitor")
+    monitor["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = True
+    # a claim with adminAccess holds nothing: a plain claim still gets the GPU
+    assert _explain([*slices], ["one"], {"requests": [_one()]}, [monitor]).fitting == ("one",)
+    busy = [_held("one", "gpu-0")]
+    assert _explain(slices, ["one"], {"requests": [_one()]}, busy).fitting == ()
+    assert _explain(slices, ["one"], {"requests": [_one(admin=True)]}, busy).fitting == ("one",)
+    # the allocator never gives one device twice to the same claim, adminAccess or not
+    twice = {"requests": [_one(admin=True, name="a"), _one(admin=True, name="b")]}
+    assert _explain(slices, ["one"], twice, busy).fitting == ()
+
+
+def test_a_linked_request_does_not_call_unlinked_gpus_free() -> None:
+    """PCIe L4s are in no NVLink clique: the allocator never takes them for a linked request."""
+    report = _explain(_slices("l4", "l4x4"), ["l4"], linked_gpus_ga(2, driver=D, device_class="gpu"), [])
+    assert report.fitting == ()
+    for request in report.nodes[0].requests:  # one per clique layer
+        assert request.free == () and len(request.lacking) == 4, request
+    line = _line(report, "l4")
+    assert "4 match (4 in no linked set); none free" in line, line
+
+
+def test_a_selector_that_fails_to_evaluate_is_said_once() -> None:
+    bad = [{"cel": {"expression": f"{A}.noSuchAttribute == 1"}}]
+    classes = {**CLASSES, "bad": {"metadata": {"name": "bad"}, "spec": {"selectors": bad}}}
+    claim = _claim({"requests": [{"name": "gpu", "exactly": {"deviceClassName": "bad"}}]})
+    slices = _slices("a", "hgx-h200") + _slices("b", "hgx-h200")
+    report = explain_pod(_pod(), [claim], [_node("a"), _node("b")], slices, classes, [])
+    assert "fails to evaluate on 2 of them" in report.headline, report.headline
+    assert "noSuchAttribute" in report.headline and "no node has a device that matches" not in report.headline
+    text = render(report, verbose=True)
+    assert text.count("Key not found") == 1 + 2 * 2, text  # the headline; per node its line and detail
+    (request,) = report.nodes[0].requests
+    assert len(request.errors) == 1 and request.error_devices == 8
+
+
+def test_when_no_node_is_considered_the_reasons_are_shown_without_all() -> None:
+    pod = _pod(nodeSelector={"gpu": "h100"})
+    claim = _claim({"requests": [_one()]})
+    report = explain_pod(pod, [claim], [_node("a"), _node("b")], _slices("a", "l4x4"), CLASSES, [])
+    assert report.headline == (
+        "pod ns/p: no node is considered for it: nodeSelector gpu=h100 does not match (2 nodes)")
+    text = render(report)
+    assert "Nodes, none considered:" in text and "a: not considered: nodeSelector gpu=h100" in text, text
+
+
+def test_closest_first_puts_nodes_without_a_device_of_the_class_last() -> None:
+    """A node whose GPUs are all held is closer than one with no device of the class at all."""
+    shared = _slices("b-shared", "h200-single", SliceFeatures(memory_shares=True))
+    slices = _slices("a-plain", "l4x4") + shared
+    share = {"requests": [{"name": "mem", "exactly": {"deviceClassName": "share",
+                                                       "capacity": {"requests": {"memory": "100Gi"}}}}]}
+    held = [_held("b-shared", "gpu-0-share", share="64Gi")]
+    report = _explain(slices, ["a-plain", "b-shared"], share, held)
+    assert [n.node for n in report.nodes] == ["b-shared", "a-plain"], [n.summary for n in report.nodes]
+
+
 # --------------------------------------------------------------------------- the command
 
 
@@ -268,13 +390,15 @@ def test_kubectl_gpu_why_reads_the_cluster_and_prints_the_explanation(
         "metadata": {"namespace": "ns", "name": "p"},
         "spec": {"resourceClaims": [{"name": "gpus", "resourceClaimName": "c"}]},
     }
-    objects = {
+    objects: dict[str, JSON] = {
         "/api/v1/namespaces/ns/pods/p": pod,
         "/apis/resource.k8s.io/v1/namespaces/ns/resourceclaims/c": claim,
         "/api/v1/nodes": {"items": [_node("ring")]},
         "/apis/resource.k8s.io/v1/resourceslices": {"items": slices},
         "/apis/resource.k8s.io/v1/deviceclasses": {"items": list(CLASSES.values())},
         "/apis/resource.k8s.io/v1/resourceclaims": {"items": [busy, claim]},
+        # served at an older version only: the command falls back to it
+        "/apis/resource.k8s.io/v1alpha3/devicetaintrules": {"items": [_rule("r", {"device": "gpu-1"})]},
     }
 
     class Api:
@@ -286,6 +410,8 @@ def test_kubectl_gpu_why_reads_the_cluster_and_prints_the_explanation(
 
     async def request(api: object, method: str, path: str, **_: Any) -> JSON:
         assert method == "GET"
+        if path not in objects:
+            raise kube.ApiException(404, "Not Found", "the server could not find the requested resource")
         return objects[path]
 
     monkeypatch.setattr(kube, "load_client", load_client)
@@ -297,4 +423,5 @@ def test_kubectl_gpu_why_reads_the_cluster_and_prints_the_explanation(
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("pod ns/p: its claims fit on none of 1 nodes considered"), out
-    assert "largest linked free set 1" in out
+    assert "1 tainted); free gpu-3, gpu-5, gpu-7; largest linked free set 1" in out  # the rule on gpu-1
+    assert "DeviceTaintRule r" not in out and "1 tainted" in out
