@@ -62,8 +62,9 @@ from tests.harness.cluster import ControlPlane, build_binaries
 from tests.harness.driver import DriverProcess
 from tests.harness.examples import (
     DEMO_NODES,
+    MIG_NODE,
+    MIG_TAINT,
     DeviceMap,
-    SimulatedNode,
     apply_order,
     deploy_dir,
     device_class_files,
@@ -102,17 +103,8 @@ DESCRIPTION = (
 
 DEMO_NAMESPACE = "gpu-demo"
 
-# Dynamic MIG (docs/mig.md) on a box of its own, started by the demo only: the test tiers
-# keep their three boxes, and tests/node/test_dynamic_mig.py starts its own MIG node.
-MIG_NODE = SimulatedNode(
-    "h200-mig",
-    "hgx-h200-mig",
-    "H200s in MIG mode, carved on demand (--dynamic-mig); GPU 1 holds a static 3g.71gb",
-)
 MIG_SPEC = NodeSpec(MIG_NODE.name, MIG_NODE.profile, ("--dynamic-mig",))
 MIG_EXAMPLE = deploy_dir() / "examples" / "mig" / "01-slice-3g-71gb.yaml"
-# The examples keep to the three boxes they were written for; only the MIG pod tolerates this.
-MIG_TAINT: JSON = {"key": "gpu-demo/dynamic-mig", "value": "only", "effect": "NoSchedule"}
 
 
 def taint_mig_node(api: client.ApiClient) -> None:

@@ -36,6 +36,15 @@ DEMO_NODES: tuple[SimulatedNode, ...] = (
     SimulatedNode("a100-pcie", "a100-pcie-bridged", "PCIe cards, NVLink bridges join only 0-1 and 2-3"),
     SimulatedNode("hgx-h200", "hgx-h200", "NVSwitch: every GPU linked to every other"),
 )
+# Dynamic MIG (docs/mig.md) on a box of its own, started by the demo only: the test tiers
+# keep their three boxes, and tests/node/test_dynamic_mig.py starts its own MIG node.
+MIG_NODE = SimulatedNode(
+    "h200-mig",
+    "hgx-h200-mig",
+    "H200s in MIG mode, carved on demand (--dynamic-mig); GPU 1 holds a static 3g.71gb",
+)
+# The examples keep to the three boxes they were written for; only the MIG pod tolerates this.
+MIG_TAINT: JSON = {"key": "gpu-demo/dynamic-mig", "value": "only", "effect": "NoSchedule"}
 
 
 def node_specs(nodes: Sequence[SimulatedNode] = DEMO_NODES) -> tuple[NodeSpec, ...]:
