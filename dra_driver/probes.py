@@ -23,10 +23,13 @@ Scrapes are admitted apart (`MAX_SCRAPES_IN_FLIGHT`, other paths with them): a f
 /metrics never takes the places of /livez and /readyz. The accept backlog is `BACKLOG`,
 not a cap, so that a flood's connections do not leave the kubelet's probe waiting for a
 SYN retry. What a client may make the server hold is bounded: open connections
-(`MAX_CONNECTIONS`, the file descriptors the kubelet's gRPC needs too), a request's head
-(`MAX_HEAD_BYTES`, else 431), its body (`MAX_BODY_BYTES`, else 413), and the time it may take
-to send a whole request, idle keep-alive included (`KEEPALIVE_SECONDS`); a malformed request
-gets 400 and its connection closed, never a traceback in the log.
+(`MAX_CONNECTIONS`, the file descriptors the kubelet's gRPC needs too; a connection past
+them is still served, and the one that has waited longest for its next request is closed
+to make room, so that idle connections, however many, never keep the kubelet's probe out),
+a request's head (`MAX_HEAD_BYTES`, else 431), its body (`MAX_BODY_BYTES`, else 413), and
+the time it may take to send a whole request, idle keep-alive included
+(`KEEPALIVE_SECONDS`); a malformed request gets 400 and its connection closed, never a
+traceback in the log.
 
 The HTTP/1.1 parsing and framing are h11's (sans-IO: it owns the protocol, this module only
 moves bytes between it and asyncio's streams), not our own parser and not aiohttp (about
@@ -64,7 +67,7 @@ MAX_IN_FLIGHT: Final = 16  # probes being answered at once; more get 503 at once
 MAX_SCRAPES_IN_FLIGHT: Final = 4  # /metrics (and any other path) answered at once, apart from probes
 METRICS_INTERVAL_SECONDS: Final = 1.0  # /metrics is rendered at most this often
 BACKLOG: Final = 128
-MAX_CONNECTIONS: Final = 512  # open at once; one more is closed unanswered (each holds a descriptor)
+MAX_CONNECTIONS: Final = 512  # open at once (each holds a descriptor); one more closes the longest idle
 KEEPALIVE_SECONDS: Final = 5.0  # idle keep-alive, and the most a client may take to send a request
 MAX_HEAD_BYTES: Final = 8192  # a request's line and headers together (aiohttp allowed 4 KiB a line)
 MAX_BODY_BYTES: Final = 1024  # a request's body (none is needed): more gets 413 and the connection closed
@@ -174,6 +177,8 @@ class ProbeServer:
     max_connections: int = MAX_CONNECTIONS
     _server: asyncio.Server | None = None
     _connections: set[asyncio.Task[Any]] = field(default_factory=set)  # their handlers, to end on stop
+    # those waiting for a request, longest waiting first (dicts keep their insertion order)
+    _waiting: dict[asyncio.Task[Any], asyncio.StreamWriter] = field(default_factory=dict)
     _owner: asyncio.AbstractEventLoop | None = None  # the daemon's loop: the checks run there
     _loop: asyncio.AbstractEventLoop | None = None  # the HTTP thread's loop
     _thread: threading.Thread | None = None
@@ -304,10 +309,10 @@ class ProbeServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One client's connection: its requests one after the other, for as long as h11 says
         that both sides keep it alive, and it sends each whole request within `keepalive` s."""
-        if len(self._connections) >= self.max_connections:
-            writer.transport.abort()
-            return
         task = asyncio.current_task()
+        if len(self._connections) >= self.max_connections and not self._close_longest_waiting():
+            writer.transport.abort()  # every place is taken by a request being answered
+            return
         if task is not None:
             self._connections.add(task)
         http = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -318,8 +323,14 @@ class ProbeServer:
                     # One deadline for the wait and the whole request, so that a client that
                     # sends nothing, or trickles its head a byte at a time, holds nothing for
                     # longer than KEEPALIVE_SECONDS (aiohttp's idle keep-alive, which it was).
-                    async with asyncio.timeout(self.keepalive):
-                        request = await self._receive(http, reader)
+                    if task is not None:
+                        self._waiting[task] = writer
+                    try:
+                        async with asyncio.timeout(self.keepalive):
+                            request = await self._receive(http, reader)
+                    finally:
+                        if task is not None:
+                            self._waiting.pop(task, None)
                 except h11.RemoteProtocolError as e:  # malformed, or a head over MAX_HEAD_BYTES
                     if http.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                         status = e.error_status_hint
@@ -349,6 +360,17 @@ class ProbeServer:
                 writer.transport.abort()
             if task is not None:
                 self._connections.discard(task)
+
+    def _close_longest_waiting(self) -> bool:
+        """Make room for a new connection: abort the one that has waited longest for a request
+        (its handler ends on its own); False when none waits."""
+        if not self._waiting:
+            return False
+        task = next(iter(self._waiting))
+        writer = self._waiting.pop(task)
+        self._connections.discard(task)
+        writer.transport.abort()
+        return True
 
     @staticmethod
     async def _receive(http: h11.Connection, reader: asyncio.StreamReader) -> h11.Request | int | None:

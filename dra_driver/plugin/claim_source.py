@@ -2,10 +2,17 @@
 
 The kubelet gives each NodePrepareResources call 45 s. Every claim of a call is read
 with at most `concurrency` GETs in flight (a call may name thousands of claims; each read
-holds its answer in memory until used), and all of them share one deadline: a hung API
-server gives each waiting claim a clear error ("timed out after N s reading
-ResourceClaim ns/name from the API server") well before the kubelet gives up, never an
-empty one. The answers are plain JSON, checked by `dra_driver.plugin.claims`.
+holds its answer in memory until used), fewer than the daemon's connections to the API
+server, so that one call's reads never hold every connection that other calls' reads, the
+claim status writer and the slice publisher wait for. All of a call's reads share one
+deadline: a hung API server gives each waiting claim a clear error ("timed out after N s
+reading ResourceClaim ns/name from the API server") well before the kubelet gives up,
+never an empty one. Once `max_missing` claims of one call were found not to exist, the
+claims of that call not yet read are answered without a GET ("not read: ... of this call
+do not exist"; the kubelet asks again): a call naming a thousand claims that do not exist
+costs a few dozen GETs, not a thousand, and each later call its own few. Such an answer is
+a ClaimRejected, never a ClaimGone, so nobody concludes from it that a claim is gone. The
+answers are plain JSON, checked by `dra_driver.plugin.claims`.
 
 `allocated_here` lists the claims allocated to this node's pool, for re-adopting the CDI
 specs of running pods after the checkpoint was lost. This module never touches node
@@ -27,7 +34,8 @@ log = structlog.get_logger(__name__)
 
 CLAIMS_API = "/apis/resource.k8s.io/v1"
 DEFAULT_TIMEOUT_SECONDS = 30.0  # the kubelet's own call timeout is 45 s
-DEFAULT_CONCURRENCY = 16
+DEFAULT_CONCURRENCY = 4  # per call; the daemon has 8 connections to the API server (node/daemon.py)
+DEFAULT_MAX_MISSING = 16  # claims found not to exist before the rest of the call is left unread
 
 
 def _describe(e: BaseException) -> str:
@@ -45,17 +53,26 @@ class ClaimReader:
         api: ApiClient,
         timeout: float = DEFAULT_TIMEOUT_SECONDS,
         concurrency: int = DEFAULT_CONCURRENCY,
+        max_missing: int = DEFAULT_MAX_MISSING,
     ) -> None:
         self._api = api
         self.timeout = timeout
         self._concurrency = concurrency
+        self._max_missing = max_missing
 
     async def read(self, refs: Sequence[ClaimRef]) -> dict[str, kube.JSON | ClaimRejected]:
         """Each claim by UID, or the reason it could not be read; all within `timeout`."""
         gate = asyncio.Semaphore(self._concurrency)
+        missing: list[ClaimRef] = []
 
-        async def one(ref: ClaimRef) -> kube.JSON:
+        async def one(ref: ClaimRef) -> kube.JSON | ClaimRejected:
             async with gate:
+                if len(missing) >= self._max_missing:
+                    return ClaimRejected(
+                        f"not read: {len(missing)} claims of this call do not exist (e.g. "
+                        f"{missing[0].namespace}/{missing[0].name}), so its other claims were not read "
+                        f"from the API server; the kubelet will retry"
+                    )
                 path = f"{CLAIMS_API}/namespaces/{ref.namespace}/resourceclaims/{ref.name}"
                 return await kube.request(self._api, "GET", path, timeout=self.timeout)
 
@@ -72,6 +89,7 @@ class ClaimReader:
             except kube.TRANSIENT_ERRORS as e:
                 metrics.api_error("claims", e)
                 if isinstance(e, kube.ApiException) and e.status == 404:
+                    missing.append(ref)
                     return ClaimGone(f"claim {ref.namespace}/{ref.name} does not exist (any more)")
                 where = f"ResourceClaim {ref.namespace}/{ref.name}"
                 return ClaimRejected(f"reading {where} from the API server failed: {_describe(e)}")

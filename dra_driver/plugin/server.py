@@ -9,13 +9,23 @@ a rolling update a newer instance may have bound its own socket at that path mea
 Calls already on their way are then served for the grace period; grpcio's graceful
 shutdown (GOAWAY, then the final GOAWAY) refuses only new ones.
 
-Bounded: the server takes requests of at most MAX_RECEIVE_BYTES, at most
-MAX_CONCURRENT_STREAMS calls at once per connection (a client with more waits for a free
-stream), and a call that carries no deadline gets DEFAULT_DEADLINE_SECONDS: a request body
-that never completes is ended with DEADLINE_EXCEEDED and its buffered bytes released,
-instead of being held for as long as the connection lives (a call with a deadline, as
-the kubelet's are, is ended by grpcio at its own). To be able to do that before the
-request has arrived, every unary request is read through grpcio's streaming-request path
+Bounded, per connection and in total, so that what clients send can neither grow the
+daemon past its memory limit nor take the descriptors a Prepare needs: requests of at most
+MAX_RECEIVE_BYTES; at most MAX_CONCURRENT_STREAMS calls at once per connection (a client
+with more waits for a free stream); at most MAX_CONCURRENT_RPCS calls at once across all
+connections (one more is answered RESOURCE_EXHAUSTED at once, before its body is read, and
+the kubelet retries), so request bodies in flight never pass MAX_CONCURRENT_RPCS x
+MAX_RECEIVE_BYTES; at most MAX_CONNECTIONS connections (grpcio closes one more: the
+kubelet's connection keeps its place, and a new one past MAX_CONNECTIONS others is dialled
+again by the kubelet's client until one of them goes); a connection with no call for
+IDLE_CONNECTION_SECONDS is closed (the kubelet's client dials again when it next calls; the
+health stream keeps its connection busy). A request must arrive whole within
+REQUEST_ARRIVAL_SECONDS whatever deadline the call carries (the kubelet's is a few KiB on a
+local socket): a body that never completes is ended with DEADLINE_EXCEEDED and its
+buffered bytes released, instead of being held for as long as the call's deadline or the
+connection lives; and a call that carries no deadline gets DEFAULT_DEADLINE_SECONDS in all
+(a call with a deadline, as the kubelet's are, is ended by grpcio at its own). To bound the
+request's arrival, every unary request is read through grpcio's streaming-request path
 (the wire is the same) by a wrapper made once at registration, and decoded there: a
 request that is not the method's protobuf message is refused with INVALID_ARGUMENT and
 counted, one log line per UNDECODABLE_LOG_SECONDS with the count (no traceback per request).
@@ -49,8 +59,14 @@ Register = Callable[[grpc.aio.Server], None]
 _serial = itertools.count()
 
 # A Prepare naming service.MAX_CLAIMS claims with the longest names is under 400 KiB.
-MAX_RECEIVE_BYTES: Final = 1 * 2**20
-MAX_CONCURRENT_STREAMS: Final = 32  # per connection; the kubelet's extra calls wait for a stream
+MAX_RECEIVE_BYTES: Final = 512 * 2**10
+MAX_CONCURRENT_STREAMS: Final = 16  # per connection; the kubelet's extra calls wait for a stream
+MAX_CONCURRENT_RPCS: Final = 64  # per server, health streams included: 32 MiB of request bodies at most
+# per server (the kubelet holds one or two): both servers' and the metrics port's connections
+# together leave a Prepare its descriptors even under a hard limit of 1024
+MAX_CONNECTIONS: Final = 128
+IDLE_CONNECTION_SECONDS: Final = 60.0
+REQUEST_ARRIVAL_SECONDS: Final = 5.0
 DEFAULT_DEADLINE_SECONDS: Final = 60.0  # the kubelet's own calls carry 45 s
 UNDECODABLE_LOG_SECONDS: Final = 60.0
 
@@ -91,9 +107,12 @@ class _Undecodable:
 class _Bounded:
     """Stands in for the grpc.aio server while services register, to wrap their handlers."""
 
-    def __init__(self, server: grpc.aio.Server, deadline: float, undecodable: _Undecodable) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, deadline: float, arrival: float, undecodable: _Undecodable
+    ) -> None:
         self._server = server
         self._deadline = deadline
+        self._arrival = arrival
         self._undecodable = undecodable
 
     def add_generic_rpc_handlers(self, handlers: Sequence[Any]) -> None:
@@ -107,10 +126,15 @@ class _Bounded:
         if handler.request_streaming:
             return handler
         decode = handler.request_deserializer
-        deadline, undecodable = self._deadline, self._undecodable
+        deadline, arrival, undecodable = self._deadline, self._arrival, self._undecodable
 
         async def request(context: grpc.aio.ServicerContext) -> Any:
-            raw = await context.read()
+            try:
+                async with asyncio.timeout(arrival):
+                    raw = await context.read()
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"{method}: the request did not arrive whole within {arrival:g} s")
             if raw is grpc.aio.EOF:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: no request message")
             try:
@@ -163,15 +187,21 @@ class SocketServer:
     """One grpc.aio server on one unix socket."""
 
     def __init__(
-        self, name: str, register: Register, default_deadline: float = DEFAULT_DEADLINE_SECONDS
+        self,
+        name: str,
+        register: Register,
+        default_deadline: float = DEFAULT_DEADLINE_SECONDS,
+        arrival: float = REQUEST_ARRIVAL_SECONDS,
     ) -> None:
         self.name = name
-        self._server = grpc.aio.server(options=[
+        self._server = grpc.aio.server(maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS, options=[
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+            ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
+            ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_SECONDS * 1000)),
         ])
         self.undecodable = _Undecodable()
-        register(_Bounded(self._server, default_deadline, self.undecodable))
+        register(_Bounded(self._server, default_deadline, arrival, self.undecodable))
         self._bound: tuple[Path, int, int] | None = None  # path, st_dev, st_ino
 
     async def start(self, socket: Path) -> None:

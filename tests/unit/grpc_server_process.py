@@ -4,7 +4,9 @@
 
 Serves the real DRA and health services (dra_driver.plugin.service) from the real
 SocketServer on SOCKET, with a fake preparer: a claim named `slow` takes SLOW_SECONDS,
-one named `bad` is refused, any other is prepared with no devices. Prints `ready PID`
+one named `bad` is refused, any other is prepared with no devices. Like the real one, each
+Prepare opens a file (the real one opens its lock, checkpoint and CDI spec): a Prepare that
+finds no descriptor left fails its claims with the error. Prints `ready PID`
 once the socket serves and stops (grace 1 s) on SIGTERM or SIGINT. Like the daemon at
 start, it first raises its soft open-files limit to the hard one. A process of its own
 so that a test can measure the server's memory alone (/proc/PID/status) and so that a
@@ -17,6 +19,7 @@ import asyncio
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -33,6 +36,11 @@ class FakePreparer:
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:
         if any(r.name == "slow" for r in refs):
             await asyncio.sleep(SLOW_SECONDS)
+        try:
+            with tempfile.TemporaryFile():
+                pass
+        except OSError as e:
+            return {r.uid: ClaimResult(error=f"preparing failed: {e}") for r in refs}
         return {r.uid: ClaimResult(error="refused" if r.name == "bad" else None) for r in refs}
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, ClaimResult]:

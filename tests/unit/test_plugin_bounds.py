@@ -1,10 +1,16 @@
 """The plugin's gRPC server stays bounded against clients that hold, flood or overfill it.
 
-- 64 request bodies of 4 MiB (and 64 of 900 KiB, under the size cap) that never complete
+- 64 request bodies of 4 MiB (and 64 of 500 KiB, under the size cap) that never complete
   and carry no deadline are ended by the server, and the memory they took is given back
   while their connections stay open;
+- 24 connections x 16 calls whose request bodies of 500 KiB never complete, with a deadline
+  of 100 s (the outside run: 12 x 32 x 1 MiB took the server from 55 to 295 MiB): at most
+  MAX_CONCURRENT_RPCS of them are read at once, every one is ended within the request's
+  arrival bound, the server's RSS stays bounded and the kubelet's connection is served;
 - with RLIMIT_NOFILE's soft limit at 64 (the hard one higher, as in a container), 200 idle
-  connections do not stop Prepares: the server raises its soft limit at start;
+  connections do not stop Prepares: the server raises its soft limit at start; and with
+  both limits at 256, 400 idle connections leave a Prepare its descriptors (the outside
+  run: EMFILE), since connections past MAX_CONNECTIONS are closed;
 - a call naming 100,000 claims is refused at once with one log line, and the event loop
   that serves the kubelet is never blocked for more than 100 ms meanwhile;
 - requests that are not protobuf messages are logged once per interval with a count,
@@ -17,6 +23,7 @@ a task that measures how late the event loop runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
@@ -27,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,7 @@ import pytest
 import structlog
 
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
+from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.plugin import server as server_module
 from dra_driver.plugin.server import SocketServer
 from dra_driver.plugin.service import MAX_CLAIMS, add_dra_services
@@ -165,7 +174,7 @@ def _hold_incomplete_bodies(socket: Path, pid: int, announced: int, connections:
     return peak, ended, [s for s, _ in conns]
 
 
-@pytest.mark.parametrize("announced", [4 * MiB, 900 * 1024], ids=["4MiB", "900KiB"])
+@pytest.mark.parametrize("announced", [4 * MiB, 500 * 1024], ids=["4MiB", "500KiB"])
 def test_request_bodies_without_a_deadline_are_ended_and_their_memory_given_back(
     start_server: Callable[..., tuple[Path, int]], announced: int
 ) -> None:
@@ -189,6 +198,121 @@ def test_request_bodies_without_a_deadline_are_ended_and_their_memory_given_back
             sock.close()
 
 
+def _prepare_on(channel: grpc.Channel) -> str:
+    """A normal Prepare on an open channel (the kubelet's connection): '' or what failed."""
+    try:
+        answer = dra_v1_grpc.DRAPluginStub(channel).NodePrepareResources(_claims("ok", "bad"), timeout=10)
+    except grpc.RpcError as e:
+        return f"{e.code()} {e.details()}"
+    if answer.claims["uid-0"].error or answer.claims["uid-1"].error != "refused":
+        return f"claims answered {answer.claims['uid-0'].error!r}, {answer.claims['uid-1'].error!r}"
+    return ""
+
+
+@dataclass
+class _Held:
+    """One connection's calls: those not ended yet, and how the others ended."""
+
+    sock: socketlib.socket
+    h2conn: h2.connection.H2Connection
+    pending: set[int]
+    ended: dict[str, int] = field(default_factory=dict)
+
+    def take(self, data: bytes) -> None:
+        for event in self.h2conn.receive_data(data):
+            sid = getattr(event, "stream_id", None)
+            if sid not in self.pending:
+                continue
+            if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                status = dict(event.headers).get("grpc-status")  # type: ignore[call-overload]
+                how = f"grpc-status {status}" if status is not None else None
+            else:
+                how = "reset" if isinstance(event, h2.events.StreamReset) else None
+            if how is not None:
+                self.ended[how] = self.ended.get(how, 0) + 1
+                self.pending.discard(sid)
+
+
+def _fill(socket: Path, streams: int, body: int, timeout: str) -> _Held | None:
+    """One connection with `streams` Prepare calls carrying grpc-timeout `timeout`, each sent
+    all but the last byte of a `body`-byte message as the server's flow control lets; None
+    when the server closed the connection."""
+    sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    sock.connect(str(socket))
+    sock.settimeout(2)
+    h2conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    h2conn.initiate_connection()
+    held = _Held(sock, h2conn, {1 + 2 * i for i in range(streams)})
+    for sid in sorted(held.pending):
+        h2conn.send_headers(sid, _request_headers(PREPARE, timeout))
+        h2conn.send_data(sid, b"\x00" + body.to_bytes(4, "big"))
+    left = dict.fromkeys(held.pending, body - 1)
+    try:
+        sock.sendall(h2conn.data_to_send())
+        while any(left[sid] for sid in held.pending):
+            for sid in held.pending:
+                size = min(left[sid], h2conn.local_flow_control_window(sid), h2conn.max_outbound_frame_size)
+                if size > 0:
+                    h2conn.send_data(sid, b"\x0a" * size)
+                    left[sid] -= size
+            sock.sendall(h2conn.data_to_send())
+            data = sock.recv(1 << 20)
+            if not data:
+                raise ConnectionResetError
+            held.take(data)
+            sock.sendall(h2conn.data_to_send())
+    except TimeoutError:
+        pass  # the server reads no more of these streams: they are held
+    except (ConnectionError, h2.exceptions.ProtocolError):
+        sock.close()
+        return None
+    return held
+
+
+def test_incomplete_bodies_across_24_connections_are_bounded_and_ended_whatever_their_deadline(
+    start_server: Callable[..., tuple[Path, int]]
+) -> None:
+    socket, pid = start_server(60.0)
+    with grpc.insecure_channel(f"unix://{socket}") as kubelet:
+        assert _prepare_on(kubelet) == ""
+        before = _rss_kib(pid)
+        started = time.monotonic()
+        held = [h for h in (_fill(socket, 16, 500 * 1024, "100S") for _ in range(24)) if h is not None]
+        peak = _rss_kib(pid)
+        during = _prepare_on(kubelet)
+        try:
+            # every held call is ended by the server within the arrival bound (5 s), not at 100 s
+            deadline = started + server_module.REQUEST_ARRIVAL_SECONDS + 10
+            for h in held:
+                while h.pending and time.monotonic() < deadline:
+                    h.sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                    try:
+                        data = h.sock.recv(1 << 20)
+                    except TimeoutError:
+                        break
+                    if not data:
+                        break
+                    h.take(data)
+                    peak = max(peak, _rss_kib(pid))
+            after_end = _prepare_on(kubelet)
+        finally:
+            for h in held:
+                h.sock.close()
+    took = time.monotonic() - started
+    grown = (peak - before) / 1024
+    ended: dict[str, int] = {}
+    for h in held:
+        for how, n in h.ended.items():
+            ended[how] = ended.get(how, 0) + n
+    still = sum(len(h.pending) for h in held)
+    assert len(held) <= server_module.MAX_CONNECTIONS
+    assert not still, f"{still} of {16 * len(held)} calls (100 s deadline) not ended in {took:.0f} s: {ended}"
+    bound = server_module.MAX_CONCURRENT_RPCS * server_module.MAX_RECEIVE_BYTES / MiB
+    assert grown < bound + 48, f"RSS {before} -> {peak} KiB: {grown:.0f} MiB, {len(held)} x 16 calls; {ended}"
+    assert after_end == "", f"a Prepare on the kubelet's connection after the flood: {after_end}"
+    assert during in ("", "StatusCode.RESOURCE_EXHAUSTED Concurrent RPC limit exceeded!"), during
+
+
 # -- RLIMIT_NOFILE ----------------------------------------------------------------------------
 
 
@@ -204,26 +328,45 @@ def test_200_idle_connections_with_a_soft_limit_of_64_leave_prepares_working(
     if hard != resource.RLIM_INFINITY and hard < 512:
         pytest.skip(f"the hard open-files limit here is {hard}: too low to hold 200 connections anyway")
     socket, pid = start_server(60.0, preexec=_soft_limit_64)
+    failures = _prepares_past_idle_connections(socket, 200)
+    assert not failures, f"{len(failures)} of 30 Prepares failed (200 idle connections): {failures[:3]}"
+    (line,) = [x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if "open files" in x]
+    soft, hard_seen = line.split()[3:5]
+    assert soft == hard_seen, line
+
+
+def _prepares_past_idle_connections(socket: Path, connections: int) -> list[str]:
+    """30 Prepares on the kubelet's connection, opened first, after `connections` idle ones:
+    what failed. A Prepare of the fake preparer opens a file, as the real one does."""
     idle = []
-    try:
-        for _ in range(200):
-            sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
-            sock.connect(str(socket))
-            sock.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # preface, empty SETTINGS
-            idle.append(sock)
-        failures = []
-        for i in range(30):
-            try:
-                _prepare_succeeds(socket)
-            except grpc.RpcError as e:
-                failures.append(f"{i}: {e.code()} {e.details()}")
-        assert not failures, f"{len(failures)} of 30 Prepares failed (200 idle connections): {failures[:3]}"
-        (line,) = [x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if "open files" in x]
-        soft, hard_seen = line.split()[3:5]
-        assert soft == hard_seen, line
-    finally:
-        for sock in idle:
-            sock.close()
+    with grpc.insecure_channel(f"unix://{socket}") as kubelet:
+        assert _prepare_on(kubelet) == ""
+        try:
+            for _ in range(connections):
+                sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+                sock.connect(str(socket))
+                with contextlib.suppress(OSError):  # a connection past the cap is closed
+                    sock.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # empty SETTINGS
+                idle.append(sock)
+            time.sleep(0.5)  # for the server to take them all
+            return [f"{i}: {failed}" for i in range(30) if (failed := _prepare_on(kubelet))]
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+def _both_limits_256() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+def test_400_idle_connections_at_a_hard_limit_of_256_leave_a_prepare_its_descriptors(
+    start_server: Callable[..., tuple[Path, int]]
+) -> None:
+    socket, pid = start_server(60.0, preexec=_both_limits_256)
+    failures = _prepares_past_idle_connections(socket, 400)
+    assert not failures, f"{len(failures)} of 30 Prepares failed (400 idle connections): {failures[:3]}"
+    descriptors = len(os.listdir(f"/proc/{pid}/fd"))
+    assert descriptors < 256 - 32, f"the server holds {descriptors} descriptors of 256"
 
 
 # -- in this process: 100,000 claims; undecodable requests -----------------------------------
