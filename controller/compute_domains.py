@@ -18,20 +18,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
+from dra_driver.imex.channels import config_driver
+from dra_driver.imex.domain import NOT_READY, READY, domain_status, not_ready_nodes
 from dra_driver.jsontypes import JSON
 
 VERSION: Final = "v1beta1"
 KIND: Final = "ComputeDomain"
 CHANNEL_REQUEST: Final = "channel"
 CHANNEL_CONFIG_KIND: Final = "ComputeDomainChannelConfig"
-READY: Final = "Ready"
-NOT_READY: Final = "NotReady"
 SINGLE: Final = "Single"
 
 
 def channel_driver(driver: str) -> str:
-    """The DRA driver of IMEX channel devices (NVIDIA: compute-domain.nvidia.com)."""
-    return f"compute-domain.{driver}"
+    """The `opaque.driver` of the channel's config (NVIDIA: compute-domain.nvidia.com); the
+    channel devices themselves are this driver's (`dra_driver.imex.channels`)."""
+    return config_driver(driver)
 
 
 def channel_class(driver: str) -> str:
@@ -115,21 +116,6 @@ def owned_by(obj: Mapping[str, Any], domain: Mapping[str, Any]) -> bool:
     uid = domain["metadata"]["uid"]
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
-
-
-def domain_status(domain: Mapping[str, Any]) -> str:
-    """Ready once at least numNodes nodes joined and each of them is ready; else NotReady."""
-    nodes = (domain.get("status") or {}).get("nodes") or []
-    wanted = int(_spec(domain).get("numNodes") or 0)
-    if len(nodes) < wanted or any(n.get("status") != READY for n in nodes):
-        return NOT_READY
-    return READY
-
-
-def not_ready_nodes(domain: Mapping[str, Any]) -> list[str]:
-    """The nodes of the domain that are not ready, by name: what a NotReady domain waits for."""
-    nodes = (domain.get("status") or {}).get("nodes") or []
-    return sorted(str(n.get("name")) for n in nodes if n.get("status") != READY)
 
 
 __all__ = [

@@ -71,6 +71,7 @@ async def slice_controller(
     legacy_attributes: bool = False,
     taints: bool = True,
     topology_detail_attributes: bool = False,
+    compute_domains: bool = False,
 ) -> SliceController:
     """`taints`: health taints will be published (the plugin's health monitor runs)."""
     server = await probe_server(api, driver)
@@ -82,6 +83,7 @@ async def slice_controller(
         legacy_attributes=legacy_attributes,
         topology_detail_attributes=topology_detail_attributes,
         taints=taints,
+        compute_domains=compute_domains,
     )
     features, off = decide(asked, server)
     single = next(iter(inventories)) if len(inventories) == 1 else None

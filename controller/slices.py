@@ -27,6 +27,7 @@ from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
 from dra_driver.health.effects import DeviceTaint
+from dra_driver.imex.channels import channel_device_json, node_clique
 from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label, is_dns_subdomain
 
@@ -59,6 +60,8 @@ class SliceFeatures:
     counters_with_devices: bool = False
     # DRADeviceTaints: health taints on devices (off: the server would drop them)
     taints: bool = True
+    # --compute-domains: the node's IMEX channel, where its GPUs are in one fabric clique
+    compute_domains: bool = False
 
 
 def _device_order(device: NodeDevice) -> tuple[int, int]:
@@ -136,6 +139,9 @@ def desired_slices(
         entries = [{**e, "taints": [taint_json(t) for t in taints[e["name"]]]} if taints.get(e["name"]) else e
                    for e in entries]
         restricted = True
+    clique = node_clique(inventory) if features.compute_domains else None
+    if clique is not None:
+        entries.append(channel_device_json(clique))
     per_slice = MAX_DEVICES_PER_SLICE_RESTRICTED if restricted else MAX_DEVICES_PER_SLICE
     chunks = [entries[i : i + per_slice] for i in range(0, len(entries), per_slice)] or [[]]
     # One slice per MIG-mode GPU: its devices all consume its counter set

@@ -169,6 +169,20 @@ def build_claim_spec(
     )
 
 
+def build_channel_spec(
+    vendor: str, claim_uid: str, device_name: str, nodes: Sequence[DeviceNodeInfo]
+) -> CdiSpec:
+    """The transient spec of an IMEX channel claim: the channel device nodes alone (no GPU, no
+    driver files), one CDI device `<claimUID>-<channel device>`."""
+    return CdiSpec(
+        kind=kind_for(vendor),
+        devices=(Device(name=claim_device_name(claim_uid, device_name),
+                        container_edits=ContainerEdits(device_nodes=tuple(_cdi_node(n) for n in nodes))),),
+        container_edits=ContainerEdits(),
+        claim_uid=claim_uid,
+    )
+
+
 def _union(edits: Iterable[ContainerEdits]) -> ContainerEdits:
     out = ContainerEdits()
     for e in edits:

@@ -74,6 +74,35 @@ log = structlog.get_logger(__name__)
     "whose mode cannot be set refuses the claim. Off: compute modes are never changed.",
 )
 @click.option(
+    "--compute-domains/--no-compute-domains",
+    default=False,
+    show_default=True,
+    help="Publish this node's IMEX channel (where its GPUs are in one multi-node NVLink clique) and run the "
+    "IMEX daemons of the ComputeDomains whose pods it prepares (docs/compute-domains.md).",
+)
+@click.option(
+    "--imex-root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where each ComputeDomain's IMEX daemon keeps its config and log, mounted from the host at the same "
+    "path; default /run/<driver-name>/imex.",
+)
+@click.option(
+    "--compute-domain-wait",
+    type=click.FloatRange(min=0.0, max=30.0),
+    default=10.0,
+    show_default=True,
+    help="Seconds a channel Prepare waits inside the call for its ComputeDomain to be ready before it "
+    "answers what it waits for (the kubelet calls again; it waits 45 s for an answer).",
+)
+@click.option(
+    "--node-ip",
+    envvar="NODE_IP",
+    default=None,
+    help="The address this node's IMEX daemons bind to and give their peers (downward API status.hostIP); "
+    "default: the Node's InternalIP.",
+)
+@click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,

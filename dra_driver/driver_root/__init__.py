@@ -27,9 +27,11 @@ from functools import cached_property
 import structlog
 
 from dra_driver.driver_root.device_nodes import (
+    IMEX_CHANNELS_DEVICE,
     NVIDIA_MAJOR,
     NVIDIACTL_MINOR,
     SIMULATED_CAPS_MAJOR,
+    SIMULATED_IMEX_CHANNELS_MAJOR,
     SIMULATED_UVM_MAJOR,
     DeviceNodeInfo,
     StatFn,
@@ -68,6 +70,8 @@ class DriverFiles:
     # (gpu minor, gi, ci or None for the gi access cap) -> nvidia-caps minor
     mig_minors: tuple[tuple[tuple[int, int, int | None], int], ...] = ()
     simulated: bool = False
+    # nvidia-caps-imex-channels from /proc/devices (IMEX channels); None where the driver has none
+    imex_channels_major: int | None = None
 
     def gpu_node(self, minor: int) -> DeviceNodeInfo:
         """The node of GPU `minor`; synthesized (major 195 is fixed) if it was not created yet."""
@@ -138,6 +142,7 @@ def discover_driver_files(
         caps_major=majors.get("nvidia-caps", SIMULATED_CAPS_MAJOR),
         host_dev_root=host_dev_root,
         mig_minors=parse_mig_minors(_read_text(os.path.join(proc_root, "driver/nvidia-caps/mig-minors"))),
+        imex_channels_major=majors.get(IMEX_CHANNELS_DEVICE),
     )
     _log_summary(files)
     return files
@@ -187,6 +192,7 @@ def simulated_driver_files(
         caps_major=majors.get("nvidia-caps", SIMULATED_CAPS_MAJOR),
         host_dev_root=host_dev_root,
         simulated=True,
+        imex_channels_major=majors.get(IMEX_CHANNELS_DEVICE, SIMULATED_IMEX_CHANNELS_MAJOR),
     )
     _log_summary(files)
     return files

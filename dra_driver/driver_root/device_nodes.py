@@ -33,6 +33,10 @@ NVIDIACTL_MINOR: Final = 255
 # /proc/devices does not name the driver.
 SIMULATED_UVM_MAJOR: Final = 238
 SIMULATED_CAPS_MAJOR: Final = 241
+# IMEX channels (/dev/nvidia-caps-imex-channels/channelN) get a dynamic major too; this one
+# stands in on simulated GPUs, where runc makes the node from its numbers.
+IMEX_CHANNELS_DEVICE: Final = "nvidia-caps-imex-channels"
+SIMULATED_IMEX_CHANNELS_MAJOR: Final = 234
 
 CONTROL_NODE_NAMES: Final = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 

@@ -92,6 +92,18 @@ class DriverBinary:
     name: str
 
 
+def find_tool(driver_root: str | os.PathLike[str], name: str) -> str | None:
+    """The executable `name` in the driver root's binary dirs, as this process sees it."""
+    root = os.fspath(driver_root)
+    for d in BINARY_DIRS:
+        real = resolve_in_root(root, f"{d}/{name}")
+        if real is not None:
+            path = os.path.join(root, real.lstrip("/"))
+            if os.path.isfile(path) and os.access(path, os.X_OK):
+                return path
+    return None
+
+
 def is_elf_for(path: str, machine: str | None = None) -> bool:
     """True if `path` is a 64-bit little-endian ELF file for this (or the given) machine."""
     want = _ELF_MACHINE.get(machine or platform.machine())

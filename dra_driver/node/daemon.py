@@ -32,10 +32,13 @@ from dra_driver.gpu import discover
 from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.model import Inventory
 from dra_driver.health.node import NodeHealth
+from dra_driver.imex.channels import node_clique
+from dra_driver.imex.daemons import ImexDaemons
 from dra_driver.kube import ApiClient
 from dra_driver.node.nvml import compute_modes, mig_api
 from dra_driver.node.options import NodeOptions
 from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.channel_gate import ChannelGate
 from dra_driver.plugin.claim_source import ClaimReader
 from dra_driver.plugin.claim_status import ClaimStatus, nvlink_peers
 from dra_driver.plugin.claims import ClaimRef
@@ -209,6 +212,10 @@ async def build(opts: NodeOptions) -> PluginNode:
         host_cgroup=opts.mps_host_cgroup,
         compute=compute_modes(opts) if opts.mps_exclusive_compute_mode else None,
     )
+    imex = ImexDaemons(
+        opts.imex_root or Path("/run") / opts.driver_name / "imex", opts.driver_root or Path("/"),
+        host_cgroup=opts.mps_host_cgroup,
+    ) if opts.compute_domains else None
     preparer = NodePreparer(
         driver=opts.driver_name,
         pool=opts.node_name,
@@ -220,7 +227,13 @@ async def build(opts: NodeOptions) -> PluginNode:
         sharing=Sharing(opts.driver_name, opts.node_name, mps),
         mig=MigInstances(mig_api(opts)) if opts.dynamic_mig else None,
         placements=placements,
+        imex=imex,
+        channel_major=driver_files.imex_channels_major,
     )
+    if imex is not None:
+        preparer.gate = ChannelGate(api, opts.driver_name, opts.node_name, node_clique(inventory), imex,
+                                    preparer.steps.lock_path, node_ip=opts.node_ip,
+                                    wait_seconds=opts.compute_domain_wait)
     # Another driver's state dir is refused first (its message names --state-dir, the usual
     # mistake), then another driver's MPS root, both before recovery touches anything.
     with contextlib.suppress(ckpt.CheckpointUnreadable):  # recovery quarantines it, keeping what pods use

@@ -33,6 +33,10 @@ class NodeOptions:
     mps_root: Path | None = None  # None: /run/<driver-name>/mps
     mps_host_cgroup: bool = False
     mps_exclusive_compute_mode: bool = False
+    compute_domains: bool = False  # IMEX channels and daemons (docs/compute-domains.md)
+    imex_root: Path | None = None  # None: /run/<driver-name>/imex
+    node_ip: str | None = None  # None: the Node's InternalIP
+    compute_domain_wait: float = 10.0  # seconds a channel Prepare waits inside the call
     state_dir: Path | None = None  # None: /run/<driver-name>/state (`state`)
     rolling_update_uid: str | None = None
     claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS

@@ -43,7 +43,7 @@ async def publish(
         api, opts.driver_name, {opts.node_name: inventory}, opts.list_attributes, memory_shares=opts.shares,
         shares_only=opts.memory_shares_only, dynamic_mig=opts.dynamic_mig,
         legacy_attributes=opts.legacy_attributes, topology_detail_attributes=opts.topology_detail_attributes,
-        taints=keeper is not None,
+        taints=keeper is not None, compute_domains=opts.compute_domains,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:

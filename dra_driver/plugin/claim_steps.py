@@ -21,13 +21,21 @@ from typing import Final
 
 import structlog
 
-from dra_driver.cdi.builders import build_claim_spec, common_edits
+from dra_driver.cdi.builders import build_channel_spec, build_claim_spec, common_edits
 from dra_driver.cdi.files import remove_claim_spec, write_spec
 from dra_driver.cdi.spec import ContainerEdits, claim_device_id
 from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DriverFiles
 from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.placements import Placement
+from dra_driver.imex.channels import (
+    ChannelConfigError,
+    ChannelRequest,
+    channel_nodes,
+    channel_request,
+    is_channel,
+)
+from dra_driver.imex.daemons import ImexDaemons, ImexError
 from dra_driver.jsontypes import JSON
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import (
@@ -36,11 +44,12 @@ from dra_driver.plugin.claims import (
     ClaimRejected,
     ForeignAllocation,
     allocated_devices,
+    allocation_results,
 )
 from dra_driver.plugin.mig_steps import MigSteps
 from dra_driver.plugin.own_allocation import GPU, MIG, MIG_SLICE, SHARE, foreign_device
 from dra_driver.plugin.prepared import MigRecord, PreparedDevice
-from dra_driver.sharing.policy import ConfigError, Sharing, SharingPlan
+from dra_driver.sharing.policy import ConfigError, Sharing, SharingError, SharingPlan
 from dra_driver.sharing.shares import is_share_view
 
 log = structlog.get_logger(__name__)
@@ -70,6 +79,7 @@ class ClaimPlan:
     mig: tuple[Placement, ...] = ()  # dynamic MIG instances to create, in allocation order
     # the claim as read, for sharing on dynamic MIG slices: planned again once the instances exist
     claim: JSON | None = field(default=None, compare=False)
+    channel: ChannelRequest | None = None  # an IMEX channel of a ComputeDomain (dra_driver.imex)
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,9 @@ class ClaimSteps:
     boot_id: str
     mig: MigInstances | None = None  # None: no dynamic MIG on this node
     placements: Mapping[str, Placement] = field(default_factory=dict)  # by device name
+    # --compute-domains: the node's IMEX daemons and its channels' char major (None: not served)
+    imex: ImexDaemons | None = None
+    channel_major: int | None = None
     # the mounts and device nodes every claim's spec shares, built once from the driver files
     common: ContainerEdits = field(init=False)
     mig_steps: MigSteps = field(init=False)  # the claims' dynamic MIG instances
@@ -102,7 +115,10 @@ class ClaimSteps:
 
     def plan(self, ref: ClaimRef, claim: JSON) -> ClaimPlan:
         """Raises ClaimRejected with what the user must fix."""
-        allocated = allocated_devices(ref, claim, self.driver, self.pool, self.devices)
+        results = allocation_results(ref, claim, self.driver, self.pool)
+        if any(is_channel(str(r.get("device", ""))) for r in results):
+            return self._channel_plan(ref, claim, results)
+        allocated = allocated_devices(ref, claim, self.driver, self.pool, self.devices, results)
         foreign = foreign_device(claim, self.driver, self.pool, self._kind)
         if foreign:
             raise ForeignAllocation(ref, foreign)
@@ -127,6 +143,31 @@ class ClaimSteps:
         prepared = tuple(self._prepared(ref, a) for a in allocated)
         return ClaimPlan(ref, prepared, hardware, sharing, mig, claim if mig and sharing else None)
 
+    def _channel_plan(self, ref: ClaimRef, claim: JSON, results: list[JSON]) -> ClaimPlan:
+        """An IMEX channel claim: the channel alone, as the domain's template asks for it."""
+        if self.imex is None or self.channel_major is None:
+            raise ClaimRejected(
+                f"claim {ref} was allocated an IMEX channel, but this plugin runs without --compute-domains "
+                "(Helm computeDomains.enabled) or without the channels' device major; turn it on or delete "
+                "the claim"
+            )
+        if len(results) != 1:
+            raise ClaimRejected(
+                f"claim {ref} asks for an IMEX channel and {len(results) - 1} other device(s) of this "
+                "driver: ask for the channel in a claim of its own (the ComputeDomain's template) and for "
+                "GPUs in another"
+            )
+        try:
+            request = channel_request(claim, self.driver)
+        except ChannelConfigError as e:
+            raise ClaimRejected(f"claim {ref}: {e}") from e
+        request_name, name = str(results[0].get("request", "")), str(results[0]["device"])
+        device = PreparedDevice(
+            request_names=(request_name.split("/", 1)[0],), pool=self.pool, device=name,
+            cdi_device_ids=(claim_device_id(self.driver, ref.uid, name),),
+        )
+        return ClaimPlan(ref, (device,), (), None, channel=request)
+
     def _kind(self, name: str) -> str | None:
         device = self.devices.get(name)
         if device is None:
@@ -147,10 +188,19 @@ class ClaimSteps:
             admin_access=a.admin_access,
         )
 
-    def write_spec(self, uid: str, devices: Sequence[NodeDevice], sharing: SharingPlan | None) -> None:
+    def write_spec(
+        self, uid: str, devices: Sequence[NodeDevice], sharing: SharingPlan | None,
+        channel: tuple[str, ChannelRequest] | None = None,
+    ) -> None:
         """The one place a claim's CDI spec is assembled: its devices (each dynamic MIG
         placement as the instance made for it), the driver's files, and what its sharing
-        adds; written atomically."""
+        adds; or, for an IMEX channel claim (`channel`: device name, request), the channel's
+        device nodes alone, as NVIDIA's driver gives them. Written atomically."""
+        if channel is not None:
+            assert self.channel_major is not None  # planned only with one
+            nodes = channel_nodes(channel[1], self.channel_major)
+            write_spec(self.cdi_dir, build_channel_spec(self.driver, uid, channel[0], nodes))
+            return
         extra = self.sharing.edits(sharing, devices)
         spec = build_claim_spec(
             self.driver, uid, list(devices), self.driver_files, extra_edits=extra, common=self.common
@@ -167,6 +217,17 @@ class ClaimSteps:
         self.mig_steps.destroy(ref, mig)
         # the service already says "unprepared" for the ordinary case
         (log.debug if why == "unprepare" else log.info)("claim state removed", reason=why, **ref.log_fields())
+
+    def release_channel(self, ref: ClaimRef) -> None:
+        """Forget the claim's IMEX channel, stopping its domain's daemon after the domain's last
+        claim here (only when the claim goes: a Prepare that is redone keeps the daemon).
+        SharingError if a daemon does not stop: the entry must stay."""
+        if self.imex is None:
+            return
+        try:
+            self.imex.release(ref.uid)
+        except ImexError as e:
+            raise SharingError(str(e)) from e
 
     def load(self) -> ckpt.Checkpoint:
         """The checkpoint of this boot (one of an earlier boot is discarded: its CDI specs

@@ -89,18 +89,11 @@ def base_request_name(request: str) -> str:
     return request.split("/", 1)[0]
 
 
-def allocated_devices(
-    ref: ClaimRef,
-    claim: dict[str, Any],
-    driver: str,
-    pool: str,
-    devices: dict[str, NodeDevice],
-) -> tuple[AllocatedDevice, ...]:
-    """The devices of `claim` that this driver must prepare in `pool` (this node).
+def allocation_results(ref: ClaimRef, claim: dict[str, Any], driver: str, pool: str) -> list[dict[str, Any]]:
+    """The allocation results of `claim` that this driver must prepare in `pool` (this node).
 
-    Raises ClaimRejected when the claim was replaced, is not allocated, was allocated
-    to another node, or names a device this node does not have; ForeignAllocation when
-    its allocation was made for another claim.
+    Raises ClaimRejected when the claim was replaced, is not allocated, or was allocated
+    to another node; ForeignAllocation when its allocation was made for another claim.
     """
     uid = claim.get("metadata", {}).get("uid")
     if uid != ref.uid:
@@ -117,13 +110,30 @@ def allocated_devices(
     results = [r for r in allocation.get("devices", {}).get("results", []) if r.get("driver") == driver]
     if not results:
         raise ClaimRejected(f"claim {ref} has no device of driver {driver} allocated")
-    prepared: list[AllocatedDevice] = []
     for result in results:
         if result.get("pool") != pool:
             raise ClaimRejected(
                 f"claim {ref} was allocated device {result.get('device')} in pool {result.get('pool')}, "
                 f"but this plugin serves pool {pool}: the claim belongs to another node"
             )
+    return results
+
+
+def allocated_devices(
+    ref: ClaimRef,
+    claim: dict[str, Any],
+    driver: str,
+    pool: str,
+    devices: dict[str, NodeDevice],
+    results: list[dict[str, Any]] | None = None,
+) -> tuple[AllocatedDevice, ...]:
+    """The devices of `claim` that this driver must prepare in `pool` (this node), resolved to
+    hardware (`results`: `allocation_results` where the caller has them already).
+
+    Raises as `allocation_results`, and ClaimRejected for a device this node does not have.
+    """
+    prepared: list[AllocatedDevice] = []
+    for result in allocation_results(ref, claim, driver, pool) if results is None else results:
         name = result.get("device", "")
         device = devices.get(name)
         if device is None:

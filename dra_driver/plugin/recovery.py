@@ -115,6 +115,8 @@ def _recover_locked(steps: ClaimSteps, adopt: bool, listed: list[JSON] | None) -
             log.warning("removing the CDI spec of a claim that is not prepared here", claim_uid=uid)
             remove_claim_spec(steps.cdi_dir, steps.driver, uid)
         _recover_sharing(steps, claims, keep)
+        if steps.imex is not None:  # daemons of domains with no claim here left
+            steps.imex.sweep(frozenset(claims) | keep)
         if changed:
             steps.save(claims)
         log.info("prepared-claim state recovered", claims=len(claims), kept_unknown=len(keep))
@@ -285,6 +287,11 @@ def _has_spec(steps: ClaimSteps, entry: ckpt.ClaimEntry) -> bool:
     if claim_spec_path(steps.cdi_dir, steps.driver, entry.uid).exists():
         return True
     ref = ClaimRef(entry.namespace, entry.name, entry.uid)
+    channel = steps.imex.request_of(entry.uid) if steps.imex is not None and entry.devices else None
+    if channel is not None and steps.channel_major is not None:
+        steps.write_spec(entry.uid, (), None, (entry.devices[0].device, channel))
+        log.warning("rewrote a missing CDI spec", **ref.log_fields())
+        return True
     missing = [d.device for d in entry.devices if d.device not in steps.devices]
     if missing:
         log.error(

@@ -70,7 +70,9 @@ from dra_driver.devices import NodeDevice
 from dra_driver.driver_root import DriverFiles
 from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.placements import Placement
+from dra_driver.imex.daemons import ImexDaemons
 from dra_driver.plugin import checkpoint as ckpt
+from dra_driver.plugin.channel_gate import ChannelGate
 from dra_driver.plugin.claim_steps import ClaimSteps
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.prepared import ClaimResult
@@ -100,12 +102,15 @@ class NodePreparer:
         boot_id: str | None = None,
         mig: MigInstances | None = None,
         placements: Mapping[str, Placement] | None = None,
+        imex: ImexDaemons | None = None,
+        channel_major: int | None = None,
     ) -> None:
         self.claims = claims
         self.steps = ClaimSteps(
             driver, pool, devices, driver_files, cdi_dir, state_dir, sharing, boot_id or ckpt.read_boot_id(),
-            mig, dict(placements or {}),
+            mig, dict(placements or {}), imex, channel_major,
         )
+        self.gate: ChannelGate | None = None  # set with --compute-domains (it needs the API client)
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
@@ -122,7 +127,7 @@ class NodePreparer:
         results: dict[str, ClaimResult] = {}
         held = self._held_now()
         for chunk in _chunks(refs, CHUNK):
-            txn = PrepareTransaction(self.steps, chunk, held)
+            txn = PrepareTransaction(self.steps, chunk, held, self.gate)
             await txn.read(self.claims)
             try:
                 try:
@@ -147,6 +152,8 @@ class NodePreparer:
                     results.update(await asyncio.to_thread(txn.run))
             except ckpt.CheckpointRefused as e:
                 results.update(txn.refused(e))
+        if self.gate is not None:
+            await self.gate.leave()  # this node out of the status of each domain whose daemon stopped
         return results
 
     def _held_now(self) -> Mapping[str, ckpt.ClaimEntry]:

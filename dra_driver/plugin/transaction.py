@@ -19,9 +19,10 @@ through the `ClaimSource` it is given.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -45,6 +46,9 @@ from dra_driver.plugin.mig_steps import MigLeftBehind, intent
 from dra_driver.plugin.prepared import ClaimResult, MigRecord, PreparedDevice
 from dra_driver.sharing.policy import ConfigError, SharingError, SharingPlan
 
+if TYPE_CHECKING:
+    from dra_driver.plugin.channel_gate import ChannelGate
+
 log = structlog.get_logger(__name__)
 
 
@@ -64,9 +68,11 @@ class PrepareTransaction:
     """Prepares the claims of one chunk of a kubelet call."""
 
     def __init__(
-        self, steps: ClaimSteps, refs: Sequence[ClaimRef], held: Mapping[str, ckpt.ClaimEntry]
+        self, steps: ClaimSteps, refs: Sequence[ClaimRef], held: Mapping[str, ckpt.ClaimEntry],
+        gate: ChannelGate | None = None,
     ) -> None:
         self.steps = steps
+        self.gate = gate  # holds IMEX channel claims until their ComputeDomain is ready
         self.refs = refs
         self.held = held  # the checkpoint's entries before the call, read outside the lock
         # the devices of the claims the checkpoint had `completed` before the call
@@ -99,7 +105,22 @@ class PrepareTransaction:
                 if isinstance(e, ForeignAllocation):
                     metrics.foreign_allocations.inc()
                 self.results[ref.uid] = ClaimResult(error=str(e))
+        await self._gate_channels()
         self.stale = await self._stale_holders(source)
+
+    async def _gate_channels(self) -> None:
+        """Channel claims wait here, outside the lock, until their domain is ready (channel_gate)."""
+        channels = [p for p in self.plans if p.channel is not None]
+        if not channels:
+            return
+        gate = self.gate
+        if gate is None:  # planned only with --compute-domains, which makes a gate
+            raise RuntimeError("an IMEX channel claim was planned without a channel gate")
+        answers = await asyncio.gather(*(gate.admit(p.ref, p.channel) for p in channels if p.channel))
+        for plan, why in zip(channels, answers, strict=True):
+            if why is not None:
+                self.results[plan.ref.uid] = ClaimResult(error=why)
+                self.plans.remove(plan)
 
     async def _stale_holders(self, source: ClaimSource) -> frozenset[str]:
         """The claims that the checkpoint says hold what a plan asks for and that the API server
@@ -193,6 +214,10 @@ class PrepareTransaction:
                 self.steps.roll_back(ref, why, holder.mig)
             except (MigError, SharingError) as e:
                 return f"{found.text} (releasing it, since the API server says it is gone, failed: {e})"
+            try:
+                self.steps.release_channel(ref)
+            except SharingError as e:
+                return f"{found.text} (releasing it, since the API server says it is gone, failed: {e})"
             del claims[holder.uid]
             self.released.append(ref)
             log.warning(
@@ -213,8 +238,9 @@ class PrepareTransaction:
                 fault("prepare-after-mig-create")
             devices = self.steps.mig_steps.devices(plan.hardware, made)
             sharing = self._share(plan, devices)
+            channel = (plan.devices[0].device, plan.channel) if plan.channel is not None else None
             try:
-                self.steps.write_spec(uid, devices, sharing)
+                self.steps.write_spec(uid, devices, sharing, channel)
             except OSError as e:
                 log.exception("writing the CDI spec failed", **ref.log_fields())
                 raise _StepFailed(f"internal error preparing claim {ref}: writing its CDI spec failed: "
@@ -292,6 +318,7 @@ class UnprepareTransaction:
         held = claims.get(ref.uid)
         try:
             self.steps.roll_back(ref, "unprepare", held.mig if held is not None else ())
+            self.steps.release_channel(ref)
         except SharingError as e:  # the entry stays, so the kubelet's retry tries again
             self.results[ref.uid] = ClaimResult(error=f"claim {ref}: stopping its GPU sharing failed: {e}")
             return False

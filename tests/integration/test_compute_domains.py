@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,55 +19,18 @@ from kubernetes.client.exceptions import ApiException
 
 from controller import compute_domains as cd
 from tests.harness.cluster import ControlPlane
+from tests.harness.compute_domains import compute_domain_controller, domain, domains_path
 from tests.harness.driver import DRIVER
-from tests.harness.driver_image import render_chart
 from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import api_error, sync_request, wait_for
 
-CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates"
-
-
-def domains_path(driver: str, namespace: str | None = None) -> str:
-    return f"/apis/{driver}/v1beta1" + (f"/namespaces/{namespace}" if namespace else "") + "/computedomains"
 
 
 @pytest.fixture(scope="module")
 def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[subprocess.Popen[bytes]]:
-    (crd,) = render_chart(Path(tempfile.mkdtemp(prefix="cd-helm-")), "computeDomains.enabled=true",
-                          show_only="templates/computedomain-crd.yaml")
-    try:
-        sync_request(api, "POST", CRDS, crd)
-    except ApiException as e:
-        if e.status != 409:
-            raise
-
-    def established() -> bool:
-        got = sync_request(api, "GET", f"{CRDS}/{crd['metadata']['name']}")
-        return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in (got.get("status") or {}).get("conditions") or [])
-
-    wait_for("the ComputeDomain CRD established", established)
-    wait_for("ComputeDomains served", lambda: sync_request(api, "GET", domains_path(DRIVER)) is not None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dra_driver", "--log-format", "json", "compute-domain-controller",
-         "--driver-name", DRIVER, "--kubeconfig", str(control_plane.kubeconfig)],
-    )
-    try:
+    with compute_domain_controller(control_plane, api) as proc:
         yield proc
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        sync_request(api, "DELETE", f"{CRDS}/{crd['metadata']['name']}")
-
-
-def domain(name: str, template: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": cd.api_version(DRIVER),
-        "kind": "ComputeDomain",
-        "metadata": {"name": name},
-        "spec": {"channel": {"resourceClaimTemplate": {"name": template}}, **spec},
-    }
 
 
 def create(api: client.ApiClient, ns: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ The layers, lowest first (LAYERS; units of one layer are separated by commas):
       explain                          the scheduler's allocator replayed on API objects
     devices                            the GPUs as allocatable devices
     cdi, health
-    sharing, probes
+    sharing, probes, imex              imex: ComputeDomains' channels and IMEX daemons
     plugin, controller
     node                               the daemon assembled: plugin and controller joined
     commands
@@ -58,7 +58,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "dra_driver.explain"),
     ("dra_driver.devices",),
     ("dra_driver.cdi", "dra_driver.health"),
-    ("dra_driver.sharing", "dra_driver.probes"),
+    ("dra_driver.sharing", "dra_driver.probes", "dra_driver.imex"),
     ("dra_driver.plugin", "controller"),
     ("dra_driver.node",),
     ("dra_driver.commands",),

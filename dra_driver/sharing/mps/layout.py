@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from dra_driver.driver_root.paths import resolve_in_root
-from dra_driver.driver_root.user_space import BINARY_DIRS
+from dra_driver.driver_root.user_space import find_tool
 from dra_driver.sharing.config import DEFAULT_SHM_SIZE
 from dra_driver.sharing.mps.errors import MpsError
 
@@ -93,14 +92,8 @@ def default_root(driver: str) -> Path:
 
 def find_control_binary(driver_root: str | os.PathLike[str]) -> Path | None:
     """`nvidia-cuda-mps-control` under the driver root (as this process sees it)."""
-    root = os.fspath(driver_root)
-    for d in BINARY_DIRS:
-        real = resolve_in_root(root, f"{d}/{CONTROL_BINARY}")
-        if real is not None:
-            path = Path(root, real.lstrip("/"))
-            if path.is_file() and os.access(path, os.X_OK):
-                return path
-    return None
+    found = find_tool(driver_root, CONTROL_BINARY)
+    return Path(found) if found is not None else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,87 @@
+"""ComputeDomains on a test control plane: the chart's CRD installed and `dra-driver
+compute-domain-controller` running for as long as the `with` block, and the domain builder.
+
+It only sets up and clears; what a test checks stays in the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from controller import compute_domains as cd
+from tests.harness.cluster import ControlPlane
+from tests.harness.driver import DRIVER
+from tests.harness.driver_image import render_chart
+from tests.harness.objects import sync_request, wait_for
+
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def domains_path(driver: str, namespace: str | None = None) -> str:
+    return f"/apis/{driver}/v1beta1" + (f"/namespaces/{namespace}" if namespace else "") + "/computedomains"
+
+
+def domain(name: str, template: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": cd.api_version(DRIVER),
+        "kind": "ComputeDomain",
+        "metadata": {"name": name},
+        "spec": {"channel": {"resourceClaimTemplate": {"name": template}}, **spec},
+    }
+
+
+def chart_documents(template: str) -> list[dict[str, Any]]:
+    """One of the chart's templates, rendered with computeDomains.enabled=true."""
+    return render_chart(Path(tempfile.mkdtemp(prefix="cd-helm-")), "computeDomains.enabled=true",
+                        show_only=f"templates/{template}")
+
+
+@contextlib.contextmanager
+def compute_domain_controller(
+    control_plane: ControlPlane, api: client.ApiClient
+) -> Iterator[subprocess.Popen[bytes]]:
+    """The CRD established and the controller running; both gone afterwards."""
+    (crd,) = chart_documents("computedomain-crd.yaml")
+    try:
+        sync_request(api, "POST", CRDS, crd)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+
+    def established() -> bool:
+        got = sync_request(api, "GET", f"{CRDS}/{crd['metadata']['name']}")
+        return any(c["type"] == "Established" and c["status"] == "True"
+                   for c in (got.get("status") or {}).get("conditions") or [])
+
+    wait_for("the ComputeDomain CRD established", established)
+    wait_for("ComputeDomains served", lambda: sync_request(api, "GET", domains_path(DRIVER)) is not None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dra_driver", "--log-format", "json", "compute-domain-controller",
+         "--driver-name", DRIVER, "--kubeconfig", str(control_plane.kubeconfig)],
+    )
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        sync_request(api, "DELETE", f"{CRDS}/{crd['metadata']['name']}")
+        wait_for("the ComputeDomain CRD gone", lambda: not exists(api, f"{CRDS}/{crd['metadata']['name']}"))
+
+
+def exists(api: client.ApiClient, path: str) -> bool:
+    try:
+        sync_request(api, "GET", path)
+    except ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True

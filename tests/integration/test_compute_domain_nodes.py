@@ -1,0 +1,273 @@
+"""ComputeDomains across simulated nodes: the real API server, scheduler, garbage collector and
+`dra-driver compute-domain-controller`, one `dra-driver kubelet-plugin --compute-domains` per node
+(GB200 trays: four nodes in one NVLink clique, one in another) with the stand-in IMEX tools
+(tests/harness/fake_imex.py) as their daemons, and the kubelet's side of the gRPC.
+
+What is checked: a job's channel Prepare answers only once every daemon of its domain is ready
+(one daemon made slow); each pod's CDI spec holds exactly its channel; two domains on one clique
+keep apart; a domain never spans two cliques; kill -9 of a plugin or of a daemon while a job
+waits leaves nothing stuck; and unprepare plus deletion leave no daemon, entry, spec or template.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from controller import compute_domains as cd
+from dra_driver.gpu.profiles import resolve_profile_path
+from dra_driver.imex.channels import CHANNEL_DEVICE
+from tests.harness.cluster import ControlPlane
+from tests.harness.compute_domains import (
+    chart_documents,
+    compute_domain_controller,
+    domain,
+    domains_path,
+    exists,
+)
+from tests.harness.driver import DRIVER
+from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode
+from tests.harness.kubelet import ClaimName, KubeletSide, claim_ref, prepared_cdi_ids
+from tests.harness.objects import get_claim, get_pod, sync_request, wait_for
+from tests.harness.plugin_node import PluginNode, node_slices, plugin_node
+
+CLIQUE_A = "1f0708a8-1f80-4440-970d-338fe7fee8e1.32766"
+CLIQUE_B = "1f0708a8-1f80-4440-970d-338fe7fee8e1.7"
+WAIT = 8.0  # --compute-domain-wait: what one Prepare call holds at most
+SLOW = 3.0  # how long the slow node's daemon takes to become ready
+
+
+@dataclass
+class Rack:
+    nodes: dict[str, PluginNode]
+    roots: dict[str, Path]
+
+    def imex_root(self, node: str) -> Path:
+        return self.roots[node] / "imex"
+
+    def bin_dir(self, node: str) -> Path:
+        return self.roots[node] / "driver" / "usr" / "bin"
+
+
+@pytest.fixture(scope="module")
+def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[object]:
+    with compute_domain_controller(control_plane, api) as proc:
+        (channel_class,) = [d for d in chart_documents("deviceclasses.yaml")
+                            if d["metadata"]["name"] == cd.channel_class(DRIVER)]
+        sync_request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", channel_class)
+        try:
+            yield proc
+        finally:
+            sync_request(api, "DELETE", f"/apis/resource.k8s.io/v1/deviceclasses/{cd.channel_class(DRIVER)}")
+
+
+@pytest.fixture(scope="module")
+def rack(control_plane: ControlPlane, api: client.ApiClient, controller: object,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rack]:
+    base = tmp_path_factory.mktemp("rack")
+    profile_b = base / "gb200-clique-b.yaml"
+    gb200 = resolve_profile_path("gb200-nvl-node").read_text()
+    profile_b.write_text(gb200.replace("clique_id: 32766", "clique_id: 7"))
+    names = {f"cd-a{i}-{os.getpid()}": "gb200-nvl-node" for i in range(1, 5)}
+    names[f"cd-b1-{os.getpid()}"] = str(profile_b)
+    roots = {name: Path(f"/tmp/cdr-{i}-{os.getpid()}") for i, name in enumerate(names)}
+    nodes: dict[str, PluginNode] = {}
+    with contextlib.ExitStack() as stack:
+        for i, (name, profile) in enumerate(names.items()):
+            root = roots[name]
+            install_fake_imex(root / "driver")
+            args = ["--compute-domains", "--imex-root", str(root / "imex"), "--node-ip", f"10.9.0.{i + 1}",
+                    "--driver-root", str(root / "driver"), "--compute-domain-wait", str(WAIT)]
+            nodes[name] = stack.enter_context(plugin_node(
+                api, control_plane.kubeconfig, name, profile, root, args,
+                published=lambda n=name: any(d["name"] == CHANNEL_DEVICE for s in node_slices(api, n)
+                                             for d in s["spec"].get("devices", [])),  # type: ignore[index]
+            ))
+        yield Rack(nodes, roots)
+
+
+def node_named(rack: Rack, prefix: str) -> str:
+    return next(n for n in rack.nodes if n.startswith(prefix))
+
+
+def workload_pod(name: str, node: str, template: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": node},
+            "automountServiceAccountToken": False,
+            "resourceClaims": [{"name": "channel", "resourceClaimTemplateName": template}],
+            "containers": [{"name": "main", "image": "busybox:1.37", "command": ["sleep", "1"],
+                            "resources": {"claims": [{"name": "channel"}]}}],
+        },
+    }
+
+
+def make_domain(api: client.ApiClient, ns: str, name: str, num_nodes: int, **spec: Any) -> dict[str, Any]:
+    body = domain(name, f"{name}-channel", numNodes=num_nodes, **spec)
+    made = sync_request(api, "POST", domains_path(DRIVER, ns), body)
+    wait_for("the domain's template", lambda: exists(api, f"/apis/resource.k8s.io/v1/namespaces/{ns}/"
+                                                          f"resourceclaimtemplates/{name}-channel"))
+    return made
+
+
+
+
+def allocated_claim(api: client.ApiClient, ns: str, pod: str) -> ClaimName:
+    """The pod's channel claim once the scheduler allocated it on the pod's node."""
+    def found() -> ClaimName | None:
+        p = get_pod(api, ns, pod)
+        statuses = (p.get("status") or {}).get("resourceClaimStatuses") or []
+        if not statuses or not statuses[0].get("resourceClaimName"):
+            return None
+        claim = get_claim(api, ns, statuses[0]["resourceClaimName"])
+        return claim_ref(claim) if (claim.get("status") or {}).get("allocation") else None
+
+    return wait_for(f"the channel claim of {pod} allocated", found, timeout=60)
+
+
+def start_pods(api: client.ApiClient, ns: str, template: str, nodes: list[str]) -> dict[str, ClaimName]:
+    """A pod of the domain's template on each node; its claim, allocated, by node."""
+    for node in nodes:
+        pod = workload_pod(f"{template}-{node}", node, template)
+        sync_request(api, "POST", f"/api/v1/namespaces/{ns}/pods", pod)
+    return {node: allocated_claim(api, ns, f"{template}-{node}") for node in nodes}
+
+
+def get_domain(api: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
+    return sync_request(api, "GET", f"{domains_path(DRIVER, ns)}/{name}")
+
+
+def spec_nodes(plugin: PluginNode, claim: ClaimName) -> list[dict[str, Any]]:
+    spec = json.loads(next(plugin.plugin.cdi_dir.glob(f"*{claim.uid}*")).read_text())
+    (device,) = spec["devices"]
+    assert not spec.get("containerEdits"), "a channel claim gets no GPU, library or control node"
+    return list(device["containerEdits"]["deviceNodes"])
+
+
+def test_a_job_starts_only_once_every_daemon_of_its_domain_is_ready(
+    api: client.ApiClient, namespace: str, rack: Rack
+) -> None:
+    a1, a2, a4 = (node_named(rack, p) for p in ("cd-a1", "cd-a2", "cd-a4"))
+    set_imex_mode(rack.bin_dir(a4), ready_after=SLOW)
+    made = make_domain(api, namespace, "job", 3)
+    uid = made["metadata"]["uid"]
+    claims = start_pods(api, namespace, "job-channel", [a1, a2, a4])
+
+    # alone, a node's Prepare answers what the domain waits for: the others have not joined
+    started = time.monotonic()
+    alone = rack.nodes[a1].side.prepare(claims[a1])
+    assert time.monotonic() - started >= WAIT - 0.5
+    _, error = prepared_cdi_ids(alone, claims[a1].uid)
+    assert "waiting for ComputeDomain" in error and "1 of spec.numNodes 3 nodes have joined" in error, error
+    assert daemon_state(rack.imex_root(a1), uid) is not None, "the daemon starts at the first Prepare"
+
+    def prepare(node: str) -> tuple[str, float]:
+        answer = rack.nodes[node].side.prepare(claims[node])
+        ids, error = prepared_cdi_ids(answer, claims[node].uid)
+        return (error or ids[0]), time.monotonic()
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        answers = dict(zip([a1, a2, a4], pool.map(prepare, [a1, a2, a4]), strict=True))
+    a4_ready = float(daemon_state(rack.imex_root(a4), uid)["ready_at"])  # type: ignore[index, arg-type]
+    for node, (answer, at) in answers.items():
+        assert answer.endswith(f"{claims[node].uid}-{CHANNEL_DEVICE}"), f"{node}: {answer}"
+        # no node's Prepare answered before the slow daemon was ready
+        assert time.time() - (time.monotonic() - at) >= a4_ready - 0.05, node
+    assert time.monotonic() - started >= SLOW - 1.0
+
+    for node in (a1, a2, a4):
+        (channel,) = spec_nodes(rack.nodes[node], claims[node])
+        assert channel == {"path": "/dev/nvidia-caps-imex-channels/channel0", "type": "c", "major": 234,
+                           "minor": 0, "fileMode": 438}
+        state = daemon_state(rack.imex_root(node), uid)
+        assert state is not None and sorted(state["peers"]) == ["10.9.0.1", "10.9.0.2", "10.9.0.4"]  # type: ignore[call-overload]
+    status = wait_for("the domain Ready", lambda: (d := get_domain(api, namespace, "job"))
+                      .get("status", {}).get("status") == "Ready" and d)
+    assert sorted((n["name"], n["cliqueID"], n["status"]) for n in status["status"]["nodes"]) == sorted(
+        (n, CLIQUE_A, "Ready") for n in (a1, a2, a4))
+    assert sorted(n["index"] for n in status["status"]["nodes"]) == [0, 1, 2]
+
+    # a second domain on the same clique: its own daemon on its own node, disjoint from the first
+    a3 = node_named(rack, "cd-a3")
+    second = make_domain(api, namespace, "solo", 1)
+    (solo,) = start_pods(api, namespace, "solo-channel", [a3]).values()
+    ids, error = prepared_cdi_ids(rack.nodes[a3].side.prepare(solo), solo.uid)
+    assert ids and not error, error
+    assert daemon_state(rack.imex_root(a3), second["metadata"]["uid"]) is not None
+    assert daemon_state(rack.imex_root(a3), uid) is None
+    assert [n["name"] for n in get_domain(api, namespace, "solo")["status"]["nodes"]] == [a3]
+    assert a3 not in {n["name"] for n in get_domain(api, namespace, "job")["status"]["nodes"]}
+
+    # unprepared: each node leaves, its daemon stops; deleted: nothing of the domain is left
+    for node in (a1, a2, a4):
+        assert not rack.nodes[node].side.unprepare(claims[node]).claims[claims[node].uid].error
+        assert not (rack.imex_root(node) / uid).exists()
+        assert not list(rack.nodes[node].plugin.cdi_dir.glob(f"*{claims[node].uid}*"))
+    wait_for("every node left", lambda: not get_domain(api, namespace, "job").get("status", {}).get("nodes"))
+    assert not rack.nodes[a3].side.unprepare(solo).claims[solo.uid].error
+    sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods")
+    for name in ("job", "solo"):
+        sync_request(api, "DELETE", f"{domains_path(DRIVER, namespace)}/{name}")
+        wait_for("the template garbage-collected", lambda n=name: not exists(
+            api, f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates/{n}-channel"))
+    for root in rack.roots.values():
+        assert not list((root / "imex").glob("*-*")), "a daemon directory left behind"
+
+
+def test_a_domain_never_spans_two_cliques(api: client.ApiClient, namespace: str, rack: Rack) -> None:
+    a3, b1 = node_named(rack, "cd-a3"), node_named(rack, "cd-b1")
+    made = make_domain(api, namespace, "span", 1)
+    claims = start_pods(api, namespace, "span-channel", [b1])
+    ids, error = prepared_cdi_ids(rack.nodes[b1].side.prepare(claims[b1]), claims[b1].uid)
+    assert ids and not error, error
+    (other,) = start_pods(api, namespace, "span-channel", [a3]).values()
+    _, error = prepared_cdi_ids(rack.nodes[a3].side.prepare(other), other.uid)
+    assert "cannot span two cliques" in error and CLIQUE_A in error and CLIQUE_B in error, error
+    assert not (rack.imex_root(a3) / made["metadata"]["uid"]).exists(), "no daemon for a refused node"
+    for node, claim in ((b1, claims[b1]), (a3, other)):
+        assert not rack.nodes[node].side.unprepare(claim).claims[claim.uid].error
+
+
+def test_kill_9_of_a_plugin_or_a_daemon_while_a_job_waits_leaves_nothing_stuck(
+    api: client.ApiClient, namespace: str, rack: Rack
+) -> None:
+    a1, a2 = node_named(rack, "cd-a1"), node_named(rack, "cd-a2")
+    set_imex_mode(rack.bin_dir(a1), ready_after=0)
+    made = make_domain(api, namespace, "crash", 2)
+    uid = made["metadata"]["uid"]
+    claims = start_pods(api, namespace, "crash-channel", [a1, a2])
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(rack.nodes[a1].side.prepare, claims[a1])
+        daemon = wait_for("a1's daemon", lambda: daemon_state(rack.imex_root(a1), uid), timeout=WAIT)
+        rack.nodes[a1].plugin.stop(sig=signal.SIGKILL)
+        with pytest.raises(Exception):  # noqa: B017 - the call dies with the plugin
+            waiting.result(timeout=WAIT + 5)
+    os.kill(int(daemon["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+    rack.nodes[a1].plugin.start()
+    rack.nodes[a1].side.close()
+    plugin = rack.nodes[a1].plugin
+    rack.nodes[a1] = PluginNode(a1, plugin, KubeletSide(plugin.registration_socket()))
+    with ThreadPoolExecutor(2) as pool:
+        def prepare(n: str) -> tuple[tuple[str, ...], str]:
+            return prepared_cdi_ids(rack.nodes[n].side.prepare(claims[n]), claims[n].uid)
+
+        answers = list(pool.map(prepare, [a1, a2]))
+    assert all(ids and not error for ids, error in answers), answers
+    restarted = daemon_state(rack.imex_root(a1), uid)
+    assert restarted is not None and restarted["pid"] != daemon["pid"]
+    for node in (a1, a2):
+        assert not rack.nodes[node].side.unprepare(claims[node]).claims[claims[node].uid].error
+        assert not (rack.imex_root(node) / uid).exists()

@@ -1,0 +1,130 @@
+"""ComputeDomains on real nodes: each a kubelet + containerd + runc with `dra-driver
+kubelet-plugin --compute-domains` on a simulated GB200 tray (two nodes in one NVLink clique,
+one in another) and the stand-in IMEX tools (tests/harness/fake_imex.py) in its driver root;
+the CRD, the channel class and `dra-driver compute-domain-controller` as the chart ships them.
+
+A two-node job's pods run with exactly their IMEX channel, made by runc from the CDI spec the
+plugin wrote, and no GPU; neither pod's spec is written before the slow daemon of the other
+node is ready; a pod of the domain on the other clique is held, its events saying why; and
+deleting the pods and the domain leaves no daemon, spec, claim or template.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from controller import compute_domains as cd
+from dra_driver.gpu.profiles import resolve_profile_path
+from tests.harness.compute_domains import (
+    chart_documents,
+    compute_domain_controller,
+    domain,
+    domains_path,
+    exists,
+)
+from tests.harness.driver import DRIVER
+from tests.harness.examples import wait_for_slices
+from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode
+from tests.harness.node import Nodes, NodeSpec, node_cluster
+from tests.harness.objects import create_namespace, pod_events, sync_client, sync_request, wait_for
+from tests.node import pods
+
+NS = "compute-domains"
+SLOW = 3.0  # seconds cd-a2's daemon takes to be ready
+ROOT = Path(f"/tmp/cdn-{os.getpid()}")
+
+
+def _args(node: str) -> tuple[str, ...]:
+    return ("--compute-domains", "--driver-root", str(ROOT / node / "driver"),
+            "--imex-root", str(ROOT / node / "imex"))
+
+
+@dataclass
+class Env:
+    api: client.ApiClient
+    nodes: Nodes
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    if os.geteuid() != 0:
+        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
+    profile_b = ROOT / "gb200-clique-b.yaml"
+    for node in ("cd-a1", "cd-a2", "cd-b1"):
+        install_fake_imex(ROOT / node / "driver")
+    profile_b.write_text(resolve_profile_path("gb200-nvl-node").read_text().replace("clique_id: 32766",
+                                                                                      "clique_id: 7"))
+    specs = (NodeSpec("cd-a1", "gb200-nvl-node", _args("cd-a1")),
+             NodeSpec("cd-a2", "gb200-nvl-node", _args("cd-a2")),
+             NodeSpec("cd-b1", str(profile_b), _args("cd-b1")))
+    keep = os.environ.get("DRA_NODE_KEEP") == "1"
+    with node_cluster(specs, tmp_path_factory.mktemp("compute-domains"), keep_files=keep) as (cp, nodes):
+        api = sync_client(str(cp.kubeconfig))
+        wait_for_slices(api, [n.driver for n in nodes.nodes.values() if n.driver])
+        with compute_domain_controller(cp, api):
+            (channel_class,) = [d for d in chart_documents("deviceclasses.yaml")
+                                if d["metadata"]["name"] == cd.channel_class(DRIVER)]
+            sync_request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", channel_class)
+            create_namespace(api, NS)
+            yield Env(api, nodes)
+
+
+def workload(name: str, node: str, template: str) -> dict[str, Any]:
+    pod = pods.gpu_pod(name, templates={"channel": template},
+                       command="ls -l /dev/nvidia-caps-imex-channels/* /dev/nvidia*; sleep 3600")
+    pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+    return pod
+
+
+def test_a_jobs_pods_run_with_their_channel_once_every_daemon_is_ready(env: Env) -> None:
+    api = env.api
+    set_imex_mode(ROOT / "cd-a2" / "driver" / "usr" / "bin", ready_after=SLOW)
+    made = sync_request(api, "POST", domains_path(DRIVER, NS), domain("job", "job-channel", numNodes=2))
+    uid = made["metadata"]["uid"]
+    wait_for("the domain's template", lambda: exists(
+        api, f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates/job-channel"))
+    pods.create(api, NS, workload("w-a1", "cd-a1", "job-channel"), workload("w-a2", "cd-a2", "job-channel"))
+    running = {n: pods.wait_running(api, NS, f"w-{n[3:]}", timeout=120) for n in ("cd-a1", "cd-a2")}
+
+    ready_at = float(daemon_state(ROOT / "cd-a2" / "imex", uid)["ready_at"])  # type: ignore[index, arg-type]
+    for node, pod in running.items():
+        devices = pods.logged_devices(env.nodes[node], pod, "main")
+        channel = ("/dev/nvidia-caps-imex-channels/channel0", 234, 0)
+        assert [(d.path, d.major, d.minor) for d in devices] == [channel], node
+        (spec,) = pods.cdi_specs_of(env.nodes[node], next(iter(pods.claim_uids(api, pod))))
+        # the spec that let the container start was written only once the slow daemon was ready
+        assert spec.stat().st_mtime >= ready_at - 0.05, node
+    status = sync_request(api, "GET", f"{domains_path(DRIVER, NS)}/job")["status"]
+    assert status["status"] == "Ready"
+    addresses = {n["name"]: n["ipAddress"] for n in status["nodes"]}
+    assert sorted(addresses) == ["cd-a1", "cd-a2"]
+    assert addresses["cd-a1"] == env.nodes["cd-a1"].ip  # the Node's InternalIP, as the kubelet wrote it
+
+    # a pod of the domain on the other clique is held, saying why
+    pods.create(api, NS, workload("w-b1", "cd-b1", "job-channel"))
+    def refused() -> str | None:
+        messages = [str(e.get("message")) for e in pod_events(api, NS, "w-b1")]
+        return next((m for m in messages if "cannot span two cliques" in m), None)
+
+    refusal = wait_for("the refusal in the pod's events", refused, timeout=60)
+    assert "1f0708a8-1f80-4440-970d-338fe7fee8e1.7" in refusal
+
+    for name in ("w-a1", "w-a2", "w-b1"):
+        pods.delete_pod(api, NS, name)
+    for name in ("w-a1", "w-a2", "w-b1"):
+        pods.wait_gone(api, NS, name, timeout=90)
+    sync_request(api, "DELETE", f"{domains_path(DRIVER, NS)}/job")
+    wait_for("the template garbage-collected", lambda: not exists(
+        api, f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates/job-channel"))
+    wait_for("the claims gone", lambda: not sync_request(
+        api, "GET", f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaims")["items"])
+    for node in ("cd-a1", "cd-a2", "cd-b1"):
+        assert not (ROOT / node / "imex" / uid).exists(), f"{node}: a daemon directory left"
+        assert not [p for p in env.nodes[node].cdi_dir.iterdir() if "channel" in p.read_text()], node
