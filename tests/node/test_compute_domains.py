@@ -6,18 +6,23 @@ the CRD, the channel class and `dra-driver compute-domain-controller` as the cha
 A two-node job's pods run with exactly their IMEX channel, made by runc from the CDI spec the
 plugin wrote, and no GPU; neither pod's spec is written before the slow daemon of the other
 node is ready; a pod of the domain on the other clique is held, its events saying why; and
-deleting the pods and the domain leaves no daemon, spec, claim or template.
+deleting the pods and the domain leaves no daemon, spec, claim or template. NVIDIA's v0.5.0
+channel-injection examples (fetched from the Go module proxy) run after the documented sed, their
+image swapped for the node tier's busybox (there is no registry here).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from controller import compute_domains as cd
@@ -33,6 +38,7 @@ from tests.harness.driver import DRIVER
 from tests.harness.examples import wait_for_slices
 from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode
 from tests.harness.node import Nodes, NodeSpec, node_cluster
+from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import create_namespace, pod_events, sync_client, sync_request, wait_for
 from tests.node import pods
 
@@ -128,3 +134,39 @@ def test_a_jobs_pods_run_with_their_channel_once_every_daemon_is_ready(env: Env)
     for node in ("cd-a1", "cd-a2", "cd-b1"):
         assert not (ROOT / node / "imex" / uid).exists(), f"{node}: a daemon directory left"
         assert not [p for p in env.nodes[node].cdi_dir.iterdir() if "channel" in p.read_text()], node
+
+
+SED = re.compile(r"^sed -e '(?P<expression>[^']+)'", re.M)
+
+
+@pytest.mark.parametrize(("spec", "channels"),
+                         [("channel-injection.yaml", 1), ("channel-injection-all.yaml", 2048)])
+def test_nvidias_channel_injection_examples_run_after_the_documented_sed(
+    env: Env, spec: str, channels: int
+) -> None:
+    api = env.api
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "compute-domains.md").read_text()
+    match = SED.search(docs)
+    assert match, "docs/compute-domains.md has no sed line"
+    source = nvidia_source() / "demo" / "specs" / "imex" / spec
+    changed = subprocess.run(["sed", "-e", match.group("expression"), str(source)],
+                             capture_output=True, text=True, check=True).stdout
+    domain_doc, pod = (d for d in yaml.safe_load_all(changed) if d)
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "ubuntu:22.04" and container["command"] == ["bash", "-c"]
+    container |= {"image": "busybox:1.37", "command": ["sh", "-c"]}
+    made = sync_request(api, "POST", domains_path(DRIVER, NS), domain_doc)
+    template = domain_doc["spec"]["channel"]["resourceClaimTemplate"]["name"]
+    wait_for("the example's template", lambda: exists(
+        api, f"/apis/resource.k8s.io/v1/namespaces/{NS}/resourceclaimtemplates/{template}"))
+    pods.create(api, NS, pod)
+    running = pods.wait_running(api, NS, pod["metadata"]["name"], timeout=120)
+    node = env.nodes[running["spec"]["nodeName"]]
+    pid = pods.host_pid(node, pods.container_id(running, "ctr"))
+    channel_dir = Path(f"/proc/{pid}/root/dev/nvidia-caps-imex-channels")
+    seen = sorted(p.name for p in channel_dir.iterdir())
+    assert seen == sorted(f"channel{n}" for n in range(channels))
+    pods.delete_pod(api, NS, pod["metadata"]["name"])
+    pods.wait_gone(api, NS, pod["metadata"]["name"], timeout=90)
+    sync_request(api, "DELETE", f"{domains_path(DRIVER, NS)}/{domain_doc['metadata']['name']}")
+    wait_for("the daemon stopped", lambda: not (ROOT / node.name / "imex" / made["metadata"]["uid"]).exists())
