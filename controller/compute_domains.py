@@ -15,11 +15,12 @@ node joins (the kubelet plugin does).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
-from dra_driver.imex.channels import config_driver
-from dra_driver.imex.domain import NOT_READY, READY, domain_status, not_ready_nodes
+from dra_driver.imex.channels import config_driver, is_channel
+from dra_driver.imex.domain import NOT_READY, READY, domain_status, nodes_of, not_ready_nodes
 from dra_driver.jsontypes import JSON
 
 VERSION: Final = "v1beta1"
@@ -82,6 +83,8 @@ def workload_template(domain: Mapping[str, Any], driver: str) -> JSON:
             "ownerReferences": [owner_reference(domain, driver)],
         },
         "spec": {
+            # copied onto each claim made from it: the controller finds the domain's claims by it
+            "metadata": {"labels": {domain_label(driver): meta["uid"]}},
             "spec": {
                 "devices": {
                     "requests": [
@@ -118,17 +121,65 @@ def owned_by(obj: Mapping[str, Any], domain: Mapping[str, Any]) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
+def claim_nodes(claims: Sequence[Mapping[str, Any]], driver: str) -> dict[str, frozenset[str]]:
+    """Domain UID -> the nodes where a channel claim of the domain is allocated (the claims
+    carry the domain's label, from its template; the pool of a channel is its node)."""
+    out: dict[str, set[str]] = {}
+    for claim in claims:
+        uid = ((claim.get("metadata") or {}).get("labels") or {}).get(domain_label(driver))
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        for result in (allocation.get("devices") or {}).get("results") or []:
+            if uid and result.get("driver") == driver and is_channel(str(result.get("device", ""))):
+                out.setdefault(str(uid), set()).add(str(result.get("pool")))
+    return {uid: frozenset(nodes) for uid, nodes in out.items()}
+
+
+def down_nodes(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """The nodes whose Ready condition is there and not True (the node lifecycle controller
+    says so once a kubelet stops reporting)."""
+    down = set()
+    for node in nodes:
+        for condition in (node.get("status") or {}).get("conditions") or []:
+            if condition.get("type") == "Ready" and condition.get("status") != "True":
+                down.add(str((node.get("metadata") or {}).get("name")))
+    return frozenset(down)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the domain's entries should become: `stale` entries (their node holds no channel
+    claim of the domain any more: its pod went while the node could not unprepare) are
+    removed; `down` entries (their node stopped reporting) read NotReady."""
+
+    stale: tuple[str, ...]
+    down: tuple[str, ...]
+
+
+def membership(domain: Mapping[str, Any], holding: frozenset[str], down: frozenset[str]) -> Membership:
+    entries = [n for n in nodes_of(domain)]
+    names = [str(n.get("name")) for n in entries]
+    stale = tuple(n for n in names if n not in holding)
+    down_ready = tuple(str(n.get("name")) for n in entries
+                       if n.get("name") in down and n.get("name") in holding and n.get("status") != NOT_READY)
+    return Membership(stale, down_ready)
+
+
 __all__ = [
     "CHANNEL_REQUEST",
     "KIND",
     "NOT_READY",
     "READY",
+    "Membership",
     "allocation_mode",
     "api_version",
     "channel_class",
     "channel_driver",
+    "claim_nodes",
     "domain_label",
     "domain_status",
+    "down_nodes",
+    "membership",
+    "nodes_of",
     "not_ready_nodes",
     "owned_by",
     "owner_reference",

@@ -145,6 +145,15 @@ def start_pods(api: client.ApiClient, ns: str, template: str, nodes: list[str]) 
     return {node: allocated_claim(api, ns, f"{template}-{node}") for node in nodes}
 
 
+def prepare_all(rack: Rack, claims: dict[str, ClaimName]) -> list[tuple[tuple[str, ...], str]]:
+    """Each node's Prepare of its claim, all at once (each waits for the others to join)."""
+    def prepare(node: str) -> tuple[tuple[str, ...], str]:
+        return prepared_cdi_ids(rack.nodes[node].side.prepare(claims[node]), claims[node].uid)
+
+    with ThreadPoolExecutor(len(claims)) as pool:
+        return list(pool.map(prepare, list(claims)))
+
+
 def get_domain(api: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
     return sync_request(api, "GET", f"{domains_path(DRIVER, ns)}/{name}")
 
@@ -260,14 +269,64 @@ def test_kill_9_of_a_plugin_or_a_daemon_while_a_job_waits_leaves_nothing_stuck(
     rack.nodes[a1].side.close()
     plugin = rack.nodes[a1].plugin
     rack.nodes[a1] = PluginNode(a1, plugin, KubeletSide(plugin.registration_socket()))
-    with ThreadPoolExecutor(2) as pool:
-        def prepare(n: str) -> tuple[tuple[str, ...], str]:
-            return prepared_cdi_ids(rack.nodes[n].side.prepare(claims[n]), claims[n].uid)
-
-        answers = list(pool.map(prepare, [a1, a2]))
+    answers = prepare_all(rack, claims)
     assert all(ids and not error for ids, error in answers), answers
     restarted = daemon_state(rack.imex_root(a1), uid)
     assert restarted is not None and restarted["pid"] != daemon["pid"]
     for node in (a1, a2):
         assert not rack.nodes[node].side.unprepare(claims[node]).claims[claims[node].uid].error
         assert not (rack.imex_root(node) / uid).exists()
+
+
+def set_node_ready(api: client.ApiClient, node: str, ready: bool) -> None:
+    """What the node-lifecycle controller writes when a kubelet stops reporting (there is none here)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    condition = {"type": "Ready", "status": "True" if ready else "Unknown", "reason": "Test",
+                 "lastHeartbeatTime": now, "lastTransitionTime": now}
+    sync_request(api, "PATCH", f"/api/v1/nodes/{node}/status", {"status": {"conditions": [condition]}},
+                 content_type="application/strategic-merge-patch+json")
+
+
+def test_a_node_that_dies_leaves_its_domain_not_ready_naming_it_and_a_replacement_joins(
+    api: client.ApiClient, namespace: str, rack: Rack
+) -> None:
+    a1, a2, a3 = (node_named(rack, p) for p in ("cd-a1", "cd-a2", "cd-a3"))
+    made = make_domain(api, namespace, "heal", 2)
+    uid = made["metadata"]["uid"]
+    claims = start_pods(api, namespace, "heal-channel", [a1, a2])
+    assert all(ids and not error for ids, error in prepare_all(rack, claims)), "the job did not start"
+
+    rack.nodes[a2].plugin.stop(sig=signal.SIGKILL)  # the node dies: its plugin and its kubelet
+    set_node_ready(api, a2, False)
+    try:
+        def a2_not_ready() -> dict[str, Any] | None:
+            d = get_domain(api, namespace, "heal")
+            entries = {n["name"]: n["status"] for n in d["status"].get("nodes", [])}
+            return d if d["status"].get("status") == "NotReady" and entries.get(a2) == "NotReady" else None
+
+        wait_for("the domain NotReady with a2 NotReady", a2_not_ready, timeout=60)
+        events = sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/events",
+                              query={"fieldSelector": "reason=NodeDown"})["items"]
+        assert any(a2 in e["message"] for e in events), events
+
+        # its pod is force-deleted (the node never unprepared): its entry goes, a replacement joins
+        sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods/heal-channel-{a2}",
+                     query={"gracePeriodSeconds": "0"})
+        wait_for("a2's entry removed", lambda: a2 not in {
+            n["name"] for n in get_domain(api, namespace, "heal")["status"].get("nodes", [])}, timeout=60)
+        (replacement,) = start_pods(api, namespace, "heal-channel", [a3]).values()
+        ids, error = prepared_cdi_ids(rack.nodes[a3].side.prepare(replacement), replacement.uid)
+        assert ids and not error, error
+        healed = wait_for("the domain Ready again", lambda: (d := get_domain(api, namespace, "heal"))
+                          ["status"].get("status") == "Ready" and d)
+        assert sorted(n["name"] for n in healed["status"]["nodes"]) == sorted([a1, a3])
+    finally:  # a2 comes back: its kubelet unprepares what it held
+        set_node_ready(api, a2, True)
+        rack.nodes[a2].plugin.start()
+        rack.nodes[a2].side.close()
+        plugin = rack.nodes[a2].plugin
+        rack.nodes[a2] = PluginNode(a2, plugin, KubeletSide(plugin.registration_socket()))
+    assert not rack.nodes[a2].side.unprepare(claims[a2]).claims[claims[a2].uid].error
+    assert not (rack.imex_root(a2) / uid).exists()
+    for node, claim in ((a1, claims[a1]), (a3, replacement)):
+        assert not rack.nodes[node].side.unprepare(claim).claims[claim.uid].error

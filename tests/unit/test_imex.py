@@ -179,3 +179,26 @@ def test_a_daemon_that_cannot_start_is_said_and_leaves_no_process(
     wait_for("the failed daemon gone", lambda: daemons.pid(UID) is None)
     assert not daemons.ready(UID)
     assert "cannot start" in (daemons.root / UID / "start.log").read_text()
+
+
+def test_the_controller_drops_entries_of_nodes_without_a_claim_and_marks_down_nodes_not_ready() -> None:
+    from controller import compute_domains as plan
+
+    label = plan.domain_label(DRIVER)
+
+    def claim(uid: str, node: str, device: str = CHANNEL_DEVICE) -> dict[str, object]:
+        return {"metadata": {"labels": {label: uid}},
+                "status": {"allocation": {"devices": {"results": [
+                    {"driver": DRIVER, "pool": node, "device": device, "request": "channel"}]}}}}
+
+    claims = [claim(UID, "a"), claim(UID, "b"), claim("other", "c"), claim(UID, "d", "gpu-0")]
+    holding = plan.claim_nodes(claims, DRIVER)
+    assert holding == {UID: frozenset({"a", "b"}), "other": frozenset({"c"})}
+    nodes = [{"metadata": {"name": n}, "status": {"conditions": [{"type": "Ready", "status": s}]}}
+             for n, s in (("a", "True"), ("b", "Unknown"), ("c", "False"))] + [{"metadata": {"name": "x"}}]
+    assert plan.down_nodes(nodes) == frozenset({"b", "c"})
+    domain = _domain(3, _node("a"), _node("b", index=1), _node("gone", index=2))
+    wanted = plan.membership(domain, holding[UID], plan.down_nodes(nodes))
+    assert wanted == plan.Membership(stale=("gone",), down=("b",))
+    # an entry already NotReady is not written again
+    assert plan.membership(_domain(1, _node("b", "NotReady")), frozenset({"b"}), frozenset({"b"})).down == ()
