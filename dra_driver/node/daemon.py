@@ -238,13 +238,35 @@ async def build(opts: NodeOptions) -> PluginNode:
     # mistake), then another driver's MPS root, both before recovery touches anything.
     with contextlib.suppress(ckpt.CheckpointUnreadable):  # recovery quarantines it, keeping what pods use
         preparer.read_checkpoint()
-    mps.claim_root(opts.driver_name)
+    await _claim_mps_root(mps, preparer, opts.driver_name, allocated)
     described = CreatedDevices(devices, placements, RecordedInstances(preparer)) if placements else devices
     claim_status = ClaimStatus(api, opts.driver_name, opts.node_name, described,
                                nvlink_peers(inventory, devices))
     metrics.prepared_claims.set_function(lambda: len(preparer.read_checkpoint().claims))
     return PluginNode(opts, api, inventory, devices, described, paths, preparer, claim_status, allocated,
                       Lease(paths.data_dir / PUBLISHER_LEASE))
+
+
+async def _claim_mps_root(
+    mps: MpsControl, preparer: NodePreparer, driver: str, allocated: ListAllocated
+) -> None:
+    """Take the MPS root unless another driver's daemons live in it. A daemon is this
+    driver's when its claim is in the checkpoint, or, where the checkpoint was lost, when
+    the API server says the claim is allocated here to this driver (asked only then)."""
+
+    def prepared() -> frozenset[str]:
+        try:
+            return frozenset(preparer.read_checkpoint().claims)
+        except ckpt.CheckpointUnreadable:
+            return frozenset()
+
+    from_api: frozenset[str] = frozenset()
+    unanswered = False
+    if mps.live_claims() - prepared():
+        listed = await allocated()
+        unanswered = listed is None
+        from_api = frozenset(str((c.get("metadata") or {}).get("uid", "")) for c in listed or [])
+    mps.claim_root(driver, lambda: prepared() | from_api, api_unanswered=unanswered)
 
 
 async def run(opts: NodeOptions) -> None:

@@ -5,7 +5,9 @@ A daemon outlives the plugin that started it (`MpsControl`'s `host_cgroup`), so 
 plugin adopts it from what is on disk and in /proc: its processes carry a marker variable in
 their environment (`GPU_DRA_MPS_CLAIM=<uid>`), so a stop after a plugin restart finds them
 too, and a PID reused by another process does not pass for the daemon. The owner file
-refuses a root that another driver's plugin uses.
+refuses a root that another driver's plugin uses; a root without one (kept from a release
+that wrote none) is refused while a daemon lives in it for a claim this driver does not
+know, since that daemon is another driver's and adopting the root would stop it.
 
 It reads; the only write is the owner file of a root nobody owns. It must not start, signal
 or remove anything (that is `dra_driver.sharing.mps.daemon`'s).
@@ -15,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Set
 from pathlib import Path
 from typing import Final
 
 import structlog
 
 from dra_driver.atomic import write_file_atomic
-from dra_driver.sharing.mps.errors import MpsRootOfAnotherDriver, MpsRootRefused
+from dra_driver.sharing.mps.errors import MpsRootInUse, MpsRootOfAnotherDriver, MpsRootRefused
 from dra_driver.sharing.mps.layout import OWNER_FILE, ClaimDirs
 from dra_driver.sharing.mps.settings import MpsSettings
 
@@ -30,11 +33,13 @@ log = structlog.get_logger(__name__)
 CLAIM_MARKER_ENV: Final = "GPU_DRA_MPS_CLAIM"
 
 
-def claim_root(root: Path, driver: str) -> None:
+def claim_root(root: Path, driver: str, known: Callable[[], Set[str]], api_unanswered: bool = False) -> None:
     """Make the MPS root this driver's, at start and before anything under it is read:
     raises MpsRootOfAnotherDriver if another driver's owner file is there (as the
-    checkpoint refuses a state dir of another driver). A root without one (new, or
-    kept by a build before owner files) is taken."""
+    checkpoint refuses a state dir of another driver). A root without one (new, or kept by
+    a build before owner files) is taken unless a daemon lives in it for a claim that
+    `known()` (this driver's claims) does not name: then MpsRootInUse, nothing written.
+    `api_unanswered`: `known` lacks the API server's answer, which it could not give."""
     path = root / OWNER_FILE
     try:
         owner = json.loads(path.read_text()).get("driver")
@@ -46,8 +51,24 @@ def claim_root(root: Path, driver: str) -> None:
     if owner is not None and owner != driver:
         raise MpsRootOfAnotherDriver(root, str(owner), driver)
     if owner is None:
+        # The live daemons first, this driver's claims after: an instance of this driver
+        # records a claim before it starts its daemon, so one started meanwhile is known.
+        live = live_claims(root)
+        foreign = live - known() if live else frozenset()
+        if foreign:
+            raise MpsRootInUse(root, driver, foreign, api_unanswered)
         root.mkdir(parents=True, exist_ok=True, mode=0o755)
         write_file_atomic(path, json.dumps({"driver": driver}).encode())
+
+
+def live_claims(root: Path) -> frozenset[str]:
+    """Claims with a directory here whose daemon (or a server of it) is alive, found by
+    the claim marker in one pass over /proc."""
+    dirs = claim_uids(root)
+    if not dirs:
+        return frozenset()
+    markers = (_marker(pid) for pid in _proc_pids())
+    return frozenset(uid for uid in markers if uid is not None and uid in dirs)
 
 
 def claim_uids(root: Path) -> frozenset[str]:
@@ -91,12 +112,18 @@ def daemon_pid(dirs: ClaimDirs, claim_uid: str) -> int | None:
 
 
 def has_marker(pid: int, claim_uid: str) -> bool:
+    return _marker(pid) == claim_uid
+
+
+def _marker(pid: int) -> str | None:
+    prefix = f"{CLAIM_MARKER_ENV}=".encode()
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             environ = f.read().split(b"\0")
     except OSError:  # gone, or not ours to read
-        return False
-    return f"{CLAIM_MARKER_ENV}={claim_uid}".encode() in environ
+        return None
+    found = next((v for v in environ if v.startswith(prefix)), None)
+    return found[len(prefix):].decode(errors="replace") if found is not None else None
 
 
 def _proc_pids() -> list[int]:

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from pathlib import Path
 
 import structlog
@@ -147,9 +147,16 @@ class MpsControl:
             env[CLAIM_MARKER_ENV] = settings.claim_uid
         return env
 
-    def claim_root(self, driver: str) -> None:
-        """Make the MPS root this driver's (see `adoption.claim_root`)."""
-        adoption.claim_root(self.root, driver)
+    def claim_root(
+        self, driver: str, known: Callable[[], Set[str]] = frozenset, api_unanswered: bool = False
+    ) -> None:
+        """Make the MPS root this driver's; `known`: the claims this driver has prepared here
+        (see `adoption.claim_root`)."""
+        adoption.claim_root(self.root, driver, known, api_unanswered)
+
+    def live_claims(self) -> frozenset[str]:
+        """Claims with a directory here whose daemon is alive."""
+        return adoption.live_claims(self.root)
 
     # -- state on disk and in /proc ----------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Set
 from pathlib import Path
 
 
@@ -28,3 +29,27 @@ class MpsRootOfAnotherDriver(MpsRootRefused):
         self.root = root
         self.owner = owner
         self.driver = driver
+
+
+class MpsRootInUse(MpsRootRefused):
+    """The MPS root has no owner file and daemons of claims this driver has not prepared live
+    in it: another driver's plugin (of a release that wrote no owner file) uses it, and
+    taking the root over would stop those daemons under that driver's running pods."""
+
+    def __init__(self, root: Path, driver: str, claims: Set[str], api_unanswered: bool = False) -> None:
+        shown = ", ".join(sorted(claims)[:3]) + (f" and {len(claims) - 3} more" if len(claims) > 3 else "")
+        unsure = (
+            f" (the API server could not say which claims are allocated to this node for driver {driver}: "
+            "if they are this driver's own, restart this plugin once the API server answers)"
+            if api_unanswered else ""
+        )
+        super().__init__(
+            f"MPS root {root} has no owner file, and MPS daemons live in it for claims {shown}, which "
+            f"driver {driver} has not prepared on this node{unsure}: another driver's plugin (of a release "
+            "that wrote no owner file) uses this MPS root, and this plugin would stop its daemons under its "
+            "running pods. Give each release its own MPS root (--mps-root; the chart's mpsRoot; both "
+            f"default to /run/<driver name>/mps) and restart this plugin; nothing under {root} was changed"
+        )
+        self.root = root
+        self.driver = driver
+        self.claims = frozenset(claims)
