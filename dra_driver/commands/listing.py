@@ -1,5 +1,7 @@
 """Reading the cluster for the read-only commands (`status`, `explain`): one client for the
-whole read, objects listed page by page, progress on stderr, API failures as one clear error.
+whole read, objects listed page by page, progress on stderr, API failures as one clear error;
+a resource the server may not serve (a custom resource whose CRD is not installed) read as
+absent rather than as a failure.
 
 It must NOT write, cache or interpret what it lists.
 """
@@ -53,3 +55,19 @@ async def list_all(
         api, path, query, progress=lambda n: progress(f"reading {what}: {n} so far"), page=PAGE
     )
     return items
+
+
+async def list_if_served(
+    api: kube.ApiClient, path: str, what: str, query: Mapping[str, str], progress: Callable[[str], None]
+) -> list[JSON] | None:
+    """As `list_all`, but None where the server does not serve `path` (404) or these credentials
+    may not list it (403, said on stderr): the command then shows nothing of it."""
+    try:
+        return await list_all(api, path, what, query, progress)
+    except kube.ApiException as e:
+        if e.status == 403:
+            click.echo(f"\rwarning: {what} cannot be listed with these credentials: not shown", err=True)
+            return None
+        if e.status == 404:
+            return None
+        raise

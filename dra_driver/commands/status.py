@@ -1,14 +1,17 @@
 """`dra-driver status --node N` and `kubectl gpu N`: who holds which GPU of one node.
 
 Reads the API server only (the node, its ResourceSlices of the driver, the ResourceClaims
-allocated in its pools, the pods on it) and prints the node's GPUs (product, memory, UUID,
-health from the devices' taints), the NVLink matrix (GPUs that share an `nvlinkClique<L>`,
-`nvlinkCliques` or `nvlinkDomain` value, plus `nvlinkPeers` where `--topology-detail-attributes`
-publishes it), and
-per device the claims and pods that hold it: whole GPUs, memory shares with the memory each
-got, MIG instances; with the `Ready` condition the plugin wrote in the claim's status. A claim
-with adminAccess is listed on its devices but holds none of them: the scheduler still gives
-them to other claims, so a device only such claims have is `free, admin access`.
+allocated in its pools, the pods on it, the ComputeDomains where it has a channel) and prints
+the node's GPUs (product, memory, UUID, health from the devices' taints), the NVLink matrix
+(GPUs that share an `nvlinkClique<L>`, `nvlinkCliques` or `nvlinkDomain` value, plus
+`nvlinkPeers` where `--topology-detail-attributes` publishes it), and per device the claims
+and pods that hold it: whole GPUs, memory shares with the memory each got, MIG instances;
+with the `Ready` condition the plugin wrote in the claim's status. A claim with adminAccess
+is listed on its devices but holds none of them: the scheduler still gives them to other
+claims, so a device only such claims have is `free, admin access`. A node with an IMEX
+channel (`--compute-domains`) also shows who holds it and for which ComputeDomain, and the
+domains it is in: their status and this node's entry (dra_driver.commands.domains); where
+the server does not serve ComputeDomains (no CRD), nothing about domains.
 `-o json` prints the same view as JSON. A big cluster's claims are read page by page with a
 progress line on stderr.
 
@@ -30,7 +33,8 @@ import click
 
 from controller.attributes import LINKED_SET_ATTRIBUTES
 from dra_driver import DEFAULT_DRIVER_NAME, kube, log
-from dra_driver.commands.listing import RESOURCE_API, read_cluster
+from dra_driver.commands import domains as cd
+from dra_driver.commands.listing import RESOURCE_API, list_if_served, read_cluster
 from dra_driver.commands.listing import list_all as _list
 from dra_driver.explain import state as explain_state
 from dra_driver.jsontypes import JSON
@@ -92,6 +96,8 @@ class NodeView:
     node: str
     driver: str
     gpus: tuple[GpuRow, ...]
+    channels: tuple[cd.ChannelRow, ...] = ()
+    domains: tuple[cd.DomainRow, ...] = ()  # none where ComputeDomains are not served
 
 
 def _attr(device: JSON, name: str) -> Any:
@@ -205,8 +211,9 @@ def _ready(claim: JSON, driver: str, pool: str, device: str, share_id: str | Non
 
 
 def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[JSON],
-              pods: Sequence[JSON]) -> NodeView:
-    """The node's GPUs and their holders, from the API objects (pure)."""
+              pods: Sequence[JSON], domains: Sequence[JSON] | None = None) -> NodeView:
+    """The node's GPUs and their holders, its channels and ComputeDomains (`domains`: None where
+    they are not served), from the API objects (pure)."""
     pools = {s["spec"]["pool"]["name"] for s in slices}
     phases = {p["metadata"]["uid"]: p.get("status", {}).get("phase", "Unknown") for p in pods}
     held: dict[str, list[Holder]] = {}
@@ -291,7 +298,8 @@ def node_view(node: str, driver: str, slices: Sequence[JSON], claims: Sequence[J
         for b in peers:
             linked.setdefault(b, set()).add(a)
     rows = [replace(r, nvlink_peers=tuple(sorted(linked.get(r.index, ())))) for r in rows]
-    return NodeView(node, driver, tuple(rows))
+    channels, domain_rows = cd.node_channels(node, driver, slices, claims, domains)
+    return NodeView(node, driver, tuple(rows), channels, domain_rows)
 
 
 def _per_profile(rows: Iterable[DeviceRow]) -> tuple[str, ...]:
@@ -351,6 +359,16 @@ def render(view: NodeView) -> str:
                              f"{h.claim_namespace}/{h.claim_name}", ", ".join(h.pods) or "-", h.ready or "-",
                              d.uuid))
     lines += _table(("DEVICE", "KIND", "MEMORY", "STATE", "CLAIM", "PODS", "READY", "UUID"), rows)
+    if view.channels:
+        lines += ["", "IMEX channels (ComputeDomains)"]
+        lines += _table(("CHANNEL", "CLIQUE", "STATE", "CLAIM", "PODS", "DOMAIN"),
+                        [(c.device, c.clique, "held" if c.claim else "free", c.claim or "-",
+                          ", ".join(c.pods) or "-", c.domain or "-") for c in view.channels])
+    if view.domains:
+        lines += ["", "ComputeDomains of this node"]
+        lines += _table(("DOMAIN", "STATUS", "JOINED", "THIS NODE", "WAITS FOR"),
+                        [(d.domain, d.status, f"{d.joined} of {d.num_nodes}", d.this_node,
+                          d.waiting_for or "-") for d in view.domains])
     return "\n".join(lines)
 
 
@@ -376,7 +394,10 @@ async def read_node(api: kube.ApiClient, node: str, driver: str,
                           "plugin running there (kubectl get pods -o wide), and is --driver-name right?")
     claims = await _list(api, f"{RESOURCE_API}/resourceclaims", "ResourceClaims", {}, progress)
     pods = await _list(api, "/api/v1/pods", "Pods", {"fieldSelector": f"spec.nodeName={node}"}, progress)
-    return node_view(node, driver, slices, claims, pods)
+    domains = None
+    if cd.channel_cliques(slices, driver):  # only a node with a channel joins a domain
+        domains = await list_if_served(api, cd.domains_path(driver), "ComputeDomains", {}, progress)
+    return node_view(node, driver, slices, claims, pods, domains)
 
 
 def show(node: str, driver: str, kubeconfig: str | None, output: str) -> None:

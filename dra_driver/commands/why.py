@@ -4,8 +4,10 @@ node by node, or where they are.
 Reads the API server only (the pod, its claims or their templates, the nodes, every
 ResourceSlice, DeviceClass, DeviceTaintRule (at the newest version the server serves, none
 where it serves none) and allocated ResourceClaim: what the scheduler's allocator reads) and
-hands them to dra_driver.explain, which replays the allocator. It must NOT write anything or
-need anything on a node.
+hands them to dra_driver.explain, which replays the allocator. A pod with an IMEX channel
+claim also gets its ComputeDomain explained (dra_driver.commands.domains): the domains of the
+pod's namespace are read only then, one LIST, so `why` on other pods costs nothing more. It
+must NOT write anything or need anything on a node.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from dataclasses import asdict
 import click
 
 from dra_driver import kube, log
-from dra_driver.commands.listing import RESOURCE_API, read_cluster
+from dra_driver.commands import domains as cd
+from dra_driver.commands.listing import RESOURCE_API, list_if_served, read_cluster
 from dra_driver.commands.listing import list_all as _list
 from dra_driver.explain.render import DEFAULT_NODES, render
 from dra_driver.explain.why import PodClaim, PodReport, explain_pod
@@ -83,23 +86,40 @@ async def taint_rules(api: kube.ApiClient, progress: Callable[[str], None]) -> l
     return []
 
 
-async def read_report(
+async def _no_domains() -> list[JSON] | None:
+    return None
+
+
+async def read_why(
     api: kube.ApiClient, namespace: str, pod_name: str, progress: Callable[[str], None] = lambda _: None
-) -> PodReport:
+) -> tuple[PodReport, tuple[cd.DomainReport, ...]]:
+    """The pod's report, its headline saying what the pod waits for where its ComputeDomain
+    holds it, and its channel claims' domains."""
     pod = await _get(api, f"/api/v1/namespaces/{namespace}/pods/{pod_name}")
     if pod is None:
         raise WhyError(f"pod {namespace}/{pod_name} does not exist (kubectl get pods -n {namespace})")
     claims = await pod_claims(api, pod)
-    nodes, slices, classes, all_claims, rules = await asyncio.gather(
+    ref = next((r for pc in claims if (r := cd.domain_ref(pc.claim, pc.template_spec))), None)
+    nodes, slices, classes, all_claims, rules, domains = await asyncio.gather(
         _list(api, "/api/v1/nodes", "Nodes", {}, progress),
         _list(api, f"{RESOURCE_API}/resourceslices", "ResourceSlices", {}, progress),
         _list(api, f"{RESOURCE_API}/deviceclasses", "DeviceClasses", {}, progress),
         _list(api, f"{RESOURCE_API}/resourceclaims", "ResourceClaims", {}, progress),
         taint_rules(api, progress),
+        list_if_served(api, cd.domains_path(ref.driver, namespace), "ComputeDomains", {}, progress)
+        if ref else _no_domains(),
     )
     allocated = [c for c in all_claims if (c.get("status") or {}).get("allocation")]
     by_class = {c["metadata"]["name"]: c for c in classes}
-    return explain_pod(pod, claims, nodes, slices, by_class, allocated, rules)
+    report = explain_pod(pod, claims, nodes, slices, by_class, allocated, rules)
+    found = cd.domain_reports(pod, claims, domains, slices) if ref else ()
+    return cd.with_domains(report, found), found
+
+
+async def read_report(
+    api: kube.ApiClient, namespace: str, pod_name: str, progress: Callable[[str], None] = lambda _: None
+) -> PodReport:
+    return (await read_why(api, namespace, pod_name, progress))[0]
 
 
 def explain(
@@ -108,12 +128,13 @@ def explain(
     if "/" in pod:
         namespace, pod = pod.split("/", 1)
 
-    report = read_cluster(kubeconfig, lambda api, progress: read_report(api, namespace, pod, progress),
-                          f"reading pod {namespace}/{pod} and the cluster's devices failed")
+    report, domains = read_cluster(kubeconfig, lambda api, progress: read_why(api, namespace, pod, progress),
+                                   f"reading pod {namespace}/{pod} and the cluster's devices failed")
     if output == "json":
-        click.echo(json.dumps(asdict(report), indent=2))
+        click.echo(json.dumps({**asdict(report), "computeDomains": [asdict(d) for d in domains]}, indent=2))
     else:
-        click.echo(render(report, verbose=verbose, all_nodes=all_nodes, limit=DEFAULT_NODES))
+        click.echo("\n".join([render(report, verbose=verbose, all_nodes=all_nodes, limit=DEFAULT_NODES),
+                              *cd.render_why(domains)]))
 
 
 def _options(f: Callable[..., None]) -> Callable[..., None]:
