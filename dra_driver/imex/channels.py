@@ -16,10 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from dra_driver.driver_root.device_nodes import DeviceNodeInfo
-from dra_driver.gpu.model import Inventory
 from dra_driver.jsontypes import JSON
 
 CHANNEL_TYPE: Final = "channel"
@@ -31,6 +30,9 @@ ALL: Final = "All"
 # NVIDIA's driver (v0.5.0) injects this many with `All`; the kernel module's default count.
 ALL_CHANNELS: Final = 2048
 CONTAINER_DIR: Final = "/dev/nvidia-caps-imex-channels"
+
+if TYPE_CHECKING:  # imported by `kubectl gpu`, which must not load discovery and NVML
+    from dra_driver.gpu.model import Inventory
 
 _CHANNEL_NAME = re.compile(r"channel-(\d{1,4})")
 _UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")  # it names a directory

@@ -75,7 +75,8 @@ class ChannelGate:
         return await kube.request(self.api, "GET", path)
 
     async def admit(self, ref: ClaimRef, request: ChannelRequest) -> str | None:
-        """None once the claim may be prepared; else what it waits for or why it is refused."""
+        """None once the claim may be prepared; else what it waits for or why it is refused.
+        Polls every 0.1 s at first, backing off to `poll_seconds`."""
         if not self.clique:
             return (f"claim {ref}: node {self.node} is in no multi-node NVLink clique, so it has no IMEX "
                     "channel; the ResourceSlice may be stale")
@@ -104,6 +105,7 @@ class ChannelGate:
         fields = {**ref.log_fields(), "domain": f"{meta['namespace']}/{meta['name']}"}
         deadline = time.monotonic() + self.wait_seconds
         clique = str(self.clique)
+        delay = min(0.1, self.poll_seconds)  # a daemon just started is often ready within it
         while True:
             raced = False
             joined = cd.with_entry(domain, cd.own_entry(domain, self.node, ip, clique, False))
@@ -125,7 +127,8 @@ class ChannelGate:
                 return (f"claim {ref}: waiting for ComputeDomain {meta['namespace']}/{meta['name']}: {waits} "
                         "(no container of the domain starts before every daemon it needs is ready); the "
                         "kubelet retries")
-            await asyncio.sleep(self.poll_seconds)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.poll_seconds)
             domain = await self._get(meta)
 
     def _ensure(self, meta: Mapping[str, Any], claim_uid: str, request: ChannelRequest, peers: list[str],

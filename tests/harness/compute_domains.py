@@ -10,7 +10,8 @@ import contextlib
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from controller import compute_domains as cd
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import render_chart
+from tests.harness.kubelet import ClaimName, KubeletSide, prepared_cdi_ids
 from tests.harness.objects import sync_request, wait_for
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -75,6 +77,18 @@ def compute_domain_controller(
         proc.wait(timeout=10)
         sync_request(api, "DELETE", f"{CRDS}/{crd['metadata']['name']}")
         wait_for("the ComputeDomain CRD gone", lambda: not exists(api, f"{CRDS}/{crd['metadata']['name']}"))
+
+
+def prepare_all(
+    sides: Mapping[str, KubeletSide], claims: Mapping[str, ClaimName]
+) -> list[tuple[tuple[str, ...], str]]:
+    """Each node's Prepare of its channel claim, all at once, as the kubelets of a job's nodes
+    send them (each waits in its plugin for the others to join): (CDI ids, error) per node."""
+    def prepare(node: str) -> tuple[tuple[str, ...], str]:
+        return prepared_cdi_ids(sides[node].prepare(claims[node]), claims[node].uid)
+
+    with ThreadPoolExecutor(max(1, len(claims))) as pool:
+        return list(pool.map(prepare, list(claims)))
 
 
 def exists(api: client.ApiClient, path: str) -> bool:

@@ -35,6 +35,7 @@ from tests.harness.compute_domains import (
     domain,
     domains_path,
     exists,
+    prepare_all,
 )
 from tests.harness.driver import DRIVER
 from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode
@@ -143,15 +144,6 @@ def start_pods(api: client.ApiClient, ns: str, template: str, nodes: list[str]) 
         pod = workload_pod(f"{template}-{node}", node, template)
         sync_request(api, "POST", f"/api/v1/namespaces/{ns}/pods", pod)
     return {node: allocated_claim(api, ns, f"{template}-{node}") for node in nodes}
-
-
-def prepare_all(rack: Rack, claims: dict[str, ClaimName]) -> list[tuple[tuple[str, ...], str]]:
-    """Each node's Prepare of its claim, all at once (each waits for the others to join)."""
-    def prepare(node: str) -> tuple[tuple[str, ...], str]:
-        return prepared_cdi_ids(rack.nodes[node].side.prepare(claims[node]), claims[node].uid)
-
-    with ThreadPoolExecutor(len(claims)) as pool:
-        return list(pool.map(prepare, list(claims)))
 
 
 def get_domain(api: client.ApiClient, ns: str, name: str) -> dict[str, Any]:
@@ -269,7 +261,7 @@ def test_kill_9_of_a_plugin_or_a_daemon_while_a_job_waits_leaves_nothing_stuck(
     rack.nodes[a1].side.close()
     plugin = rack.nodes[a1].plugin
     rack.nodes[a1] = PluginNode(a1, plugin, KubeletSide(plugin.registration_socket()))
-    answers = prepare_all(rack, claims)
+    answers = prepare_all({n: p.side for n, p in rack.nodes.items()}, claims)
     assert all(ids and not error for ids, error in answers), answers
     restarted = daemon_state(rack.imex_root(a1), uid)
     assert restarted is not None and restarted["pid"] != daemon["pid"]
@@ -294,7 +286,8 @@ def test_a_node_that_dies_leaves_its_domain_not_ready_naming_it_and_a_replacemen
     made = make_domain(api, namespace, "heal", 2)
     uid = made["metadata"]["uid"]
     claims = start_pods(api, namespace, "heal-channel", [a1, a2])
-    assert all(ids and not error for ids, error in prepare_all(rack, claims)), "the job did not start"
+    started = prepare_all({n: p.side for n, p in rack.nodes.items()}, claims)
+    assert all(ids and not error for ids, error in started), started
 
     rack.nodes[a2].plugin.stop(sig=signal.SIGKILL)  # the node dies: its plugin and its kubelet
     set_node_ready(api, a2, False)
