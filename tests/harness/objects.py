@@ -254,12 +254,16 @@ def delete_object(api: client.ApiClient, doc: dict[str, Any], namespace: str = "
 
 
 def policy_denial(api: client.ApiClient, namespace: str, body: JSON, dry_run: bool = False) -> str | None:
-    """What an admission policy answered to creating the ResourceClaim or ResourceClaimTemplate
-    `body` (the text after "denied request: "); None if it was admitted."""
-    plural = "resourceclaimtemplates" if body["kind"] == "ResourceClaimTemplate" else "resourceclaims"
+    """What an admission policy answered to creating the ResourceClaim, ResourceClaimTemplate
+    or DeviceClass (cluster-wide: `namespace` unused) `body` (the text after "denied
+    request: "); None if it was admitted."""
+    if body["kind"] == "DeviceClass":
+        path = "/apis/resource.k8s.io/v1/deviceclasses"
+    else:
+        plural = "resourceclaimtemplates" if body["kind"] == "ResourceClaimTemplate" else "resourceclaims"
+        path = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}"
     try:
-        sync_request(api, "POST", f"/apis/resource.k8s.io/v1/namespaces/{namespace}/{plural}", body,
-                     query={"dryRun": "All"} if dry_run else None)
+        sync_request(api, "POST", path, body, query={"dryRun": "All"} if dry_run else None)
     except ApiException as e:
         message = api_error(e)
         assert "denied request: " in message, message

@@ -7,10 +7,11 @@ strategies, every field and unknown ones, quantities from 0 to 2^63 and beyond i
 suffix (and strings that are almost quantities), wrong types and nulls, null or empty objects
 where NVIDIA's driver takes its default; NVIDIA's kinds
 with no counterpart here with their own fields (iommu, domainID). Each config goes
-to the real API server as a server-side dry-run create of a ResourceClaim (nothing is
-stored) and through `parse_claim_config`, as the plugin reads it after a JSON round trip.
-A disagreement fails the test with the config and both answers: admitted by one and
-refused by the other, or refused by both at different fields. An API-server validation
+to the real API server twice, as server-side dry-run creates (nothing is stored): in a
+ResourceClaim, and in a DeviceClass (whose config every claim of the class gets); and
+through `parse_claim_config`, as the plugin reads it after a JSON round trip.
+A disagreement fails the test with the config and the answers: admitted by one and
+refused by another, or refused by two at different fields. An API-server validation
 error (not the policy's) counts as a refusal without a field.
 
 Two runs: a fixed seed, and a random one that is printed (and named in any failure), each
@@ -323,15 +324,23 @@ def claim(params: Any, name: str) -> dict[str, Any]:
     }
 
 
-def policy_verdict(api: client.ApiClient, namespace: str, params: Any) -> Verdict:
+def device_class(params: Any, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": name},
+        "spec": {"config": [{"opaque": {"driver": DRIVER, "parameters": params}}]},
+    }
+
+
+def policy_verdict(api: client.ApiClient, namespace: str, params: Any, as_class: bool = False) -> Verdict:
+    """The policy's answer to a claim with `params`, or to a DeviceClass with them (`as_class`)."""
+    if as_class:
+        path, body = f"{RESOURCE_API}/deviceclasses", device_class(params, f"agree-{namespace}")
+    else:
+        path, body = f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims", claim(params, "agree")
     try:
-        sync_request(
-            api,
-            "POST",
-            f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
-            claim(params, "agree"),
-            query={"dryRun": "All"},
-        )
+        sync_request(api, "POST", path, body, query={"dryRun": "All"})
     except ApiException as e:
         message = api_error(e)
         if DENIED in message:
@@ -398,11 +407,13 @@ def check_agreement(bench: Bench, run_seed: int) -> tuple[int, float]:
     checked: list[int] = []
     pool = ThreadPoolExecutor(THREADS)
 
-    def both(i_params: tuple[int, Any]) -> tuple[Any, Verdict, Verdict]:
+    def both(i_params: tuple[int, Any]) -> tuple[Any, Verdict, Verdict, Verdict]:
         i, params = i_params
+        api = bench.clients[i % THREADS]
         return (
             params,
-            policy_verdict(bench.clients[i % THREADS], bench.namespace, params),
+            policy_verdict(api, bench.namespace, params),
+            policy_verdict(api, bench.namespace, params, as_class=True),
             plugin_verdict(params),
         )
 
@@ -418,9 +429,10 @@ def check_agreement(bench: Bench, run_seed: int) -> tuple[int, float]:
     def agree(batch: list[Any]) -> None:
         answers = list(pool.map(both, enumerate(batch)))
         checked.append(len(answers))
-        wrong = [(p, a, b) for p, a, b in answers if not a.agrees_with(b)]
+        wrong = [(p, a, c, b) for p, a, c, b in answers if not (a.agrees_with(b) and c.agrees_with(b))]
         assert not wrong, f"seed {run_seed}: {len(wrong)} of {len(batch)} disagree; first: " + "\n".join(
-            f"config {json.dumps(p)}\n  policy: {a}\n  plugin: {b}" for p, a, b in wrong[:3]
+            f"config {json.dumps(p)}\n  policy (claim): {a}\n  policy (class): {c}\n  plugin: {b}"
+            for p, a, c, b in wrong[:3]
         )
 
     start = time.monotonic()
@@ -448,9 +460,11 @@ NVIDIA_ONLY = [
 def test_nvidias_kinds_with_no_counterpart_are_refused_for_their_kind_by_both(
     bench: Bench, params: dict[str, Any]
 ) -> None:
-    policy, plugin = policy_verdict(bench.clients[0], bench.namespace, params), plugin_verdict(params)
-    assert policy.path == plugin.path == "opaque.parameters.kind", f"policy: {policy}\nplugin: {plugin}"
-    assert policy.message == plugin.message and "offers no VFIO passthrough" in plugin.message
+    plugin = plugin_verdict(params)
+    for as_class in (False, True):
+        policy = policy_verdict(bench.clients[0], bench.namespace, params, as_class)
+        assert policy.path == plugin.path == "opaque.parameters.kind", f"policy: {policy}\nplugin: {plugin}"
+        assert policy.message == plugin.message and "offers no VFIO passthrough" in plugin.message
 
 
 # Null objects where NVIDIA's driver takes its default (docs/migrating.md), refused by both
@@ -473,8 +487,10 @@ NULL_OR_EMPTY = [
 
 @pytest.mark.parametrize("params", NULL_OR_EMPTY, ids=lambda p: json.dumps(p["sharing"]))
 def test_a_null_or_empty_object_is_its_default_for_both(bench: Bench, params: dict[str, Any]) -> None:
-    policy, plugin = policy_verdict(bench.clients[0], bench.namespace, params), plugin_verdict(params)
-    assert policy.admitted and plugin.admitted, f"policy: {policy}\nplugin: {plugin}"
+    plugin = plugin_verdict(params)
+    for as_class in (False, True):
+        policy = policy_verdict(bench.clients[0], bench.namespace, params, as_class)
+        assert policy.admitted and plugin.admitted, f"policy: {policy}\nplugin: {plugin}"
 
 
 @pytest.mark.parametrize("which", ["fixed", "random"])

@@ -1,9 +1,10 @@
 """Claim configs against the real API server and scheduler: NVIDIA's form
 (resource.nvidia.com/v1beta1) and ours accepted at admission and prepared as asked; what the
 plugin would refuse refused when written, by the chart's claim-config policy, with the
-plugin's own message; a request for NVIDIA's VFIO class under this driver's domain (NVIDIA's
+plugin's own message, in a claim, a template or a DeviceClass (whose config every claim of
+the class gets); a request for NVIDIA's VFIO class under this driver's domain (NVIDIA's
 VFIO examples after docs/migrating.md's sed) refused when written, since no such class
-exists here; a claim written before the policy took effect never stuck by it.
+exists here; a claim or class written before the policy took effect never stuck by it.
 
 One `dra-driver kubelet-plugin` on a simulated a100-mig box (whole A100s gpu-0..3, MIG
 devices on the others) with a stand-in `nvidia-cuda-mps-control` (tests/harness/fake_mps.py)
@@ -44,6 +45,7 @@ from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import (
     allocation_results,
+    api_error,
     create_device_class,
     get_claim,
     get_pod,
@@ -111,6 +113,14 @@ def _claim(name: str, devices: JSON) -> JSON:
         "metadata": {"name": name},
         "spec": {"devices": devices},
     }
+
+
+def _device_class(name: str, parameters: Any, selector: str | None = None) -> JSON:
+    spec: JSON = {"config": [{"opaque": {"driver": DRIVER, "parameters": parameters}}]}
+    if selector is not None:
+        spec["selectors"] = [{"cel": {"expression": selector}}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+            "spec": spec}
 
 
 def _one_request(parameters: Any, cls: str = GPU_CLASS, count: int = 1) -> JSON:
@@ -426,6 +436,35 @@ def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
     assert policy_denial(bench.api, namespace, template) == message
     claims = sync_request(bench.api, "GET", f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims")["items"]
     assert claims == []  # nothing was written, so nothing can be allocated
+    # in a DeviceClass every claim of the class would be stuck: refused when the class is written
+    cls = f"refused-{SUFFIX}"
+    assert policy_denial(bench.api, namespace, _device_class(cls, parameters)) == message
+    classes = sync_request(bench.api, "GET", f"{RESOURCE_API}/deviceclasses")["items"]
+    assert cls not in [c["metadata"]["name"] for c in classes]
+
+
+def test_a_device_classs_config_is_checked_when_written_and_given_to_its_claims(case: Case) -> None:
+    """A class carrying a config the plugin takes is written, and its claims get it; the
+    same class with an interval the node refuses is refused (item 2 of issue 49)."""
+    name = f"cfg-mps-{SUFFIX}"
+    selector = f'device.driver == "{DRIVER}" && device.attributes["{DRIVER}"].type == "gpu"'
+    mps = {**NV, "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 30}}}
+    stuck = {**NV, "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}
+    assert policy_denial(case.api, case.ns, _device_class(name, stuck, selector)) == _plugin_message(stuck)
+    assert policy_denial(case.api, case.ns, _device_class(name, mps, selector)) is None
+    try:
+        claim = case.create({"requests": [{"name": "gpu", "exactly": {"deviceClassName": name}}]})
+        env = case.env_by_request(case.claim_of(claim))
+        assert _mps(env["gpu"])["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+        case.clear()
+        # an edit of the class's config is checked too
+        current = sync_request(case.api, "GET", f"{RESOURCE_API}/deviceclasses/{name}")
+        current["spec"]["config"][0]["opaque"]["parameters"] = stuck
+        with pytest.raises(ApiException) as refused:
+            sync_request(case.api, "PUT", f"{RESOURCE_API}/deviceclasses/{name}", current)
+        assert api_error(refused.value).endswith(f"denied request: {_plugin_message(stuck)}")
+    finally:
+        sync_request(case.api, "DELETE", f"{RESOURCE_API}/deviceclasses/{name}")
 
 
 VFIO_CLASS = f"vfio.{DRIVER}"
@@ -551,8 +590,10 @@ def test_a_claim_written_before_the_policy_is_allocated_and_refused_by_the_plugi
         lambda: policy_denial(case.api, case.ns, _claim("probe", _one_request(parameters)),
                               dry_run=True) is None,
     )
+    old_class = f"cfg-old-{SUFFIX}"
     try:
         name = case.create(_one_request(parameters))
+        sync_request(case.api, "POST", f"{RESOURCE_API}/deviceclasses", _device_class(old_class, parameters))
     finally:
         for doc in bench.policy:
             sync_request(case.api, "POST", _admission_path(doc), doc)
@@ -564,3 +605,8 @@ def test_a_claim_written_before_the_policy_is_allocated_and_refused_by_the_plugi
     assert policy_message is not None and answer.error.endswith(policy_message), answer.error
     # Deleting it removes the finalizer (an update that changes no spec): it must go through.
     case.clear()
+    # A class written before the policy: an edit that changes no spec goes through.
+    labelled = sync_request(case.api, "GET", f"{RESOURCE_API}/deviceclasses/{old_class}")
+    labelled["metadata"]["labels"] = {"edited": "yes"}
+    sync_request(case.api, "PUT", f"{RESOURCE_API}/deviceclasses/{old_class}", labelled)
+    sync_request(case.api, "DELETE", f"{RESOURCE_API}/deviceclasses/{old_class}")
