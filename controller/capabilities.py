@@ -79,6 +79,16 @@ _CAPACITY_GATE: Final = (
     "turn on the DRAConsumableCapacity feature gate on kube-apiserver, kube-scheduler and "
     "kube-controller-manager (beta and on by default from 1.36)"
 )
+# Measured against a real v1.34.4 control plane with both gates on (issue 54): share claims and
+# whole-GPU claims created alternately were all allocated, every GPU given out both whole and as
+# a share; 1.35+ (and 1.34 emulated on 1.37) keep them apart. A 1.34 server is told apart by
+# where it wants counter sets (in the slice of their consumers).
+_ALLOCATOR_134: Final = (
+    "the 1.34 scheduler gives one GPU out both whole and as a memory share (it does not keep the "
+    "whole GPU and its share views apart through their shared counter): upgrade the control plane "
+    "to 1.35 or later, or use --memory-shares-only (Helm memoryShares.only), which publishes each "
+    "GPU as its share view alone"
+)
 _TAINT_GATE: Final = (
     "the API server drops device taints: turn on the DRADeviceTaints feature gate on "
     "kube-apiserver, kube-scheduler and kube-controller-manager (beta and on by default from 1.36)"
@@ -94,6 +104,9 @@ def decide(asked: SliceFeatures, server: ServerCapabilities) -> tuple[SliceFeatu
     if shares_only and not server.consumable_capacity:
         off.append(FeatureOff("--memory-shares-only", _CAPACITY_GATE))
         memory_shares = shares_only = False
+    elif memory_shares and not shares_only and server.counters == "together":
+        off.append(FeatureOff("--memory-shares", _ALLOCATOR_134))
+        memory_shares = False
     elif memory_shares and not shares_only and not (server.consumable_capacity and server.counters != "none"):
         reasons = [r for ok, r in ((server.consumable_capacity, _CAPACITY_GATE),
                                    (server.counters != "none", _COUNTER_GATE)) if not ok]

@@ -128,15 +128,28 @@ def test_features_whose_fields_would_be_dropped_are_off_with_the_gate_to_turn_on
     assert (features.memory_shares, features.shares_only, [o.feature for o in off]) == (
         False, False, ["--memory-shares-only", "device health taints"])
 
-    for server, together in (("1.34 DRA gates on", True), ("1.36 default gates", False)):
-        features, off = decide(ASKED, _caps(server))
-        assert (features.memory_shares, features.dynamic_mig, off) == (True, True, ())
-        assert features.counters_with_devices is together
+    features, off = decide(ASKED, _caps("1.36 default gates"))
+    assert (features.memory_shares, features.dynamic_mig, off, features.counters_with_devices) == (
+        True, True, (), False)
+    features, off = decide(ASKED, _caps("1.34 DRA gates on"))
+    assert (features.dynamic_mig, features.counters_with_devices) == (True, True)
+
+
+def test_on_1_34_a_gpu_is_never_published_both_whole_and_as_a_share() -> None:
+    """The 1.34 allocator gave every GPU out twice (issue 54): there, whole GPUs and share views
+    are never published side by side; the share views alone (--memory-shares-only) still are."""
+    features, off = decide(ASKED, _caps("1.34 DRA gates on"))
+    assert not features.memory_shares
+    (why,) = [o.reason for o in off if o.feature == "--memory-shares"]
+    assert "1.35" in why and "--memory-shares-only" in why
+    features, off = decide(SliceFeatures(memory_shares=True, shares_only=True), _caps("1.34 DRA gates on"))
+    assert (features.memory_shares, features.shares_only, off) == (True, True, ())
 
 
 def test_on_1_34_each_counter_set_is_in_the_slice_of_its_consumers() -> None:
     inventory = discover("hgx-h200-mig")
-    features, _ = decide(ASKED, _caps("1.34 DRA gates on"))
+    asked = SliceFeatures(dynamic_mig=True)  # memory shares are off on 1.34 (the test above)
+    features, _ = decide(asked, _caps("1.34 DRA gates on"))
     specs = desired_slices(inventory, NODE, DRIVER, features)
     api = VersionedApi("1.34 DRA gates on")
     for spec in specs:
@@ -144,7 +157,7 @@ def test_on_1_34_each_counter_set_is_in_the_slice_of_its_consumers() -> None:
         api._validate(spec)  # every consumer finds its set in its own slice
     assert sum(len(s.get("sharedCounters", [])) for s in specs) == sum(
         len(s.get("sharedCounters", [])) for s in desired_slices(inventory, NODE, DRIVER, decide(
-            ASKED, _caps("1.36 default gates"))[0]))
+            asked, _caps("1.36 default gates"))[0]))
 
 
 def _settled(api: VersionedApi, ctl: SliceController) -> Any:
@@ -201,7 +214,8 @@ def test_shares_and_dynamic_mig_asked_one_write_per_slice_and_one_warning(
     for event, off in zip(api.events, ctl.features_off, strict=True):
         assert (event["type"], event["involvedObject"]["kind"], event["reason"]) == (
             "Warning", "Node", "DRAFeatureOff")
-        assert event["message"].startswith(f"{off.feature} is off on this node: the API server drops")
+        assert event["message"].startswith(f"{off.feature} is off on this node: the ")
+        assert event["message"].endswith(off.reason)
         assert metrics.features_off.labels(feature=off.feature)._value.get() == 1
 
 
