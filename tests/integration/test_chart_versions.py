@@ -7,6 +7,7 @@ the chart with a message that names the gate, unless kubernetesFeatureGates says
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,5 +58,28 @@ def test_gated_features_install_where_the_gates_are_on_and_are_refused_clearly_w
     assert "needs the" in out and "DRAConsumableCapacity" in out and f"1.{minor}" in out, out
     assert "kubernetesFeatureGates" in out, out
     if gate_mode() == "all":  # the gates are on here: the operator says so and the chart installs
-        release, _ = _install(helm, *features, f"kubernetesFeatureGates={GATES}")
+        # (1.34's scheduler gives a GPU out whole and as a share: there only the share views)
+        shares = ("memoryShares.only=true",) if minor == 34 else ()
+        release, _ = _install(helm, *features, *shares, f"kubernetesFeatureGates={GATES}")
         _uninstall(helm, release)
+
+
+GATES_34_35 = "kubernetesFeatureGates={DRAPartitionableDevices,DRAConsumableCapacity}"
+
+
+@pytest.mark.parametrize("version", ["v1.34.4", "v1.35.4"])
+def test_memory_shares_beside_whole_gpus_are_refused_on_1_34_whatever_its_gates(
+    helm: Helm, version: str
+) -> None:
+    def template(*sets: str) -> subprocess.CompletedProcess[str]:
+        args = [a for s in ("memoryShares.enabled=true", GATES_34_35, *sets) for a in ("--set", s)]
+        return helm.run("template", "r", str(CHART), "--kube-version", version, *args, check=False)
+
+    done = template()
+    if version == "v1.34.4":
+        assert done.returncode != 0 and "memoryShares.only=true" in done.stderr, done.stderr
+        assert "1.35" in done.stderr, done.stderr
+        only = template("memoryShares.only=true")
+        assert only.returncode == 0, only.stderr
+    else:
+        assert done.returncode == 0, done.stderr
