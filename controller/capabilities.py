@@ -90,8 +90,10 @@ _ALLOCATOR_134: Final = (
     "GPU as its share view alone"
 )
 _TAINT_GATE: Final = (
-    "the API server drops device taints: turn on the DRADeviceTaints feature gate on "
-    "kube-apiserver, kube-scheduler and kube-controller-manager (beta and on by default from 1.36)"
+    "the API server drops device taints, so a sick device is left out of the slice instead (no "
+    "new pod gets it; a claim cannot tolerate its way onto it): turn on the DRADeviceTaints "
+    "feature gate on kube-apiserver, kube-scheduler and kube-controller-manager (beta and on by "
+    "default from 1.36)"
 )
 
 

@@ -133,8 +133,10 @@ def desired_slices(
     if features.memory_shares:
         entries, counter_sets = with_memory_shares(devices, entries, only=features.shares_only)
         restricted = restricted or bool(counter_sets)
-    if not features.taints:
-        taints = None
+    withheld: frozenset[str] = frozenset()
+    if not features.taints:  # the server would drop taints: a sick device is left out instead
+        withheld, taints = withheld_devices(taints or {}), None
+        entries = [e for e in entries if not _is_withheld(e["name"], withheld)]
     if taints and any(taints.values()):
         entries = [{**e, "taints": [taint_json(t) for t in taints[e["name"]]]} if taints.get(e["name"]) else e
                    for e in entries]
@@ -146,7 +148,9 @@ def desired_slices(
     chunks = [entries[i : i + per_slice] for i in range(0, len(entries), per_slice)] or [[]]
     # One slice per MIG-mode GPU: its devices all consume its counter set
     for gpu in (g for g in inventory.gpus if g.index in carved):
-        mig_entries = partitions.gpu_devices(gpu, inventory, facts.get(gpu.index), features.list_attributes)
+        mig_entries = [e for e in partitions.gpu_devices(gpu, inventory, facts.get(gpu.index),
+                                                          features.list_attributes)
+                       if not _is_withheld(e["name"], withheld)]
         # a condition of the whole GPU (named by gpu-<i>) holds for every slice carved from it
         whole_gpu = list((taints or {}).get(f"gpu-{gpu.index}", ()))
         for e in mig_entries:
@@ -189,6 +193,19 @@ def _described(
         for d in devices
     )
     return devices, described
+
+
+def withheld_devices(taints: Mapping[str, Sequence[DeviceTaint]]) -> frozenset[str]:
+    """The devices that a server without device taints must not offer at all: those whose health
+    taints would keep new pods off them (NoSchedule, NoExecute)."""
+    keeps_off = ("NoSchedule", "NoExecute")
+    return frozenset(name for name, ts in taints.items() if any(t.effect in keeps_off for t in ts))
+
+
+def _is_withheld(name: str, withheld: frozenset[str]) -> bool:
+    """The device, or the whole GPU it is a part or a share of (`gpu-<i>`...), is withheld."""
+    parts = name.split("-")
+    return name in withheld or (len(parts) > 2 and parts[0] == "gpu" and f"gpu-{parts[1]}" in withheld)
 
 
 def _with_counters(spec: JSON, counter_sets: Sequence[JSON]) -> JSON:

@@ -54,6 +54,25 @@ def test_taints_go_on_the_device_and_its_share_view_with_time_added() -> None:
     assert no_taints == desired_slices(inv, NODE, DRIVER, SliceFeatures())
 
 
+def test_where_the_server_drops_taints_a_sick_gpu_is_left_out_until_it_recovers() -> None:
+    """1.34/1.35 with default gates keep no device taints (issue 54): a GPU the health monitor
+    taints is then not offered at all, neither whole nor as a share or a MIG placement, so the
+    scheduler gives it to no new pod; with no taint it is offered again."""
+    taint = DeviceTaint(f"{DRIVER}/xid", "79", "NoSchedule", 1_796_000_000)
+    features = SliceFeatures(memory_shares=True, dynamic_mig=True, taints=False)
+    for profile, sick in (("hgx-h200", "gpu-2"), ("hgx-h200-mig", "gpu-0")):
+        inv = discover(profile)
+        healthy = {d["name"] for s in desired_slices(inv, NODE, DRIVER, features)
+                   for d in s.get("devices", [])}
+        during = [d for s in desired_slices(inv, NODE, DRIVER, features, {sick: (taint,)})
+                  for d in s.get("devices", [])]
+        assert not [d for d in during if "taints" in d], "no taint where the server drops them"
+        gone = healthy - {d["name"] for d in during}
+        assert sick in gone or any(n.startswith(f"{sick}-") for n in gone), (profile, gone)
+        assert all(n == sick or n.startswith(f"{sick}-") for n in gone), (profile, gone)
+        assert desired_slices(inv, NODE, DRIVER, features, {}) == desired_slices(inv, NODE, DRIVER, features)
+
+
 def test_a_tainted_pool_keeps_within_the_64_device_limit() -> None:
     inv = discover("a100-mig")
     names = list(node_devices(inv))
