@@ -53,6 +53,16 @@ repository), on the same control plane, with claims of its own allocated to its 
 name, its plugin dir (checkpoint) and CDI dir on the same tmpfs, in the same alternation.
 It does not write the claim's status; ours does (in the background).
 
+Beside NVIDIA's own GPU plugin (`--nvidia`, with or without `--example`): a third side,
+`nvidia`, cmd/gpu-kubelet-plugin of `sigs.k8s.io/dra-driver-nvidia-gpu` at a pinned version
+(benchmarks.nvidia_driver, which says what it is given; built by hack/bench/nvidia-driver.sh,
+cached outside the repository), in the same alternation (B C N, N C B, ...), on the same
+control plane, kubelet-client and tmpfs. It needs NVML: on a GPU host it discovers the real
+GPUs (all of its claims go to them, several claims to a GPU when there are fewer than 16,
+which its ConsumableShares gate allows), where ours and the example run 16 simulated ones;
+its claims are made once its first start has published its GPUs. `current_to_nvidia` divides
+ours by it as `current_to_baseline` does by the baseline.
+
 CPU: `start_cpu_s` is the plugin's utime+stime from exec to registered; over the `--cycles`
 Prepare/Unprepare cycles the plugin's utime+stime is read from /proc before and after each
 call, and `cpu_ms_per_prepare` / `cpu_ms_per_unprepare` are the sums over the calls of
@@ -95,7 +105,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks import example_driver, fresh_control_plane, kubelet_client, report
+from benchmarks import example_driver, fresh_control_plane, kubelet_client, nvidia_driver, report
 from benchmarks.kubelet_client import REPO
 from dra_driver.driver_root.user_space import COMPUTE_LIBRARIES, UTILITY_BINARIES
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
@@ -303,8 +313,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _claims(api: Any, driver: str = DRIVER, prefix: str = "c") -> list[ClaimName]:
-    """GPUS claims in namespace bench, each allocated one GPU of NODE of `driver` by an admin write."""
+def _claims(
+    api: Any, driver: str = DRIVER, prefix: str = "c", devices: list[str] | None = None
+) -> list[ClaimName]:
+    """GPUS claims in namespace bench, each allocated one GPU of NODE of `driver` by an admin
+    write: gpu-0, gpu-1, ... or, with `devices`, those in turn."""
     if prefix == "c":
         sync_request(
             api,
@@ -328,7 +341,14 @@ def _claims(api: Any, driver: str = DRIVER, prefix: str = "c") -> list[ClaimName
         claim["status"] = {
             "allocation": {
                 "devices": {
-                    "results": [{"request": "gpu", "driver": driver, "pool": NODE, "device": f"gpu-{i}"}]
+                    "results": [
+                        {
+                            "request": "gpu",
+                            "driver": driver,
+                            "pool": NODE,
+                            "device": devices[i % len(devices)] if devices else f"gpu-{i}",
+                        }
+                    ]
                 }
             }
         }
@@ -341,12 +361,18 @@ def _claims(api: Any, driver: str = DRIVER, prefix: str = "c") -> list[ClaimName
 class Side:
     """One version of the plugin: `code` is put first on the plugin's PYTHONPATH (the
     checkout itself for the working tree, a git worktree for a commit); or, with
-    `example`, dra-example-driver's kubelet plugin (that binary; `code` unused)."""
+    `example`, dra-example-driver's kubelet plugin (that binary; `code` unused); or, with
+    `nvidia`, NVIDIA's gpu-kubelet-plugin (that binary)."""
 
     label: str
     code: Path
     describe: str  # "<sha>" or "working tree at <sha> (...)"
     example: Path | None = None
+    nvidia: Path | None = None
+
+    @property
+    def go(self) -> bool:
+        return self.example is not None or self.nvidia is not None
 
     @property
     def env(self) -> dict[str, str]:
@@ -406,11 +432,16 @@ def example_side(label: str = "baseline") -> Side:
     return Side(label, REPO, f"dra-example-driver {version} (Go, from the Go module proxy)", binary)
 
 
+def nvidia_side(label: str = "nvidia") -> Side:
+    binary = nvidia_driver.build()
+    return Side(label, REPO, nvidia_driver.describe(binary), nvidia=binary)
+
+
 def check_imports(side: Side) -> None:
     """Every module of the side's dra_driver and controller imports with this interpreter,
     from the side's own code (not the checkout's); byte-compiled first, so that no start
     timed later compiles."""
-    if side.example is not None:
+    if side.go:
         return
     subprocess.run(
         [
@@ -485,7 +516,10 @@ def _free_port() -> int:
         return port
 
 
-def start_timed(plugin: DriverProcess | example_driver.ExampleProcess) -> tuple[float, int, float]:
+Plugin = DriverProcess | example_driver.ExampleProcess | nvidia_driver.NvidiaProcess
+
+
+def start_timed(plugin: Plugin) -> tuple[float, int, float]:
     """Start `plugin` and wait until its registration socket answers: (seconds from spawn to
     registered, its pid, its CPU seconds by then)."""
     t0 = time.perf_counter()
@@ -501,16 +535,22 @@ def measure_block(
     index: int,
     cp: ControlPlane,
     work: Path,
-    claims: list[ClaimName],
+    claims: list[ClaimName] | Callable[[], list[ClaimName]],
     binary: Path,
     rounds: int,
     cycles: int,
 ) -> tuple[Block, Path]:
-    """Start one plugin of `side` (fresh dirs), time it, stop it. Returns the block and its data dir."""
+    """Start one plugin of `side` (fresh dirs), time it, stop it. Returns the block and its
+    data dir. `claims` may be a function, called once the plugin is registered (NVIDIA's:
+    claims of the GPUs it published)."""
     run_root, _ = _run_root()
-    plugin: DriverProcess | example_driver.ExampleProcess
+    plugin: Plugin
     metrics_port = 0
-    if side.example is not None:
+    if side.nvidia is not None:
+        plugin = nvidia_driver.NvidiaProcess(
+            side.nvidia, NODE, cp.kubeconfig, work / f"p-{side.label}-{index}", run_root
+        )
+    elif side.example is not None:
         plugin = example_driver.ExampleProcess(
             side.example, NODE, cp.kubeconfig, work / f"p-{side.label}-{index}", run_root, GPUS
         )
@@ -529,6 +569,8 @@ def measure_block(
     try:
         start_to_registered, pid, start_cpu = start_timed(plugin)
         kubelet = KubeletSide(plugin.registration_socket())  # registers, as the kubelet does
+        if callable(claims):
+            claims = claims()
         refs = [(c.namespace, c.name, c.uid) for c in claims]
         token_file = work / "bench.token"
         token_file.write_text(ADMIN_TOKEN)
@@ -571,8 +613,8 @@ def measure_block(
         side.label, start_to_registered, phases, rss_before, rss_after,
         start_cpu, cycles_cpu, prepare_cpu, unprepare_cpu, cycles, idle_cpu, paced_cpu,
     )
-    # the floor's durable write goes into a dir on disk: the example's plugin dir is on the tmpfs
-    return block, plugin.data_dir if side.example is None else plugin.kubelet_dir
+    # the floor's durable write goes into a dir on disk: the Go plugins' plugin dirs are on the tmpfs
+    return block, plugin.kubelet_dir if side.go else plugin.data_dir
 
 
 def _side_result(blocks: list[Block], cycles: int) -> dict[str, Any]:
@@ -659,19 +701,24 @@ def run(
     current_ref: str | None = None,
     starts: int | None = None,
     example: bool = False,
+    nvidia: bool = False,
 ) -> dict[str, Any]:
     """The figures of the working tree's plugin (or `current_ref`'s); with `baseline_ref`,
     also of that commit's, in the same run: `starts` plugin starts of each side (default
     2; 1 without a baseline), in the order B C C B B C ..., `rounds` timed calls per phase
     and side shared among them, `cycles` per start. With `example`, dra-example-driver's
-    plugin is the baseline side instead of a commit."""
+    plugin is the baseline side instead of a commit; with `nvidia`, NVIDIA's plugin is a
+    side too (B C N N C B ...)."""
     sides = [commit_side(current_ref, "current") if current_ref else working_tree_side()]
     if example:
         sides.insert(0, example_side())
         baseline_ref = baseline_ref or "example"
     elif baseline_ref:
         sides.insert(0, commit_side(baseline_ref, "baseline"))
-    starts = starts or (2 if baseline_ref else 1)
+    if nvidia:
+        sides.append(nvidia_side())
+    compared = len(sides) > 1
+    starts = starts or (2 if compared else 1)
     for side in sides:
         check_imports(side)
     order: list[Side] = []
@@ -682,18 +729,41 @@ def run(
         api = sync_client(str(cp.kubeconfig))
         create_node(api, NODE)
         claims = _claims(api)
-        side_claims = {
-            side.label: _claims(api, example_driver.EXAMPLE_DRIVER, "e") if side.example else claims
+        nvidia_claims: list[ClaimName] = []
+        nvidia_devices: list[str] = []
+
+        def claims_of_nvidia() -> list[ClaimName]:
+            """Claims of the GPUs NVIDIA's plugin published, made at its first start."""
+            if not nvidia_claims:
+                nvidia_devices.extend(nvidia_driver.claim_devices(api, NODE))
+                nvidia_claims.extend(_claims(api, nvidia_driver.NVIDIA_DRIVER, "n", nvidia_devices))
+            return nvidia_claims
+
+        side_claims: dict[str, list[ClaimName] | Callable[[], list[ClaimName]]] = {
+            side.label: claims_of_nvidia
+            if side.nvidia
+            else _claims(api, example_driver.EXAMPLE_DRIVER, "e")
+            if side.example
+            else claims
             for side in sides
         }
         _driver_root(work / "driver-root")
         binary = kubelet_client.build()
         blocks: dict[str, list[Block]] = {side.label: [] for side in sides}
         data_dir = work
+        failed: list[dict[str, Any]] = []
         for index, side in enumerate(order):
-            block, data_dir = measure_block(
-                side, index, cp, work, side_claims[side.label], binary, per_start_rounds, cycles
-            )
+            try:
+                block, data_dir = measure_block(
+                    side, index, cp, work, side_claims[side.label], binary, per_start_rounds, cycles
+                )
+            except (RuntimeError, TimeoutError) as e:
+                if not compared:
+                    raise
+                # one side's failure (NVIDIA's without NVML, a refused call) leaves the others' figures
+                print(f"start {index + 1}/{len(order)} {side.label} FAILED: {e}", file=sys.stderr, flush=True)
+                failed.append({"start": index + 1, "side": side.label, "error": str(e)[-3000:]})
+                continue
             blocks[side.label].append(block)
             p50_ms = statistics.median(block.phases["prepare_sequential"]) * 1000
             print(
@@ -715,10 +785,10 @@ def run(
             "get_go_16_concurrent": _percentiles(get_go_concurrent),
         }
     run_fs = "tmpfs" if _shm_is_tmpfs() else "not a tmpfs (no /dev/shm)"
-    results = {side.label: _side_result(blocks[side.label], cycles) for side in sides}
+    results = {side.label: _side_result(blocks[side.label], cycles) for side in sides if blocks[side.label]}
     for result in results.values():
         result["ratios"] = _ratios({**result, "floor": floor})
-    if not baseline_ref:
+    if not compared:
         current = results["current"]
         start_to_registered, ratios = current.pop("start_to_registered_s"), current.pop("ratios")
         return {
@@ -729,16 +799,25 @@ def run(
             "floor": floor,
             "ratios": ratios,
         }
-    return {
+    compared_with = {
+        f"current_to_{label}": _current_to_baseline(results["current"], results[label], cycles)
+        for label in ("baseline", "nvidia")
+        if label in results and "current" in results
+    }
+    out: dict[str, Any] = {
         "method": f"{starts} plugin starts of each side, in the order {' '.join(s.label for s in order)};"
         f" {per_start_rounds} sequential calls per phase and start; {cycles} cycles per start",
         "state_and_cdi_dirs": run_fs,
         "code": {side.label: side.describe for side in sides},
-        "current_to_baseline": _current_to_baseline(results["current"], results["baseline"], cycles),
-        "current": results["current"],
-        "baseline": results["baseline"],
+        **compared_with,
+        **results,
         "floor": floor,
     }
+    if nvidia:  # the GPUs its 16 claims were allocated, in turn
+        out["nvidia_devices"] = nvidia_devices
+    if failed:
+        out["failed_starts"] = failed
+    return out
 
 
 def main() -> None:
@@ -754,6 +833,11 @@ def main() -> None:
         help="the baseline side is dra-example-driver's kubelet plugin (hack/bench/example-driver.sh)",
     )
     parser.add_argument(
+        "--nvidia",
+        action="store_true",
+        help="also NVIDIA's gpu-kubelet-plugin (hack/bench/nvidia-driver.sh; needs NVML: a GPU host)",
+    )
+    parser.add_argument(
         "--current-ref",
         metavar="REF",
         help="measure this commit's plugin as the current side instead of the working tree's",
@@ -766,43 +850,45 @@ def main() -> None:
         "--cycles", type=int, default=1000, help="prepare/unprepare cycles per start before RSS"
     )
     args = parser.parse_args()
-    result = run(args.cycles, args.rounds, args.baseline_ref, args.current_ref, args.starts, args.example)
+    result = run(
+        args.cycles, args.rounds, args.baseline_ref, args.current_ref, args.starts, args.example, args.nvidia
+    )
     report("prepare", result)
-    if "current_to_baseline" in result:
+    if "current" in result and isinstance(result.get("code"), dict):
         print(comparison_table(result, args.cycles), file=sys.stderr, flush=True)
 
 
 def comparison_table(result: dict[str, Any], cycles: int) -> str:
-    """The baseline and current figures side by side with their ratio (current/baseline)."""
-    base, cur, ratio = result["baseline"], result["current"], result["current_to_baseline"]
-    rows = [("figure", "baseline", "current", "current/baseline")]
-    rows.append(
-        (
-            "start to registered (s)",
-            str(base["start_to_registered_s"]),
-            str(cur["start_to_registered_s"]),
-            str(ratio["start_to_registered"]),
+    """Each side's figures side by side (baseline, current, nvidia: those measured) with the
+    ratios of current to each other side."""
+    others = [label for label in ("baseline", "nvidia") if f"current_to_{label}" in result]
+    labels = [label for label in ("baseline", "current", "nvidia") if label in others or label == "current"]
+    ratios = {label: result[f"current_to_{label}"] for label in others}
+    rows = [("figure", *labels, *(f"current/{label}" for label in others))]
+
+    def row(name: str, keys: tuple[str, ...], ratio_key: str) -> None:
+        def value(side: Any) -> str:
+            for key in keys:
+                side = side[key]
+            return str(side)
+
+        rows.append(
+            (name, *(value(result[label]) for label in labels),
+             *(str(ratios[label][ratio_key]) for label in others))
         )
-    )
+
+    row("start to registered (s)", ("start_to_registered_s",), "start_to_registered")
     for key in ("start_cpu_s", "cpu_ms_per_prepare", "cpu_ms_per_unprepare", "cpu_ms_per_cycle",
                 "cpu_ms_per_paced_cycle", "idle_cpu_ms_per_second"):
-        name = key.removesuffix("_s").removesuffix("_ms")
-        rows.append((key, str(base[key]), str(cur[key]), str(ratio[name])))
+        row(key, (key,), key.removesuffix("_s").removesuffix("_ms"))
     for phase in COMPARED_PHASES[:-1]:  # the printed table leaves out the 16 empty calls
         for stat in ("p50", "p99"):
-            rows.append(
-                (
-                    f"{phase} {stat} (ms)",
-                    str(base[phase][f"{stat}_ms"]),
-                    str(cur[phase][f"{stat}_ms"]),
-                    str(ratio[f"{phase}.{stat}"]),
-                )
-            )
+            row(f"{phase} {stat} (ms)", (phase, f"{stat}_ms"), f"{phase}.{stat}")
     for key in ("rss_kib_after_warmup", f"rss_kib_after_{cycles}_cycles"):
-        rows.append((f"{key} ", str(base[key]), str(cur[key]), str(ratio[key.removeprefix("rss_kib_")])))
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = [f"baseline {result['code']['baseline']}", f"current  {result['code']['current']}"]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        row(f"{key} ", (key,), key.removeprefix("rss_kib_"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"{label:8} {result['code'][label]}" for label in labels]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
 
 

@@ -81,6 +81,7 @@ _PROVENANCE = (
     ("code", "plugin_code"),
     ("code", "code.current"),
     ("compared with", "code.baseline"),
+    ("and with", "code.nvidia"),
     ("compared with", "baseline.ref"),
     ("date", "date"),
     ("host", "host"),
@@ -156,6 +157,61 @@ def _prepare(d: Any) -> list[str]:
             continue  # results from before these were measured
         rows.append((label, fmt(get(d, f"current.{key}")), "", fmt(get(d, f"baseline.{key}")), ""))
     lines = table(("call (ms)", "current p50", "current p99", "baseline p50", "baseline p99"), rows)
+    floor = [
+        (name, fmt(get(d, f"floor.{name}.p50_ms")), fmt(get(d, f"floor.{name}.p99_ms")))
+        for name in get(d, "floor")
+    ]
+    return [*lines, "The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
+
+
+_THREE_SIDES = (("ours", "current"), ("NVIDIA's", "nvidia"), ("the example's", "baseline"))
+
+
+def _prepare_three(d: Any) -> list[str]:
+    """Ours, NVIDIA's plugin and the example's from one run, with ours divided by each."""
+    sides = [(name, key) for name, key in _THREE_SIDES if key in d]
+    ratios = [(name, key) for name, key in sides if key != "current"]
+    rows: list[Row] = []
+    for label, key in (
+        ("Prepare, one at a time", "prepare_sequential"),
+        ("Unprepare, one at a time", "unprepare_sequential"),
+        ("Prepare, 16 at once", "prepare_16_concurrent"),
+        ("Unprepare, 16 at once", "unprepare_16_concurrent"),
+        ("an empty call", "plugin_empty_call"),
+        ("an empty call, 16 at once", "plugin_empty_16_concurrent"),
+    ):
+        rows.append(
+            (
+                label,
+                *(fmt(get(d, f"{side}.{key}.{q}")) for _, side in sides for q in ("p50_ms", "p99_ms")),
+                *(fmt(get(d, f"current_to_{side}")[f"{key}.p50"]) for _, side in ratios),
+            )
+        )
+    for label, key, ratio in (
+        ("start to registered (s)", "start_to_registered_s", "start_to_registered"),
+        ("CPU from exec to registered (s)", "start_cpu_s", "start_cpu"),
+        ("CPU per Prepare (ms)", "cpu_ms_per_prepare", "cpu_ms_per_prepare"),
+        ("CPU per Unprepare (ms)", "cpu_ms_per_unprepare", "cpu_ms_per_unprepare"),
+        ("CPU per cycle of a pod that lives 1 s, status writes included (ms)", "cpu_ms_per_paced_cycle",
+         "cpu_ms_per_paced_cycle"),
+        ("CPU when idle (ms per s)", "idle_cpu_ms_per_second", "idle_cpu_ms_per_second"),
+        ("RSS after warm-up (KiB)", "rss_kib_after_warmup", "after_warmup"),
+        ("RSS after 1,000 more cycles (KiB)", "rss_kib_after_1000_cycles", "after_1000_cycles"),
+    ):
+        rows.append(
+            (
+                label,
+                *(v for _, side in sides for v in (fmt(get(d, f"{side}.{key}")), "")),
+                *(fmt(get(d, f"current_to_{side}.{ratio}")) for _, side in ratios),
+            )
+        )
+    header = (
+        "call (ms)",
+        *(f"{name} {q}" for name, _ in sides for q in ("p50", "p99")),
+        *(f"ours / {name} (p50)" for name, _ in ratios),
+    )
+    lines = table(header, rows)
+    lines += [f"NVIDIA's 16 claims were allocated, in turn: {fmt(get(d, 'nvidia_devices'))}.", ""]
     floor = [
         (name, fmt(get(d, f"floor.{name}.p50_ms")), fmt(get(d, f"floor.{name}.p99_ms")))
         for name in get(d, "floor")
@@ -408,6 +464,16 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
         ),
         _prepare,
     ),
+    "prepare_nvidia_h200": (
+        "Prepare and Unprepare: ours, NVIDIA's plugin and the example driver, 16-core H200 host",
+        (
+            "`python -m benchmarks.prepare --example --nvidia` on the GPU host (`H200_FOR=bench` carry, "
+            "hack/h200/run.sh's H200_BENCH): NVIDIA's gpu-kubelet-plugin v0.5.0 through the host's NVML "
+            "and its one GPU (benchmarks.nvidia_driver says what it is given), ours and dra-example-driver "
+            "v0.2.0 on 16 simulated GPUs, in one interleaved run with the same kubelet-side client."
+        ),
+        _prepare_three,
+    ),
     "node": (
         "Pods through a real kubelet",
         (
@@ -440,6 +506,11 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
     "node_rss_h100": (
         "The plugin's memory on a real GPU, 16-core H100 host",
         "The same benchmark on the GPU host, real NVML (`H200_BENCH=node_rss`).",
+        _flat,
+    ),
+    "node_rss_h200": (
+        "The plugin's memory on a real GPU, 16-core H200 host",
+        "The same benchmark on the GPU host, real NVML, in the call of prepare_nvidia_h200.json.",
         _flat,
     ),
     "huge_prepare": ("One call with many claims", "`python -m benchmarks.huge_prepare`.", _huge_prepare),

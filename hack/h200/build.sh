@@ -16,8 +16,9 @@
 #   * cuda-probe (hack/h200/cuda-probe.c) for the test image;
 #   * with H200_FOR=bench, instead of containerd, its shim and runc: kubelet-client
 #     (benchmarks/kubeletclient, CGO_ENABLED=0, -s -w: 3.6 MB xz where hack/bench/build.sh's
-#     unstripped one is 7.7 MB) and dra-example-driver's plugin (stripped, 9.8 MB xz), so
-#     that benchmarks can run there too (run.sh's H200_BENCH);
+#     unstripped one is 7.7 MB) and dra-example-driver's plugin (stripped, 9.8 MB xz), and
+#     NVIDIA's gpu-kubelet-plugin (hack/bench/nvidia-driver.sh's build, -s -w), so that
+#     benchmarks can run there too (run.sh's H200_BENCH);
 #   * the Python packages the driver and the harness need beyond the host's Python 3.12,
 #     installed here from cp312 wheels into one folder and xz-compressed (site.tar.xz: half
 #     the size of the wheels, which are zip files).
@@ -160,15 +161,27 @@ rm -rf "$carry"; mkdir -p "$carry"
 cp -r "$bin"/carry/. "$pybin"/carry/. "$carry/"
 # H200_FOR=pod (the default): what the pod test needs. H200_FOR=bench: what benchmarks need
 # there instead (run.sh's H200_BENCH): no containerd, shim or runc, but kubelet-client and
-# dra-example-driver's kubelet plugin (hack/bench/example-driver.sh's build, stripped), so
-# that `benchmarks.prepare --example` runs on the 16-core host; both do not fit in one call.
+# dra-example-driver's kubelet plugin (hack/bench/example-driver.sh's build, stripped) and
+# NVIDIA's (hack/bench/nvidia-driver.sh's, built stripped), so that
+# `benchmarks.prepare --example --nvidia` runs on the 16-core host; both do not fit in one call.
 if [ "${H200_FOR:-pod}" = bench ]; then
   rm -f "$carry"/{containerd-ctr,containerd-shim-runc-v2,runc}.xz
   (cd "$repo/benchmarks/kubeletclient" && CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-buildvcs=false \
     go build -trimpath -ldflags "-s -w" -o "$carry/kubelet-client" .)
   example=$(bash "$repo/hack/bench/example-driver.sh" | tail -n 1)
   strip -o "$carry/dra-example-kubeletplugin" "$example"
-  xz -9e -T2 "$carry/kubelet-client" "$carry/dra-example-kubeletplugin"
+  nvidia=$(bash "$repo/hack/bench/nvidia-driver.sh" | tail -n 1)
+  cp "$nvidia" "$carry/gpu-kubelet-plugin"
+  xz -9e -T2 "$carry/kubelet-client" "$carry/dra-example-kubeletplugin" "$carry/gpu-kubelet-plugin"
+  # With NVIDIA's plugin the carry passes 64 MiB: the benchmarks need neither the test image
+  # and CNI plugins of small.tar.xz nor aiohttp and its packages (benchmarks.probe_flood alone
+  # imports it; H200_BENCH_AIOHTTP=1 keeps them, and then something else must go).
+  tar -C "$bin/small" -cf - tools | xz -9e -T2 -c > "$carry/small.tar.xz"
+  if [ -z "${H200_BENCH_AIOHTTP:-}" ]; then
+    tar -C "$pybin/site" --exclude='aiohttp*' --exclude='aiohappyeyeballs*' --exclude='aiosignal*' \
+      --exclude='frozenlist*' --exclude='multidict*' --exclude='propcache*' --exclude='yarl*' -cf - . \
+      | xz -9e -T2 -c > "$carry/site.tar.xz"
+  fi
 fi
 
 # What one device call carries: tracked files, untracked files git does not ignore, .h200/.

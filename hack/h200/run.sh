@@ -32,7 +32,8 @@ rm -rf "$work"
 mkdir -p "$work"/{libexec,cluster-bin,node-bin,small,path,results} "$out"
 
 log "unpacking $(du -sh "$carry" | cut -f1) from $carry"
-for b in kube containerd-ctr containerd-shim-runc-v2 runc kubelet-client dra-example-kubeletplugin; do
+for b in kube containerd-ctr containerd-shim-runc-v2 runc kubelet-client dra-example-kubeletplugin \
+         gpu-kubelet-plugin; do
   [ -f "$carry/$b.xz" ] || continue  # H200_FOR=pod carries the node's, H200_FOR=bench the benchmarks'
   (xz -dc "$carry/$b.xz" > "$work/libexec/$b" && chmod 755 "$work/libexec/$b") &
 done
@@ -131,6 +132,8 @@ fi
 [ -x "$work/libexec/kubelet-client" ] && export DRA_KUBELET_CLIENT="$work/libexec/kubelet-client"
 [ -x "$work/libexec/dra-example-kubeletplugin" ] \
   && export DRA_EXAMPLE_DRIVER_BINARY="$work/libexec/dra-example-kubeletplugin"
+[ -x "$work/libexec/gpu-kubelet-plugin" ] \
+  && export DRA_NVIDIA_DRIVER_BINARY="$work/libexec/gpu-kubelet-plugin"
 export DRA_CLUSTER_BIN="$work/cluster-bin" DRA_NODE_BIN="$work/node-bin" \
   DRA_NODE_RUNC="$work/libexec/runc" DRA_NODE_CNI_BIN="$work/small/cni" \
   DRA_CATATONIT="$tools/catatonit" DRA_BUSYBOX="$work/small/image/bin/busybox" \
@@ -148,7 +151,8 @@ log "pytest exit status $status"
 
 # H200_BENCH names benchmarks (python -m benchmarks.<name>) to run after the tests, on the
 # same unpacked control plane binaries and kubelet-client; H200_BENCH_ARGS are passed to
-# each. Issue 26's probe flood and issue 37's comparison with dra-example-driver on the
+# each, unless H200_BENCH_ARGS_<name> gives that one its own (issue 50's one run of both:
+#   H200_BENCH="prepare node_rss" H200_BENCH_ARGS_prepare='--example --nvidia --starts 3'). Issue 26's probe flood and issue 37's comparison with dra-example-driver on the
 # 16-core host (carry built by `H200_FOR=bench bash hack/h200/build.sh`):
 #   H200_TESTS=tests/hardware/test_hw_discovery.py H200_BENCH=probe_flood bash hack/h200/run.sh
 #   H200_TESTS=tests/hardware/test_hw_discovery.py H200_BENCH=prepare H200_BENCH_ARGS=--example \
@@ -156,9 +160,11 @@ log "pytest exit status $status"
 # Each one's figures (its JSON on stdout) come back as $OUT/<name>_h200.json, its progress
 # and errors as $OUT/<name>.log; a failing benchmark makes the exit status non-zero.
 for b in ${H200_BENCH:-}; do
-  log "benchmark $b ${H200_BENCH_ARGS:-}"
+  own="H200_BENCH_ARGS_$b"
+  args=${!own-${H200_BENCH_ARGS:-}}
+  log "benchmark $b $args"
   # shellcheck disable=SC2086  # arguments as given
-  timeout "${H200_BENCH_TIMEOUT:-420}" "$py" -m "benchmarks.$b" ${H200_BENCH_ARGS:-} \
+  timeout "${H200_BENCH_TIMEOUT:-420}" "$py" -m "benchmarks.$b" $args \
     > "$out/${b}_h200.json" 2> "$out/$b.log"
   bench_status=$?
   log "benchmark $b exit status $bench_status; last lines of its log:"
