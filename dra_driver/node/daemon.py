@@ -31,6 +31,8 @@ from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.model import Inventory
+from dra_driver.health.effects import DeviceTaint
+from dra_driver.health.keeper import HealthKeeper
 from dra_driver.health.node import NodeHealth
 from dra_driver.imex.channels import node_clique
 from dra_driver.imex.daemons import ImexDaemons
@@ -51,6 +53,7 @@ from dra_driver.plugin.recovery import ListAllocated, StartPaths, asked_once, in
 from dra_driver.plugin.registration import RegistrationService, add_registration
 from dra_driver.plugin.server import SocketServer, raise_open_files_limit
 from dra_driver.plugin.service import add_dra_services
+from dra_driver.plugin.sick_devices import TaintsOf
 from dra_driver.plugin.sockets import PluginPaths, plugin_paths
 from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.mps import MpsControl, MpsRootRefused
@@ -111,6 +114,7 @@ class PluginNode:
             self._task(keep_fresh(board, lambda: True), "health-heartbeat")
         else:
             board = DeviceHealthBoard(opts.node_name, self.devices)
+            preparer.taints_of = device_taints(self.health.keeper)
             self.tasks += health_tasks(self.api, opts.driver_name, opts.node_name, self.health, board,
                                        preparer, self.paths.data_dir)
             self._task(self.claim_status.follow(self.health.keeper), "claim-status-health")
@@ -165,6 +169,16 @@ class PluginNode:
         self.lease.release()
         await self.api.close()
         log.info("stopped")
+
+
+def device_taints(keeper: HealthKeeper) -> TaintsOf:
+    """A device's health taints now; a part or share of a GPU (`gpu-<i>-...`) also has its GPU's."""
+    def taints_of(name: str) -> tuple[DeviceTaint, ...]:
+        views = keeper.views
+        own = views[name].taints if name in views else ()
+        parent = "-".join(name.split("-")[:2])
+        return own + (views[parent].taints if parent != name and parent in views else ())
+    return taints_of
 
 
 def _load_late_modules(publishing: bool) -> None:

@@ -77,6 +77,7 @@ from dra_driver.plugin.claim_steps import ClaimSteps
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.prepared import ClaimResult
 from dra_driver.plugin.recovery import ListAllocated, recover
+from dra_driver.plugin.sick_devices import TaintsOf
 from dra_driver.plugin.transaction import ClaimSource, PrepareTransaction, UnprepareTransaction
 from dra_driver.sharing.policy import Sharing
 
@@ -111,6 +112,7 @@ class NodePreparer:
             mig, dict(placements or {}), imex, channel_major,
         )
         self.gate: ChannelGate | None = None  # set with --compute-domains (it needs the API client)
+        self.taints_of: TaintsOf | None = None  # set once the health monitor runs
 
     def read_checkpoint(self) -> ckpt.Checkpoint:
         """The checkpoint as it is on disk now (atomic file: no lock needed to read it)."""
@@ -127,7 +129,7 @@ class NodePreparer:
         results: dict[str, ClaimResult] = {}
         held = self._held_now()
         for chunk in _chunks(refs, CHUNK):
-            txn = PrepareTransaction(self.steps, chunk, held, self.gate)
+            txn = PrepareTransaction(self.steps, chunk, held, self.gate, self.taints_of)
             await txn.read(self.claims)
             try:
                 try:

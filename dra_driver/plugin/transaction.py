@@ -44,6 +44,7 @@ from dra_driver.plugin.conflicts import conflict
 from dra_driver.plugin.lock import exclusive
 from dra_driver.plugin.mig_steps import MigLeftBehind, intent
 from dra_driver.plugin.prepared import ClaimResult, MigRecord, PreparedDevice
+from dra_driver.plugin.sick_devices import TaintsOf, refusal
 from dra_driver.sharing.policy import ConfigError, SharingError, SharingPlan
 
 if TYPE_CHECKING:
@@ -70,9 +71,11 @@ class PrepareTransaction:
     def __init__(
         self, steps: ClaimSteps, refs: Sequence[ClaimRef], held: Mapping[str, ckpt.ClaimEntry],
         gate: ChannelGate | None = None,
+        taints_of: TaintsOf | None = None,
     ) -> None:
         self.steps = steps
         self.gate = gate  # holds IMEX channel claims until their ComputeDomain is ready
+        self.taints_of = taints_of  # the health keeper's taints by device name (sick_devices)
         self.refs = refs
         self.held = held  # the checkpoint's entries before the call, read outside the lock
         # the devices of the claims the checkpoint had `completed` before the call
@@ -100,7 +103,12 @@ class PrepareTransaction:
                 claim = self.read_claims[ref.uid]
                 if isinstance(claim, ClaimRejected):
                     raise claim
-                self.plans.append(self.steps.plan(ref, claim))
+                plan = self.steps.plan(ref, claim)
+                sick = refusal(ref, claim, self.steps.driver, self.steps.pool, self.taints_of) \
+                    if self.taints_of is not None else None
+                if sick:
+                    raise ClaimRejected(sick)
+                self.plans.append(plan)
             except ClaimRejected as e:
                 if isinstance(e, ForeignAllocation):
                     metrics.foreign_allocations.inc()

@@ -22,8 +22,10 @@ import pytest
 import structlog
 from kubernetes import client
 
+from tests.harness.claims import allocated_claim
 from tests.harness.cluster import ControlPlane, free_port
 from tests.harness.driver import DriverProcess
+from tests.harness.kubelet import ClaimName, KubeletSide, claim_ref, prepared_cdi_ids
 from tests.harness.objects import create_node, delete_node_and_slices, sync_request, wait_for
 
 pytestmark = pytest.mark.integration
@@ -109,3 +111,41 @@ def test_a_fatal_xid_after_30_s_of_a_10000_per_s_storm_taints_its_gpu_at_once(
         plugin.stop()
         delete_node_and_slices(api, node)
 
+
+
+def test_a_claim_allocated_to_a_gpu_that_turned_sick_is_refused_naming_it(
+    control_plane: ControlPlane, api: client.ApiClient, unique: str, short_tmp: Path, namespace: str
+) -> None:
+    """The scheduler allocated the GPU before the monitor's taint reached it (here: written by
+    hand, as a stale scheduler would): Prepare refuses it unless the claim tolerates the taint."""
+    node = f"sick-{unique}"
+    create_node(api, node)
+    control = short_tmp / "events.jsonl"
+    plugin = DriverProcess(node, PROFILE, control_plane.kubeconfig, short_tmp / "p",
+                           extra_args=("--simulate-health-events", str(control)))
+    plugin.start()
+    try:
+        wait_for("the node's slices", lambda: sync_request(
+            api, "GET", "/apis/resource.k8s.io/v1/resourceslices",
+            query={"fieldSelector": f"spec.nodeName={node}"})["items"], timeout=60)
+        with control.open("a") as f:
+            f.write(json.dumps({"gpu": 3, "xid": 79, "recovery_action": 1}) + "\n")
+        wait_for("GPU 3 tainted", lambda: "gpu-3" in _taints(api, node), timeout=FATAL_DEADLINE)
+        side = KubeletSide(plugin.registration_socket())
+        try:
+            def on(device: str) -> ClaimName:
+                results = [{"pool": node, "device": device}]
+                claim = allocated_claim(api, namespace, f"on-{device}", results, "gpu.dra-driver.dev")
+                return claim_ref(claim)
+
+            sick = on("gpu-3")
+            _, error = prepared_cdi_ids(side.prepare(sick), sick.uid)
+            assert "gpu-3 is unhealthy" in error and "xid=79" in error, error
+            healthy = on("gpu-1")
+            ids, error = prepared_cdi_ids(side.prepare(healthy), healthy.uid)
+            assert ids and not error, error
+        finally:
+            side.close()
+    finally:
+        plugin.stop()
+        delete_node_and_slices(api, node)
