@@ -60,8 +60,12 @@ _serial = itertools.count()
 
 # A Prepare naming service.MAX_CLAIMS claims with the longest names is under 400 KiB.
 MAX_RECEIVE_BYTES: Final = 512 * 2**10
-MAX_CONCURRENT_STREAMS: Final = 16  # per connection; the kubelet's extra calls wait for a stream
 MAX_CONCURRENT_RPCS: Final = 64  # per server, health streams included: 32 MiB of request bodies at most
+# Per connection: no lower than the server's own cap. A client that opens its streams before it
+# has read the server's SETTINGS gets REFUSED_STREAM for those past this limit (16 measured:
+# 16 Prepares at once on a new connection from grpcio failed that way), a refusal the
+# server-wide cap would not have made.
+MAX_CONCURRENT_STREAMS: Final = MAX_CONCURRENT_RPCS
 # per server (the kubelet holds one or two): both servers' and the metrics port's connections
 # together leave a Prepare its descriptors even under a hard limit of 1024
 MAX_CONNECTIONS: Final = 128
