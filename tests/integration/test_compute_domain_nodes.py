@@ -1,6 +1,6 @@
 """ComputeDomains across simulated nodes: the real API server, scheduler, garbage collector and
 `dra-driver compute-domain-controller`, one `dra-driver kubelet-plugin --compute-domains` per node
-(GB200 trays: four nodes in one NVLink clique, one in another) with the stand-in IMEX tools
+(GB200 trays: five nodes in one NVLink clique, one in another) with the stand-in IMEX tools
 (tests/harness/fake_imex.py) as their daemons, and the kubelet's side of the gRPC.
 
 What is checked: a job's channel Prepare answers only once every daemon of its domain is ready
@@ -80,7 +80,7 @@ def rack(control_plane: ControlPlane, api: client.ApiClient, controller: object,
     profile_b = base / "gb200-clique-b.yaml"
     gb200 = resolve_profile_path("gb200-nvl-node").read_text()
     profile_b.write_text(gb200.replace("clique_id: 32766", "clique_id: 7"))
-    names = {f"cd-a{i}-{os.getpid()}": "gb200-nvl-node" for i in range(1, 5)}
+    names = {f"cd-a{i}-{os.getpid()}": "gb200-nvl-node" for i in range(1, 6)}
     names[f"cd-b1-{os.getpid()}"] = str(profile_b)
     roots = {name: Path(f"/tmp/cdr-{i}-{os.getpid()}") for i, name in enumerate(names)}
     nodes: dict[str, PluginNode] = {}
@@ -160,18 +160,19 @@ def spec_nodes(plugin: PluginNode, claim: ClaimName) -> list[dict[str, Any]]:
 def test_a_job_starts_only_once_every_daemon_of_its_domain_is_ready(
     api: client.ApiClient, namespace: str, rack: Rack
 ) -> None:
-    a1, a2, a4 = (node_named(rack, p) for p in ("cd-a1", "cd-a2", "cd-a4"))
+    job = [node_named(rack, f"cd-a{i}") for i in range(1, 5)]
+    a1, a4 = job[0], job[3]
     set_imex_mode(rack.bin_dir(a4), ready_after=SLOW)
-    made = make_domain(api, namespace, "job", 3)
+    made = make_domain(api, namespace, "job", 4)
     uid = made["metadata"]["uid"]
-    claims = start_pods(api, namespace, "job-channel", [a1, a2, a4])
+    claims = start_pods(api, namespace, "job-channel", job)
 
     # alone, a node's Prepare answers what the domain waits for: the others have not joined
     started = time.monotonic()
     alone = rack.nodes[a1].side.prepare(claims[a1])
     assert time.monotonic() - started >= WAIT - 0.5
     _, error = prepared_cdi_ids(alone, claims[a1].uid)
-    assert "waiting for ComputeDomain" in error and "1 of spec.numNodes 3 nodes have joined" in error, error
+    assert "waiting for ComputeDomain" in error and "1 of spec.numNodes 4 nodes have joined" in error, error
     assert daemon_state(rack.imex_root(a1), uid) is not None, "the daemon starts at the first Prepare"
 
     def prepare(node: str) -> tuple[str, float]:
@@ -180,8 +181,8 @@ def test_a_job_starts_only_once_every_daemon_of_its_domain_is_ready(
         return (error or ids[0]), time.monotonic()
 
     started = time.monotonic()
-    with ThreadPoolExecutor(3) as pool:
-        answers = dict(zip([a1, a2, a4], pool.map(prepare, [a1, a2, a4]), strict=True))
+    with ThreadPoolExecutor(len(job)) as pool:
+        answers = dict(zip(job, pool.map(prepare, job), strict=True))
     a4_ready = float(daemon_state(rack.imex_root(a4), uid)["ready_at"])  # type: ignore[index, arg-type]
     for node, (answer, at) in answers.items():
         assert answer.endswith(f"{claims[node].uid}-{CHANNEL_DEVICE}"), f"{node}: {answer}"
@@ -189,36 +190,37 @@ def test_a_job_starts_only_once_every_daemon_of_its_domain_is_ready(
         assert time.time() - (time.monotonic() - at) >= a4_ready - 0.05, node
     assert time.monotonic() - started >= SLOW - 1.0
 
-    for node in (a1, a2, a4):
+    for node in job:
         (channel,) = spec_nodes(rack.nodes[node], claims[node])
         assert channel == {"path": "/dev/nvidia-caps-imex-channels/channel0", "type": "c", "major": 234,
                            "minor": 0, "fileMode": 438}
         state = daemon_state(rack.imex_root(node), uid)
-        assert state is not None and sorted(state["peers"]) == ["10.9.0.1", "10.9.0.2", "10.9.0.4"]  # type: ignore[call-overload]
+        peers = ["10.9.0.1", "10.9.0.2", "10.9.0.3", "10.9.0.4"]
+        assert state is not None and sorted(state["peers"]) == peers  # type: ignore[call-overload]
     status = wait_for("the domain Ready", lambda: (d := get_domain(api, namespace, "job"))
                       .get("status", {}).get("status") == "Ready" and d)
     assert sorted((n["name"], n["cliqueID"], n["status"]) for n in status["status"]["nodes"]) == sorted(
-        (n, CLIQUE_A, "Ready") for n in (a1, a2, a4))
-    assert sorted(n["index"] for n in status["status"]["nodes"]) == [0, 1, 2]
+        (n, CLIQUE_A, "Ready") for n in job)
+    assert sorted(n["index"] for n in status["status"]["nodes"]) == [0, 1, 2, 3]
 
-    # a second domain on the same clique: its own daemon on its own node, disjoint from the first
-    a3 = node_named(rack, "cd-a3")
+    # a second domain on the same clique, beside it: its own daemon on its own node
+    a5 = node_named(rack, "cd-a5")
     second = make_domain(api, namespace, "solo", 1)
-    (solo,) = start_pods(api, namespace, "solo-channel", [a3]).values()
-    ids, error = prepared_cdi_ids(rack.nodes[a3].side.prepare(solo), solo.uid)
+    (solo,) = start_pods(api, namespace, "solo-channel", [a5]).values()
+    ids, error = prepared_cdi_ids(rack.nodes[a5].side.prepare(solo), solo.uid)
     assert ids and not error, error
-    assert daemon_state(rack.imex_root(a3), second["metadata"]["uid"]) is not None
-    assert daemon_state(rack.imex_root(a3), uid) is None
-    assert [n["name"] for n in get_domain(api, namespace, "solo")["status"]["nodes"]] == [a3]
-    assert a3 not in {n["name"] for n in get_domain(api, namespace, "job")["status"]["nodes"]}
+    assert daemon_state(rack.imex_root(a5), second["metadata"]["uid"]) is not None
+    assert daemon_state(rack.imex_root(a5), uid) is None
+    assert [n["name"] for n in get_domain(api, namespace, "solo")["status"]["nodes"]] == [a5]
+    assert a5 not in {n["name"] for n in get_domain(api, namespace, "job")["status"]["nodes"]}
 
     # unprepared: each node leaves, its daemon stops; deleted: nothing of the domain is left
-    for node in (a1, a2, a4):
+    for node in job:
         assert not rack.nodes[node].side.unprepare(claims[node]).claims[claims[node].uid].error
         assert not (rack.imex_root(node) / uid).exists()
         assert not list(rack.nodes[node].plugin.cdi_dir.glob(f"*{claims[node].uid}*"))
     wait_for("every node left", lambda: not get_domain(api, namespace, "job").get("status", {}).get("nodes"))
-    assert not rack.nodes[a3].side.unprepare(solo).claims[solo.uid].error
+    assert not rack.nodes[a5].side.unprepare(solo).claims[solo.uid].error
     sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}/pods")
     for name in ("job", "solo"):
         sync_request(api, "DELETE", f"{domains_path(DRIVER, namespace)}/{name}")
