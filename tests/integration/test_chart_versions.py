@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.harness.cluster import ControlPlane, gate_mode
 from tests.harness.driver_image import CHART, build_helm
@@ -65,6 +66,21 @@ def test_gated_features_install_where_the_gates_are_on_and_are_refused_clearly_w
 
 
 GATES_34_35 = "kubernetesFeatureGates={DRAPartitionableDevices,DRAConsumableCapacity}"
+
+
+def test_a_change_of_kubernetes_feature_gates_rolls_the_plugin_pods(helm: Helm) -> None:
+    """The plugin learns the server's features at start: an upgrade naming other gates must
+    change the DaemonSet's pod template, or nothing restarts (issue 54)."""
+    def pod_annotations(*sets: str) -> dict[str, str]:
+        args = [a for s in sets for a in ("--set", s)]
+        out = helm.run("template", "r", str(CHART), "--show-only", "templates/daemonset.yaml", *args).stdout
+        (daemonset,) = [d for d in yaml.safe_load_all(out) if d]
+        return dict(daemonset["spec"]["template"]["metadata"]["annotations"])
+
+    before = pod_annotations()
+    after = pod_annotations("kubernetesFeatureGates={DRAPartitionableDevices}")
+    assert before["checksum/feature-gates"] != after["checksum/feature-gates"]
+    assert before == pod_annotations("kubernetesFeatureGates=null")
 
 
 @pytest.mark.parametrize("version", ["v1.34.4", "v1.35.4"])
