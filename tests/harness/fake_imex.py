@@ -11,7 +11,10 @@ with the driver and is never shipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -92,3 +95,21 @@ def daemon_state(imex_root: Path, domain_uid: str) -> dict[str, object] | None:
     except (OSError, ValueError):
         return None
     return data
+
+
+def stop_stand_ins(root: Path) -> list[int]:
+    """SIGKILL the stand-in daemons started under `root` that are still running: a daemon outlives
+    its plugin by design, so a test that fails before unpreparing would leave them behind."""
+    killed = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"/nvidia-imex") for a in argv) and any(str(root).encode() in a for a in argv):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed

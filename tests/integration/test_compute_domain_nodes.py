@@ -38,7 +38,7 @@ from tests.harness.compute_domains import (
     prepare_all,
 )
 from tests.harness.driver import DRIVER
-from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode
+from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode, stop_stand_ins
 from tests.harness.kubelet import ClaimName, KubeletSide, claim_ref, prepared_cdi_ids
 from tests.harness.objects import get_claim, get_pod, sync_request, wait_for
 from tests.harness.plugin_node import PluginNode, node_slices, plugin_node
@@ -95,7 +95,11 @@ def rack(control_plane: ControlPlane, api: client.ApiClient, controller: object,
                 published=lambda n=name: any(d["name"] == CHANNEL_DEVICE for s in node_slices(api, n)
                                              for d in s["spec"].get("devices", [])),  # type: ignore[index]
             ))
-        yield Rack(nodes, roots)
+        try:
+            yield Rack(nodes, roots)
+        finally:
+            for root in roots.values():
+                stop_stand_ins(root)
 
 
 def node_named(rack: Rack, prefix: str) -> str:

@@ -36,7 +36,7 @@ from tests.harness.compute_domains import (
 )
 from tests.harness.driver import DRIVER
 from tests.harness.examples import wait_for_slices
-from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode
+from tests.harness.fake_imex import daemon_state, install_fake_imex, set_imex_mode, stop_stand_ins
 from tests.harness.node import Nodes, NodeSpec, node_cluster
 from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import create_namespace, pod_events, sync_client, sync_request, wait_for
@@ -79,7 +79,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
                                 if d["metadata"]["name"] == cd.channel_class(DRIVER)]
             sync_request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", channel_class)
             create_namespace(api, NS)
-            yield Env(api, nodes)
+            try:
+                yield Env(api, nodes)
+            finally:
+                stop_stand_ins(ROOT)
 
 
 def workload(name: str, node: str, template: str) -> dict[str, Any]:
