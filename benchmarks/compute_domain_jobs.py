@@ -32,11 +32,9 @@ from typing import Any
 
 from benchmarks import fresh_control_plane, report
 from benchmarks.health_storm import cpu_seconds
-from controller import compute_domains as cd
-from dra_driver.gpu.profiles import resolve_profile_path
-from dra_driver.imex.channels import CHANNEL_DEVICE
 from tests.harness.compute_domains import (
-    chart_documents,
+    channel_published,
+    clique_profile,
     compute_domain_controller,
     domain,
     domains_path,
@@ -47,7 +45,7 @@ from tests.harness.driver import DRIVER
 from tests.harness.fake_imex import install_fake_imex
 from tests.harness.kubelet import ClaimName, claim_ref
 from tests.harness.objects import create_namespace, get_claim, get_pod, sync_client, sync_request, wait_for
-from tests.harness.plugin_node import PluginNode, node_slices, plugin_node
+from tests.harness.plugin_node import PluginNode, plugin_node
 
 NS = "jobs"
 
@@ -73,11 +71,7 @@ def run(nodes: int, per_clique: int, jobs: int) -> dict[str, Any]:
     with fresh_control_plane("cd-jobs-") as (cp, _), contextlib.ExitStack() as stack:
         api = sync_client(str(cp.kubeconfig))
         stack.enter_context(compute_domain_controller(cp, api))
-        (channel_class,) = [d for d in chart_documents("deviceclasses.yaml")
-                            if d["metadata"]["name"] == cd.channel_class(DRIVER)]
-        sync_request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", channel_class)
         create_namespace(api, NS)
-        gb200 = resolve_profile_path("gb200-nvl-node").read_text()
         plugins: dict[str, PluginNode] = {}
         cliques: list[list[str]] = []
         for n in range(nodes):
@@ -86,15 +80,14 @@ def run(nodes: int, per_clique: int, jobs: int) -> dict[str, Any]:
                 cliques.append([])
             name = f"tray-{clique}-{n % per_clique}"
             root = Path(f"/tmp/cdj-{n}")
-            profile = root / "profile.yaml"
+            root.mkdir(parents=True, exist_ok=True)
+            profile = clique_profile(root / "profile.yaml", 100 + clique)
             install_fake_imex(root / "driver")
-            profile.write_text(gb200.replace("clique_id: 32766", f"clique_id: {100 + clique}"))
             args = ["--compute-domains", "--imex-root", str(root / "imex"),
                     "--node-ip", f"10.8.{clique}.{n + 1}", "--driver-root", str(root / "driver")]
             plugins[name] = stack.enter_context(plugin_node(
                 api, cp.kubeconfig, name, str(profile), root / "node", args,
-                published=lambda n=name: any(d["name"] == CHANNEL_DEVICE for s in node_slices(api, n)
-                                             for d in s["spec"].get("devices", [])),  # type: ignore[index]
+                published=lambda n=name: channel_published(api, n),
             ))
             cliques[-1].append(name)
         timings: dict[str, list[float]] = {"template_s": [], "allocated_s": [], "prepared_s": []}

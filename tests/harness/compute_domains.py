@@ -19,13 +19,31 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from controller import compute_domains as cd
+from dra_driver.gpu.profiles import resolve_profile_path
+from dra_driver.imex.channels import CHANNEL_DEVICE
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import render_chart
 from tests.harness.kubelet import ClaimName, KubeletSide, prepared_cdi_ids
 from tests.harness.objects import sync_request, wait_for
+from tests.harness.plugin_node import node_slices
 
 CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+CLASSES = "/apis/resource.k8s.io/v1/deviceclasses"
+GB200 = "gb200-nvl-node"  # one tray of a GB200 NVL72 rack: its GPUs in clique 32766
+
+
+def clique_profile(path: Path, clique_id: int) -> Path:
+    """The GB200 profile with its GPUs in another clique of the same fabric, written to `path`."""
+    text = resolve_profile_path(GB200).read_text()
+    path.write_text(text.replace("clique_id: 32766", f"clique_id: {clique_id}"))
+    return path
+
+
+def channel_published(api: client.ApiClient, node: str) -> bool:
+    """The node's slices publish its IMEX channel."""
+    return any(d["name"] == CHANNEL_DEVICE for s in node_slices(api, node)
+               for d in s["spec"].get("devices", []))  # type: ignore[index]
 
 
 def domains_path(driver: str, namespace: str | None = None) -> str:
@@ -51,7 +69,8 @@ def chart_documents(template: str) -> list[dict[str, Any]]:
 def compute_domain_controller(
     control_plane: ControlPlane, api: client.ApiClient
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """The CRD established and the controller running; both gone afterwards."""
+    """The CRD established, the chart's channel DeviceClass applied and the controller running;
+    all gone afterwards."""
     (crd,) = chart_documents("computedomain-crd.yaml")
     try:
         sync_request(api, "POST", CRDS, crd)
@@ -66,6 +85,9 @@ def compute_domain_controller(
 
     wait_for("the ComputeDomain CRD established", established)
     wait_for("ComputeDomains served", lambda: sync_request(api, "GET", domains_path(DRIVER)) is not None)
+    (channel_class,) = [d for d in chart_documents("deviceclasses.yaml")
+                        if d["metadata"]["name"] == cd.channel_class(DRIVER)]
+    sync_request(api, "POST", CLASSES, channel_class)
     proc = subprocess.Popen(
         [sys.executable, "-m", "dra_driver", "--log-format", "json", "compute-domain-controller",
          "--driver-name", DRIVER, "--kubeconfig", str(control_plane.kubeconfig)],
@@ -75,6 +97,7 @@ def compute_domain_controller(
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        sync_request(api, "DELETE", f"{CLASSES}/{cd.channel_class(DRIVER)}")
         sync_request(api, "DELETE", f"{CRDS}/{crd['metadata']['name']}")
         wait_for("the ComputeDomain CRD gone", lambda: not exists(api, f"{CRDS}/{crd['metadata']['name']}"))
 

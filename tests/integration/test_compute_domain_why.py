@@ -26,12 +26,10 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from controller import compute_domains as cd
-from dra_driver.gpu.profiles import resolve_profile_path
-from dra_driver.imex.channels import CHANNEL_DEVICE
 from tests.harness.cluster import ControlPlane
 from tests.harness.compute_domains import (
-    chart_documents,
+    channel_published,
+    clique_profile,
     compute_domain_controller,
     domain,
     domains_path,
@@ -41,7 +39,7 @@ from tests.harness.driver import DRIVER
 from tests.harness.fake_imex import install_fake_imex
 from tests.harness.kubelet import ClaimName, claim_ref, prepared_cdi_ids
 from tests.harness.objects import get_claim, get_pod, sync_request, wait_for
-from tests.harness.plugin_node import PluginNode, node_slices, plugin_node
+from tests.harness.plugin_node import PluginNode, plugin_node
 
 CLIQUE_A = "1f0708a8-1f80-4440-970d-338fe7fee8e1.32766"
 CLIQUE_B = "1f0708a8-1f80-4440-970d-338fe7fee8e1.7"
@@ -52,21 +50,13 @@ KUBECTL_GPU = Path(sys.executable).parent / "kubectl-gpu"
 @pytest.fixture(scope="module")
 def controller(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[object]:
     with compute_domain_controller(control_plane, api) as proc:
-        (channel_class,) = [d for d in chart_documents("deviceclasses.yaml")
-                            if d["metadata"]["name"] == cd.channel_class(DRIVER)]
-        sync_request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", channel_class)
-        try:
-            yield proc
-        finally:
-            sync_request(api, "DELETE", f"/apis/resource.k8s.io/v1/deviceclasses/{cd.channel_class(DRIVER)}")
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def rack(control_plane: ControlPlane, api: client.ApiClient, controller: object,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PluginNode]]:
-    profile_b = tmp_path_factory.mktemp("why-rack") / "gb200-clique-b.yaml"
-    profile_b.write_text(resolve_profile_path("gb200-nvl-node").read_text().replace("clique_id: 32766",
-                                                                                     "clique_id: 7"))
+    profile_b = clique_profile(tmp_path_factory.mktemp("why-rack") / "gb200-clique-b.yaml", 7)
     names = {f"why-a1-{os.getpid()}": "gb200-nvl-node", f"why-a2-{os.getpid()}": "gb200-nvl-node",
              f"why-b1-{os.getpid()}": str(profile_b)}
     nodes: dict[str, PluginNode] = {}
@@ -79,13 +69,8 @@ def rack(control_plane: ControlPlane, api: client.ApiClient, controller: object,
                     "--driver-root", str(root / "driver"), "--compute-domain-wait", str(WAIT)]
             nodes[name] = stack.enter_context(plugin_node(
                 api, control_plane.kubeconfig, name, profile, root, args,
-                published=functools.partial(has_channel, api, name)))
+                published=functools.partial(channel_published, api, name)))
         yield nodes
-
-
-def has_channel(api: client.ApiClient, node: str) -> bool:
-    devices = [d for s in node_slices(api, node) for d in s["spec"].get("devices") or []]  # type: ignore[attr-defined]
-    return any(d["name"] == CHANNEL_DEVICE for d in devices)
 
 
 def kubectl_gpu(control_plane: ControlPlane, *args: str) -> tuple[str, float]:

@@ -25,10 +25,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from controller import compute_domains as cd
-from dra_driver.gpu.profiles import resolve_profile_path
 from tests.harness.compute_domains import (
-    chart_documents,
+    clique_profile,
     compute_domain_controller,
     domain,
     domains_path,
@@ -62,11 +60,9 @@ class Env:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     if os.geteuid() != 0:
         pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    profile_b = ROOT / "gb200-clique-b.yaml"
     for node in ("cd-a1", "cd-a2", "cd-b1"):
         install_fake_imex(ROOT / node / "driver")
-    profile_b.write_text(resolve_profile_path("gb200-nvl-node").read_text().replace("clique_id: 32766",
-                                                                                      "clique_id: 7"))
+    profile_b = clique_profile(ROOT / "gb200-clique-b.yaml", 7)
     specs = (NodeSpec("cd-a1", "gb200-nvl-node", _args("cd-a1")),
              NodeSpec("cd-a2", "gb200-nvl-node", _args("cd-a2")),
              NodeSpec("cd-b1", str(profile_b), _args("cd-b1")))
@@ -75,9 +71,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         api = sync_client(str(cp.kubeconfig))
         wait_for_slices(api, [n.driver for n in nodes.nodes.values() if n.driver])
         with compute_domain_controller(cp, api):
-            (channel_class,) = [d for d in chart_documents("deviceclasses.yaml")
-                                if d["metadata"]["name"] == cd.channel_class(DRIVER)]
-            sync_request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", channel_class)
             create_namespace(api, NS)
             try:
                 yield Env(api, nodes)
