@@ -114,6 +114,10 @@ def decide(asked: SliceFeatures, server: ServerCapabilities) -> tuple[SliceFeatu
                                    (server.counters != "none", _COUNTER_GATE)) if not ok]
         off.append(FeatureOff("--memory-shares", "; and ".join(reasons)))
         memory_shares = False
+    consumable_shares = asked.consumable_shares
+    if consumable_shares is not None and not server.consumable_capacity:
+        off.append(FeatureOff("--consumable-shares", _CAPACITY_GATE))
+        consumable_shares = None
     if dynamic_mig and server.counters == "none":
         off.append(FeatureOff("--dynamic-mig", _COUNTER_GATE))
         dynamic_mig = False
@@ -122,6 +126,7 @@ def decide(asked: SliceFeatures, server: ServerCapabilities) -> tuple[SliceFeatu
         memory_shares=memory_shares,
         shares_only=shares_only,
         dynamic_mig=dynamic_mig,
+        consumable_shares=consumable_shares,
         counters_with_devices=server.counters == "together",
         taints=asked.taints and server.taints,
     )

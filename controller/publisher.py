@@ -25,6 +25,7 @@ from dra_driver import kube, metrics
 from dra_driver.gpu.model import Inventory
 from dra_driver.kube import ApiClient
 from dra_driver.kube.events import event_body
+from dra_driver.sharing.consumable import ConsumableShares
 
 # SliceController is named here too for dra_driver.commands.kubelet_plugin's import.
 __all__ = ["ListAttributesMode", "SliceController", "pools_for", "slice_controller"]
@@ -72,6 +73,7 @@ async def slice_controller(
     taints: bool = True,
     topology_detail_attributes: bool = False,
     compute_domains: bool = False,
+    consumable_shares: ConsumableShares | None = None,
 ) -> SliceController:
     """`taints`: health taints will be published (the plugin's health monitor runs)."""
     server = await probe_server(api, driver)
@@ -84,6 +86,7 @@ async def slice_controller(
         topology_detail_attributes=topology_detail_attributes,
         taints=taints,
         compute_domains=compute_domains,
+        consumable_shares=consumable_shares,
     )
     features, off = decide(asked, server)
     single = next(iter(inventories)) if len(inventories) == 1 else None

@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from controller import partitions
 from controller.attributes import NVLINK_LAYERS, DeviceAttributes, NvlinkFacts, device_attributes
 from controller.capacity import MAX_COUNTER_SETS_PER_SLICE, with_memory_shares
+from controller.consumable import with_consumable_shares
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
@@ -30,6 +31,7 @@ from dra_driver.health.effects import DeviceTaint
 from dra_driver.imex.channels import channel_device_json, node_clique
 from dra_driver.jsontypes import JSON
 from dra_driver.names import is_dns_label, is_dns_subdomain
+from dra_driver.sharing.consumable import ConsumableShares
 
 # resource.k8s.io/v1 limits (reference/dra-protocol.md §1.3, §1.7).
 MAX_DEVICES_PER_SLICE = 128
@@ -49,6 +51,8 @@ class SliceFeatures:
     memory_shares: bool = False
     # --memory-shares-only: each whole GPU as its share view alone, without counters
     shares_only: bool = False
+    # --consumable-shares: NVIDIA's consumable shares, every whole GPU for several claims
+    consumable_shares: ConsumableShares | None = None
     # --dynamic-mig: MIG-mode GPUs as partitionable devices (controller.partitions)
     dynamic_mig: bool = False
     # --legacy-attributes: also controller.attributes.LEGACY_ATTRIBUTES (nvlinkGroup<N>, numaNode)
@@ -130,6 +134,8 @@ def desired_slices(
     restricted = any(a.uses_list_attributes for a in described)
     entries = [device_json(d.name, a) for d, a in zip(devices, described, strict=True)]
     counter_sets: list[JSON] = []
+    if features.consumable_shares is not None:
+        entries = with_consumable_shares(devices, entries, features.consumable_shares)
     if features.memory_shares:
         entries, counter_sets = with_memory_shares(devices, entries, only=features.shares_only)
         restricted = restricted or bool(counter_sets)

@@ -107,9 +107,9 @@ slice_writes: Final = Counter(
 )
 features_off: Final = Gauge(
     "gpu_dra_features_off",
-    "1 for each feature asked for (--memory-shares, --memory-shares-only, --dynamic-mig, device "
-    "health taints) that this process publishes without because the API server drops its fields; "
-    "the log and a Warning Event on the Node say why and which feature gate to turn on.",
+    "1 for each feature asked for (--memory-shares, --memory-shares-only, --consumable-shares, "
+    "--dynamic-mig, device health taints) that this process publishes without because the API server "
+    "drops its fields; the log and a Warning Event on the Node say why and which feature gate to turn on.",
     ["feature"],
     registry=REGISTRY,
 )

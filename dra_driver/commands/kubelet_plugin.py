@@ -17,6 +17,7 @@ import structlog
 from dra_driver.commands.options import (
     claim_identity_option,
     cluster_options,
+    consumable_shares_option,
     driver_files_options,
     dynamic_mig_option,
     health_options,
@@ -141,6 +142,7 @@ log = structlog.get_logger(__name__)
 )
 @claim_identity_option
 @memory_shares_option
+@consumable_shares_option
 @dynamic_mig_option
 @legacy_attributes_option
 @topology_detail_attributes_option

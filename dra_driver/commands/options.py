@@ -10,6 +10,7 @@ import click
 
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.health.classify import Severity, parse_xid_severities
+from dra_driver.sharing.consumable import ConsumableShares
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,6 +100,29 @@ def memory_shares_option(f: F) -> F:
         show_default=True,
         help="Also publish every whole GPU for memory shares (consumable capacity; each share enforced by "
         "its own MPS daemon). Needs DRAConsumableCapacity and DRAPartitionableDevices (beta, on in 1.36+).",
+    )(f)
+
+
+def consumable_shares_option(f: F) -> F:
+    """`--consumable-shares`: NVIDIA's consumable shares of every whole GPU (docs/sharing.md)."""
+
+    def parse(_ctx: click.Context, _param: click.Parameter, value: str) -> ConsumableShares | None:
+        try:
+            return ConsumableShares.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return click.option(
+        "--consumable-shares",
+        envvar="CONSUMABLE_SHARES",
+        default="disabled",
+        show_default=True,
+        callback=parse,
+        help="NVIDIA's consumable shares: publish every whole GPU of the standard class for several claims. "
+        "memory: a claim gets all of a GPU's memory unless it asks for less (capacity.requests.memory); "
+        "unlimited: claims share unless they ask for memory; N: also a capacity `shares` of N, one per claim "
+        "by default. A claim that asked for part of a GPU's memory gets an MPS daemon holding it to that "
+        "much; the others are time-sliced. Needs DRAConsumableCapacity (beta, on in 1.36+).",
     )(f)
 
 

@@ -14,6 +14,7 @@ from typing import Final, Literal
 
 from dra_driver.health.classify import HealthPolicy, Severity, TaintEffect
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS
+from dra_driver.sharing.consumable import ConsumableShares
 
 SIMULATED_MIG_STATE: Final = "simulated-mig.json"
 
@@ -46,6 +47,7 @@ class NodeOptions:
     claim_identity_metric: bool = False
     memory_shares: bool = False
     memory_shares_only: bool = False  # each whole GPU as its share view alone (controller.capacity)
+    consumable_shares: ConsumableShares | None = None  # NVIDIA's consumable shares (sharing.consumable)
     dynamic_mig: bool = False  # MIG-mode GPUs carved by claims (docs/mig.md)
     legacy_attributes: bool = False  # also nvlinkGroup<N>, numaNode (controller.attributes.LEGACY_ATTRIBUTES)
     # also nvlinkPeers, nvlinkPeerCount, nvlinkIsland (controller.attributes.TOPOLOGY_DETAIL_ATTRIBUTES)

@@ -44,6 +44,7 @@ async def publish(
         shares_only=opts.memory_shares_only, dynamic_mig=opts.dynamic_mig,
         legacy_attributes=opts.legacy_attributes, topology_detail_attributes=opts.topology_detail_attributes,
         taints=keeper is not None, compute_domains=opts.compute_domains,
+        consumable_shares=opts.consumable_shares,
     )
     ctl.heartbeat = heartbeat
     if keeper is None:

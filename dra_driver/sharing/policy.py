@@ -5,7 +5,8 @@ configuration asks for (`plan`, pure: it refuses a bad configuration with a mess
 user can act on), what that adds to the claim's CDI devices (`edits`, pure), and to set
 it up or tear it down on the node (`apply`, `release`, blocking I/O). A plan is an MPS
 daemon per claim (`dra_driver.sharing.mps`): for a claim whose config asks for MPS, and
-for every claim holding a memory share (`dra_driver.sharing.shares`), whose daemon
+for every claim holding a memory share (`dra_driver.sharing.shares`) or a consumable
+share of a whole GPU that asked for part of its memory (`dra_driver.sharing.consumable`), whose daemon
 enforces the share's consumed memory as its pinned-memory limit. One claim holds at most
 one share of a GPU, so two shares of one GPU are two claims with two daemons and two
 independent limits, and Unprepare of one stops only its own. The transaction never
@@ -30,6 +31,7 @@ from dra_driver.sharing.config import (
     device_configs,
     device_requests,
 )
+from dra_driver.sharing.consumable import limited_shares, shared_whole_gpus
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.mps.errors import MpsError
 from dra_driver.sharing.mps.settings import MpsSettings, settings_for_claim
@@ -65,7 +67,8 @@ class Sharing:
         configs = per_device(
             device_configs(claim, self.driver, self.pool, parse_claim_config), devices, slices
         )
-        shares = allocated_shares(claim, self.driver, self.pool, devices)
+        shares = {**allocated_shares(claim, self.driver, self.pool, devices),
+                  **limited_shares(claim, self.driver, self.pool, devices)}
         mps = [d for d in devices if d.name in shares or configs[d.name].uses_mps]
         if not mps:
             return None
@@ -96,7 +99,8 @@ class Sharing:
                 _check_limit_fits(d, base.default_pinned_device_memory_limit)
                 entries.append((d.uuid, replace(base, default_active_thread_percentage=percentage)))
         settings = settings_for_claim(claim_uid, entries)
-        if not shares and all(d.mig is None for d in mps):
+        shared = shared_whole_gpus(claim, self.driver, self.pool)
+        if not shares and all(d.mig is None and d.name not in shared for d in mps):
             # the claim owns these whole GPUs: no other claim's process belongs on them
             settings = replace(settings, exclusive_gpus=tuple(d.uuid for d in mps))
         return settings
@@ -158,8 +162,8 @@ def _share_mps(share: Share, config: GpuConfig, named: bool, percentage: int | N
         raise ConfigError(
             f"{share.device} is a memory share, which is always served by MPS (that is what holds it to "
             f"its memory); sharing.strategy {config.sharing.strategy.value} cannot apply to it: set strategy "
-            "MPS, or remove this config from the request, or ask for a whole GPU (class gpu.<driver>) to "
-            "time-slice"
+            "MPS, or remove this config from the request, or ask for a whole GPU (class gpu.<driver>, "
+            "without capacity.requests.memory) to time-slice"
         )
     limit = share.memory
     configured = config.sharing.mps.default_pinned_device_memory_limit if config.sharing.mps else None
