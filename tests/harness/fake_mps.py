@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import uuid
@@ -78,6 +79,20 @@ def install_fake_mps_control(driver_root: Path, python: str = sys.executable) ->
     binary.write_text(FAKE.format(python=python, marker=CLAIM_MARKER_ENV))
     binary.chmod(0o755)
     return binary
+
+
+def mps_driver_root(root: Path) -> Path:
+    """A driver root at `root` for a plugin whose claims use MPS: ELF files under the real
+    library names (the scanner keeps only those) and the stand-in MPS control tool."""
+    lib = root / "lib64"
+    lib.mkdir(parents=True)
+    elf = Path("/bin/true").resolve()
+    for name in ("libcuda.so", "libnvidia-ml.so"):
+        real = lib / f"{name}.580.159.04"
+        shutil.copy(elf, real)
+        (lib / f"{name}.1").symlink_to(real.name)
+    install_fake_mps_control(root)
+    return root
 
 
 def set_mode(fake_bin: Path, **mode: bool) -> None:

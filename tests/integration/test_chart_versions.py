@@ -49,7 +49,8 @@ def test_the_chart_installs_with_its_defaults(helm: Helm) -> None:
 def test_gated_features_install_where_the_gates_are_on_and_are_refused_clearly_where_not(
     control_plane: ControlPlane, helm: Helm
 ) -> None:
-    features = ("memoryShares.enabled=true", "dynamicMig.enabled=true", "extendedResource.enabled=true")
+    features = ("memoryShares.enabled=true", "consumableShares=memory", "dynamicMig.enabled=true",
+                "extendedResource.enabled=true")
     minor = control_plane.version[1]
     if minor >= 36:
         release, _ = _install(helm, *features)

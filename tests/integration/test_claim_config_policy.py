@@ -40,7 +40,7 @@ from dra_driver.sharing.nvidia_config import NVIDIA_ONLY_KINDS, parse_claim_conf
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.driver_image import render_chart
-from tests.harness.fake_mps import install_fake_mps_control
+from tests.harness.fake_mps import mps_driver_root
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import (
@@ -76,20 +76,6 @@ class Bench:
     plugin: DriverProcess
     kubelet: KubeletSide
     policy: list[JSON]
-
-
-def _fake_driver_root(root: Path) -> Path:
-    """ELF files under the real library names (the scanner keeps only those) and the
-    stand-in MPS control tool."""
-    lib = root / "lib64"
-    lib.mkdir(parents=True)
-    elf = Path("/bin/true").resolve()
-    for name in ("libcuda.so", "libnvidia-ml.so"):
-        real = lib / f"{name}.580.159.04"
-        shutil.copy(elf, real)
-        (lib / f"{name}.1").symlink_to(real.name)
-    install_fake_mps_control(root)
-    return root
 
 
 def _rendered_policy(tmp: Path) -> list[JSON]:
@@ -154,7 +140,7 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
             NODE,
             "a100-mig",
             base / "n",
-            ("--driver-root", str(_fake_driver_root(base / "driver"))),
+            ("--driver-root", str(mps_driver_root(base / "driver"))),
         ) as n:
             yield Bench(api, control_plane, n.plugin, n.side, policy)
     finally:

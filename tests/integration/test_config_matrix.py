@@ -43,7 +43,7 @@ from dra_driver.sharing.mps.settings import CONTAINER_PIPE_DIR
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.driver_image import CHART, build_helm
-from tests.harness.fake_mps import install_fake_mps_control
+from tests.harness.fake_mps import mps_driver_root
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import (
     api_error,
@@ -167,18 +167,6 @@ def _try_create(api: client.ApiClient, doc: dict[str, Any]) -> bool:
     return True
 
 
-def _fake_driver_root(root: Path) -> Path:
-    lib = root / "lib64"
-    lib.mkdir(parents=True)
-    elf = Path("/bin/true").resolve()
-    for name in ("libcuda.so", "libnvidia-ml.so"):
-        real = lib / f"{name}.580.159.04"
-        shutil.copy(elf, real)
-        (lib / f"{name}.1").symlink_to(real.name)
-    install_fake_mps_control(root)
-    return root
-
-
 @pytest.fixture(scope="module")
 def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]:
     base = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))
@@ -193,7 +181,7 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
             NODE,
             "hgx-h200-mig",
             base / "n",
-            ("--driver-root", str(_fake_driver_root(base / "driver")), "--dynamic-mig", "--memory-shares"),
+            ("--driver-root", str(mps_driver_root(base / "driver")), "--dynamic-mig", "--memory-shares"),
         ) as n:
             yield Bench(api, n.plugin, n.side)
     finally:

@@ -15,17 +15,12 @@ At the end the plugin stops and the node, its slices, the classes and the policy
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import os
 import shutil
-import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kubernetes import client
@@ -33,20 +28,17 @@ from kubernetes.client.exceptions import ApiException
 
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import ControlPlane
-from tests.harness.driver import DRIVER, DriverProcess
-from tests.harness.fake_mps import install_fake_mps_control
-from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.driver import DRIVER
+from tests.harness.fake_mps import mps_driver_root
 from tests.harness.objects import (
-    allocation_results,
     create_object,
     get_claim,
     get_pod,
     load_yaml_documents,
     pod_claim_names,
-    scheduler_reason,
     sync_request,
-    wait_for,
 )
+from tests.harness.pinned_claims import Bench, Case, oci_env
 from tests.harness.plugin_node import plugin_node
 
 RESOURCE_API = "/apis/resource.k8s.io/v1"
@@ -60,29 +52,6 @@ SUFFIX = uuid.uuid4().hex[:6]
 NODE = f"shares-{SUFFIX}"
 ONLY_NODE = f"only-{SUFFIX}"  # --memory-shares-only
 GI = 2**30
-
-
-@dataclass
-class Bench:
-    api: client.ApiClient
-    control_plane: ControlPlane
-    plugin: DriverProcess
-    kubelet: KubeletSide
-    node: str
-
-
-def _fake_driver_root(root: Path) -> Path:
-    """ELF files under the real library names (the scanner keeps only those) and the
-    stand-in MPS control tool."""
-    lib = root / "lib64"
-    lib.mkdir(parents=True)
-    elf = Path("/bin/true").resolve()
-    for name in ("libcuda.so", "libnvidia-ml.so"):
-        real = lib / f"{name}.580.159.04"
-        shutil.copy(elf, real)
-        (lib / f"{name}.1").symlink_to(real.name)
-    install_fake_mps_control(root)
-    return root
 
 
 def _path(kind: str, name: str = "") -> str:
@@ -107,7 +76,7 @@ def _plugin_node(
         node,
         "h200-single",
         base / "n",
-        ("--driver-root", str(_fake_driver_root(base / "driver")), *flags),
+        ("--driver-root", str(mps_driver_root(base / "driver")), *flags),
         published=lambda: "gpu-0-share" in _devices(api, node),
         what="the share view in the node's slices",
     ) as n:
@@ -167,131 +136,6 @@ def share(memory: str | None) -> JSON:
 WHOLE: JSON = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": WHOLE_CLASS}}]}
 
 
-class Case:
-    """Claims and pods of one test in its namespace, pinned to the node; `clear()` frees them."""
-
-    def __init__(self, bench: Bench, namespace: str) -> None:
-        self.bench, self.api, self.ns = bench, bench.api, namespace
-        self.counter = itertools.count()
-        self.prepared: list[ClaimName] = []
-
-    def create(self, devices: JSON) -> str:
-        name = f"c{next(self.counter)}"
-        sync_request(
-            self.api,
-            "POST",
-            f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
-                "metadata": {"name": name},
-                "spec": {"devices": devices},
-            },
-        )
-        sync_request(
-            self.api,
-            "POST",
-            f"/api/v1/namespaces/{self.ns}/pods",
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": self.bench.node},
-                    "automountServiceAccountToken": False,
-                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "busybox:1.37",
-                            "command": ["sleep", "3600"],
-                            "resources": {"claims": [{"name": "gpu"}]},
-                        }
-                    ],
-                },
-            },
-        )
-        return name
-
-    def bound(self, name: str) -> JSON:
-        """The pod is bound: the one allocation result of its one claim."""
-
-        def probe() -> JSON | None:
-            pod = get_pod(self.api, self.ns, name)
-            return pod if pod["spec"].get("nodeName") else None
-
-        try:
-            pod = wait_for(f"pod {name} bound", probe, timeout=30)
-        except TimeoutError as e:
-            raise AssertionError(f"{e}; scheduler says: {scheduler_reason(self.api, self.ns, name)}") from e
-        ((claim, _),) = pod_claim_names(pod)
-        (result,) = allocation_results(get_claim(self.api, self.ns, claim))
-        return result
-
-    def pending(self, name: str) -> str:
-        """The pod stays unbound: the scheduler's reason."""
-
-        def probe() -> str | None:
-            assert not get_pod(self.api, self.ns, name)["spec"].get("nodeName"), f"{name} was bound"
-            return scheduler_reason(self.api, self.ns, name) or None
-
-        reason = wait_for(f"a FailedScheduling event for {name}", probe, timeout=30)
-        assert not allocation_results(get_claim(self.api, self.ns, name))
-        return reason
-
-    def delete(self, name: str) -> None:
-        sync_request(
-            self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods/{name}", query={"gracePeriodSeconds": "0"}
-        )
-        sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims/{name}")
-
-        def gone() -> bool:
-            try:
-                get_claim(self.api, self.ns, name)
-            except ApiException as e:
-                return bool(e.status == 404)
-            return False
-
-        wait_for(f"claim {name} to be gone", gone, timeout=60)
-
-    def prepare(self, name: str) -> tuple[Any, dict[str, Any]]:
-        """NodePrepareResources as the kubelet sends it (v1); the device answered and the OCI
-        edits cdicheck makes of its CDI ids."""
-        claim = get_claim(self.api, self.ns, name)
-        ref = ClaimName(self.ns, name, claim["metadata"]["uid"])
-        response = self.bench.kubelet.prepare(ref)
-        self.prepared.append(ref)
-        answer = response.claims[ref.uid]
-        assert not answer.error, answer.error
-        (device,) = answer.devices
-        out = subprocess.run(
-            [
-                str(self.bench.control_plane.bin_dir / "cdicheck"),
-                "-dir",
-                str(self.bench.plugin.cdi_dir),
-                *device.cdi_device_ids,
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        oci: dict[str, Any] = json.loads(out.stdout)
-        return device, oci
-
-    def clear(self) -> None:
-        for ref in reversed(self.prepared):
-            self.bench.kubelet.unprepare(ref)
-        now = {"gracePeriodSeconds": "0"}
-        sync_request(self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods", query=now)
-        sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
-
-        def released() -> bool:
-            claims = sync_request(self.api, "GET", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
-            return not claims["items"]
-
-        wait_for("the case's claims to be gone", released, timeout=60)
-
-
 @pytest.fixture
 def case(bench: Bench, namespace: str) -> Iterator[Case]:
     c = Case(bench, namespace)
@@ -299,10 +143,6 @@ def case(bench: Bench, namespace: str) -> Iterator[Case]:
         yield c
     finally:
         c.clear()
-
-
-def _env(oci: dict[str, Any]) -> dict[str, str]:
-    return dict(e.split("=", 1) for e in oci["process"]["env"])
 
 
 def test_the_node_publishes_both_views_of_its_gpu(bench: Bench) -> None:
@@ -331,7 +171,7 @@ def test_40_60_60_two_share_the_gpu_and_the_third_waits(case: Case, bench: Bench
     for name, result in ((first, a), (second, b)):
         device, oci = case.prepare(name)
         assert device.share_id == result["shareID"]
-        env = _env(oci)
+        env = oci_env(oci)
         limits[name] = env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
         pipe = next(m["source"] for m in oci["mounts"] if m["destination"] == "/tmp/nvidia-mps")
@@ -362,7 +202,7 @@ def test_a_share_without_a_memory_request_gets_the_default(case: Case) -> None:
     name = case.create(share(None))
     assert case.bound(name)["consumedCapacity"] == {"memory": "8Gi"}
     _, oci = case.prepare(name)
-    assert _env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8G"
+    assert oci_env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8G"
 
 
 def test_more_than_the_gpu_has_stays_pending(case: Case) -> None:
@@ -432,7 +272,7 @@ def test_example_12_two_pods_share_one_gpu_each_with_its_limit(case: Case) -> No
         assert result["device"] == "gpu-0-share" and result["consumedCapacity"] == {"memory": memory}
         ((claim, _),) = pod_claim_names(get_pod(case.api, case.ns, pod))
         _, oci = case.prepare(claim)
-        limits[pod] = _env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
+        limits[pod] = oci_env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"]
     assert limits == {"share-a": "0=40G", "share-b": "0=60G"}
 
 
@@ -463,7 +303,7 @@ def test_a_shares_only_node_serves_shares_and_never_a_whole_gpu(bench: Bench, na
                 third = case.create(share("1Gi"))
                 assert "cannot allocate all claims" in case.pending(third), "140Gi of shares are taken"
                 _, oci = case.prepare(first)
-                assert _env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=100G"
+                assert oci_env(oci)["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=100G"
             finally:
                 case.clear()
     finally:
