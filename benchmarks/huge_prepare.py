@@ -44,7 +44,7 @@ def _memory_kib(pid: int) -> dict[str, int]:
     return fields
 
 
-def _admin_claim(api: Any, i: int) -> ClaimName:
+def admin_claim(api: Any, i: int) -> ClaimName:
     name = f"c{i:05d}"
     request = {"name": "gpu", "exactly": {"deviceClassName": NODE, "adminAccess": True}}
     claim = sync_request(
@@ -87,7 +87,7 @@ def _measure(cp: ControlPlane, work: Path, count: int) -> dict[str, Any]:
         )
         t0 = time.monotonic()
         with ThreadPoolExecutor(8) as pool:
-            refs = list(pool.map(lambda i: _admin_claim(api, i), range(count)))
+            refs = list(pool.map(lambda i: admin_claim(api, i), range(count)))
         print(f"[bench] {count} claims created in {time.monotonic() - t0:.0f}s", file=sys.stderr)
         plugin = DriverProcess(
             NODE, "l4x4", cp.kubeconfig, work / "node", extra_args=("--no-publish-slices",)

@@ -1,10 +1,10 @@
 """`make bench`: the benchmarks one after the other, `prepare` (the kubelet plugin), `huge_prepare`
-(one 10,000-claim call), `slices` (the ResourceSlice controller), `scheduler` (pods/s through
-the real kube-scheduler per claim shape) and `health_storm` (Prepare latency and slice writes
-during a storm of health events). `slices` and `scheduler` run a small fleet by default
-(minutes); `--full` runs them at fleet scale (5,000 nodes' slices; 100, 500 and 1,000 nodes
-with 5,000 pods: over an hour on 2 cores). The node tier's figures
-(`python -m benchmarks.node`) need the node binaries and run apart.
+(one 10,000-claim call), `held_claims` (one claim's Prepare with up to 500 held), `slices` (the
+ResourceSlice controller), `scheduler` (pods/s through the real kube-scheduler per claim shape)
+and `health_storm` (Prepare latency and slice writes during a storm of health events). `slices`
+and `scheduler` run a small fleet by default (minutes); `--full` runs them at fleet scale (5,000
+nodes' slices; 100, 500 and 1,000 nodes with 5,000 pods: over an hour on 2 cores). The node
+tier's figures (`python -m benchmarks.node`) need the node binaries and run apart.
 
 Each starts its own control plane and stops it before the next begins, so no benchmark
 shares a machine with another; each one's figures go to benchmarks/results/<name>.json and
@@ -21,11 +21,12 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import health_storm, huge_prepare, prepare, report, scheduler, slices
+from benchmarks import health_storm, held_claims, huge_prepare, prepare, report, scheduler, slices
 
 BENCHMARKS: dict[str, Callable[[], dict[str, Any]]] = {
     "prepare": prepare.run,
     "huge_prepare": huge_prepare.run,
+    "held_claims": held_claims.run,
     "slices": slices.run,
     "scheduler": scheduler.run,
     "health_storm": health_storm.run,

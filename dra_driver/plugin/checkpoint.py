@@ -272,13 +272,35 @@ def _checksum(payload: Any) -> str:
 
 def encode(cp: Checkpoint) -> bytes:
     """The file's bytes: {checksum, payload, version, writtenBy}, compact (the file is
-    rewritten on every transaction and may hold thousands of claims)."""
-    payload = _payload(cp)
-    return (
-        _canonical({"checksum": _checksum(payload), "payload": payload, "version": FORMAT_VERSION,
-                    "writtenBy": WRITTEN_BY})
-        + "\n"
-    ).encode()
+    rewritten on every transaction and may hold thousands of claims).
+
+    Exactly `_canonical` of that object, built from the canonical text of each part: the json
+    module cannot reuse text it already made, and serializing every held claim again on every
+    Prepare was most of its time with many held (5 of 7 ms with 500). An entry is immutable,
+    so its text is kept (`_EntryTexts`); sorted keys put the parts in this order."""
+    claims = ",".join(_entry_texts.of(sorted(cp.claims.values(), key=lambda c: c.uid)))
+    driver = "" if cp.driver is None else f',"driver":{_canonical(cp.driver)}'
+    payload = f'{{"bootId":{_canonical(cp.boot_id)},"claims":[{claims}]{driver}}}'
+    checksum = "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+    return (f'{{"checksum":"{checksum}","payload":{payload},"version":{FORMAT_VERSION},'
+            f'"writtenBy":{_canonical(WRITTEN_BY)}}}\n').encode()
+
+
+class _EntryTexts:
+    """The canonical text of each entry of the checkpoint last encoded, and only of those: what
+    is kept is bounded by the claims held, not by how many came and went."""
+
+    def __init__(self) -> None:
+        self._texts: dict[ClaimEntry, str] = {}
+
+    def of(self, entries: Sequence[ClaimEntry]) -> list[str]:
+        known = self._texts
+        texts = {e: known.get(e) or _canonical(_entry_to_dict(e)) for e in entries}
+        self._texts = texts  # replaced whole: a concurrent encode at worst serializes again
+        return list(texts.values())
+
+
+_entry_texts = _EntryTexts()
 
 
 class _Shape(Exception):
@@ -507,7 +529,10 @@ def load(path: Path, boot_id: str, driver: str | None = None) -> LoadResult:
         return LoadResult(checkpoint=Checkpoint.empty(boot_id, driver), status=LoadStatus.MISSING)
     except OSError as e:  # a directory, a dangling mount, no permission...
         raise CheckpointUnreadable(path, f"{e.strerror or e} ({type(e).__name__})") from e
-    cp = decode(data, path)
+    cp = _last.recall(path, data)
+    if cp is None:
+        cp = decode(data, path)
+        _last.keep(path, data, cp)
     if driver is not None and cp.driver is not None and cp.driver != driver:
         raise CheckpointOfAnotherDriver(path, cp.driver, driver)
     if driver is not None and cp.driver is None:
@@ -529,7 +554,33 @@ def load(path: Path, boot_id: str, driver: str | None = None) -> LoadResult:
 def save(path: Path, cp: Checkpoint) -> None:
     """Replace the file with `cp` atomically: a reader, or this process after a crash, finds
     the old checkpoint or the new one (not fsync'd: see the module docstring)."""
-    write_file_atomic(path, encode(cp), mode=0o600, durable=False)
+    data = encode(cp)
+    write_file_atomic(path, data, mode=0o600, durable=False)
+    _last.keep(path, data, cp)
+
+
+class _LastCheckpoint:
+    """The checkpoint this process last wrote or read, with the file's bytes: a file that
+    still holds exactly those bytes is that checkpoint, so it is not decoded and verified
+    again. Decoding was most of a Prepare's time with many claims held (2 ms with none, 15 ms
+    with 500, of which 10 ms decoding twice). Another writer (a second instance in a rolling
+    update) changes the bytes, and then the file is decoded as always. One tuple, replaced
+    whole: threads (Prepare runs in one) read a consistent pair without a lock."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[Path, bytes, Checkpoint] | None = None
+
+    def keep(self, path: Path, data: bytes, cp: Checkpoint) -> None:
+        self._kept = (path, data, cp)
+
+    def recall(self, path: Path, data: bytes) -> Checkpoint | None:
+        kept = self._kept
+        if kept is None or kept[0] != path or kept[1] != data:
+            return None
+        return kept[2]
+
+
+_last = _LastCheckpoint()
 
 
 def quarantine(path: Path, now: datetime | None = None) -> Path:

@@ -60,8 +60,12 @@ def _share_conflict(
         return found.uuid if found is not None and not d.admin_access else None
 
     mine = {gpu(d): bool(d.share_id) for d in plan.devices if gpu(d) is not None}
+    # every name of those GPUs (whole, share view): one set lookup per held device, however many
+    names = frozenset(n for n, found in devices.items() if found.uuid in mine)
     for other in claims.values():
         for d in other.devices:
+            if d.device not in names:
+                continue
             shared = mine.get(gpu(d))
             if other.uid != plan.ref.uid and shared is not None and shared != bool(d.share_id):
                 held, wanted = ("a memory share", "the whole GPU")

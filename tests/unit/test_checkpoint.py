@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -411,3 +412,61 @@ def test_a_checkpoint_from_before_the_driver_was_recorded_is_read_as_ours(tmp_pa
     loaded = ckpt.load(path, BOOT, "gpu.dra-driver.dev").checkpoint
     assert loaded.driver == "gpu.dra-driver.dev" and loaded.claims == sample().claims
     assert ckpt.load(path, BOOT).checkpoint.driver is None, "read without a driver: as written"
+
+
+# --------------------------------------------------------------------------- cost with many claims held
+
+
+def test_the_file_is_exactly_the_canonical_json_of_the_document(tmp_path: Path) -> None:
+    """encode builds the file from each part's canonical text: it must be byte for byte what
+    one canonical dump of the whole document gives, or a checksum would not verify."""
+    mig = ckpt.MigRecord("gpu-0-mig-1g", "GPU-parent", 19, 0, gpu_instance_id=7, compute_instance_id=0,
+                         uuid="MIG-x")
+    cp = with_started(sample(), "ñs-ü", "c\"quoted", "cccccccc-0000-4000-8000-000000000003",
+                      [record("gpu-3")], now=T1)
+    cp = ckpt.Checkpoint(cp.boot_id, {**cp.claims, UID_A: replace(cp.claims[UID_A], mig=(mig,))}, "d.example")
+    for checkpoint in (cp, ckpt.Checkpoint.empty(BOOT), ckpt.Checkpoint.empty(BOOT, "d.example")):
+        payload = ckpt._payload(checkpoint)
+        document = {"checksum": ckpt._checksum(payload), "payload": payload, "version": ckpt.FORMAT_VERSION,
+                    "writtenBy": ckpt.WRITTEN_BY}
+        assert ckpt.encode(checkpoint) == (ckpt._canonical(document) + "\n").encode()
+        assert ckpt.decode(ckpt.encode(checkpoint), tmp_path) == checkpoint
+
+
+def test_a_file_another_writer_changed_is_read_anew(tmp_path: Path) -> None:
+    """The checkpoint kept from this process's last save stands only while the file holds the
+    bytes it wrote: another instance's write, or an edit, is decoded (and verified) again."""
+    path = ckpt.checkpoint_path(tmp_path)
+    ckpt.save(path, sample())
+    other = without(sample(), UID_B)
+    path.write_bytes(ckpt.encode(other))  # as a second instance would write it
+    assert ckpt.load(path, BOOT).checkpoint == other
+    ckpt.save(path, sample())
+    path.write_bytes(path.read_bytes().replace(b"team-a", b"team-x"))
+    with pytest.raises(ckpt.CheckpointUnreadable, match="checksum mismatch"):
+        ckpt.load(path, BOOT)
+
+
+def test_saving_with_many_claims_held_serializes_only_what_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prepare with 500 claims held: the checkpoint it just wrote is not decoded again, and the
+    held claims' entries are not serialized again (each was 10 ms at 500 claims held)."""
+    path = ckpt.checkpoint_path(tmp_path)
+    cp = ckpt.Checkpoint.empty(BOOT)
+    for i in range(500):
+        cp = with_started(cp, "ns", f"c{i}", f"{i:08d}-0000-4000-8000-000000000000", [record()], now=T0)
+    ckpt.save(path, cp)
+    decoded: list[int] = []
+    monkeypatch.setattr(ckpt, "_decode_payload", lambda payload: decoded.append(1) or None)
+    serialized: list[str] = []
+    entry_to_dict = ckpt._entry_to_dict
+    monkeypatch.setattr(ckpt, "_entry_to_dict", lambda c: serialized.append(c.uid) or entry_to_dict(c))
+    for i in range(3):  # one more claim: load, started, save, load, completed, save
+        uid = f"new{i:05d}-0000-4000-8000-000000000000"
+        loaded = ckpt.load(path, BOOT).checkpoint
+        ckpt.save(path, with_started(loaded, "ns", "new", uid, [record()], now=T1))
+        ckpt.save(path, with_completed(ckpt.load(path, BOOT).checkpoint, uid, now=T1))
+        assert serialized == [uid, uid], "only the new claim's two entries"
+        serialized.clear()
+    assert decoded == []
