@@ -5,7 +5,8 @@ off with one Warning (log, metric `gpu_dra_features_off`, an Event on the Node) 
 feature whose fields the server would drop, turns each node's inventory into its pool's
 desired slices with the pure builder (`controller.slices`) and returns a
 `controller.reconciler.SliceController` to run until cancelled: that loop keeps the slices
-as desired.
+as desired. `follow_server`, run beside it, asks the server again every few minutes and
+republishes with what it keeps when a gate was turned on or off under the running process.
 
 It must NOT write slices itself (the loop does) nor decide what a slice holds (the pure
 builder does).
@@ -13,7 +14,10 @@ builder does).
 
 from __future__ import annotations
 
+import asyncio
+import random
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -93,8 +97,71 @@ async def slice_controller(
     await report_features_off(api, driver, off, single)
     return SliceController(
         api=api, driver=driver, pools=pools_for(inventories, driver, features), node_selector=single,
-        inventories=dict(inventories), features=features, features_off=off,
+        inventories=dict(inventories), features=features, features_off=off, asked=asked,
     )
+
+
+async def follow_server(ctl: SliceController, list_attributes: ListAttributesMode, interval: float) -> None:
+    """Ask the server again, every `interval` seconds (jittered), what it keeps, and publish
+    with what follows: a gate turned on under a running plugin is used without a restart, one
+    turned off stops the fields the server now drops (a node whose slices the server strips is
+    unschedulable). Each change is said once: a log line, the metric and one Event on the Node.
+    The probes are dry-run creates: nothing is stored. Runs until cancelled."""
+    node = ctl.node_selector
+    while True:
+        await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+        try:
+            server = await probe_server(ctl.api, ctl.driver)
+        except kube.TRANSIENT_ERRORS as e:
+            log.info("could not ask the API server what it keeps; asking again later", error=str(e))
+            continue
+        asked = ctl.asked
+        if list_attributes == "auto":
+            asked = replace(asked, list_attributes=server.list_attributes)
+        features, off = decide(asked, server)
+        if features == ctl.features:
+            continue
+        change = feature_change(ctl.features, ctl.features_off, features, off)
+        pools = ctl.set_features(features, off)
+        ctl.asked = asked
+        for feature in ctl.features_off:
+            metrics.features_off.labels(feature=feature.feature).set(1)
+        for name in change.turned_on:
+            metrics.features_off.labels(feature=name).set(0)
+        log.warning("the API server's features changed; publishing with what it keeps now",
+                    change=change.message, pools_rewritten=len(pools), node=node)
+        if node is not None:
+            await _post_node_event(ctl.api, ctl.driver, node, "DRAFeaturesChanged", change.message,
+                                   warning=bool(change.turned_off))
+
+
+@dataclass(frozen=True)
+class FeatureChange:
+    turned_on: tuple[str, ...]
+    turned_off: tuple[FeatureOff, ...]
+    other: tuple[str, ...]  # what changed without being asked for (list-type attributes in auto)
+
+    @property
+    def message(self) -> str:
+        parts = [f"{name} is on again: the API server keeps its fields now" for name in self.turned_on]
+        parts += [f.message() for f in self.turned_off]
+        parts += list(self.other)
+        return "; ".join(parts)
+
+
+def feature_change(
+    before: SliceFeatures, before_off: Sequence[FeatureOff],
+    after: SliceFeatures, after_off: Sequence[FeatureOff],
+) -> FeatureChange:
+    """Pure: what changed between two decisions, in an operator's words."""
+    was, now = {f.feature for f in before_off}, {f.feature: f for f in after_off}
+    other: tuple[str, ...] = ()
+    if before.list_attributes != after.list_attributes:
+        now_kept = after.list_attributes
+        other = (f"list-type attributes are {'published' if now_kept else 'no longer published'} "
+                 f"(the API server {'keeps' if now_kept else 'drops'} them now)",)
+    return FeatureChange(turned_on=tuple(sorted(was - set(now))),
+                         turned_off=tuple(f for name, f in now.items() if name not in was), other=other)
 
 
 async def report_features_off(
@@ -106,14 +173,24 @@ async def report_features_off(
         metrics.features_off.labels(feature=feature.feature).set(1)
         log.warning("feature turned off: the API server would drop its fields", feature=feature.feature,
                     reason=feature.reason, node=node)
-        if node is None:
-            continue
-        involved = {"apiVersion": "v1", "kind": "Node", "name": node, "namespace": "default"}
-        try:
-            nodes = await kube.request(api, "GET", f"/api/v1/nodes/{node}")
-            involved["uid"] = nodes["metadata"]["uid"]
-            body = event_body(involved, "DRAFeatureOff", feature.message(), True, driver, node)
-            await kube.request(api, "POST", "/api/v1/namespaces/default/events", body=body)
-        except kube.TRANSIENT_ERRORS as e:
-            log.info("could not post the Event about a feature turned off", feature=feature.feature,
-                     error=str(e))
+        if node is not None:
+            await _post_node_event(api, driver, node, "DRAFeatureOff", feature.message(), warning=True)
+
+
+async def _post_node_event(api: ApiClient, driver: str, node: str, reason: str, message: str,
+                           warning: bool) -> None:
+    """One Event on the Node, unless one of the same reason and message is still there (a
+    restarted plugin says nothing new; the API server drops Events after an hour)."""
+    involved = {"apiVersion": "v1", "kind": "Node", "name": node, "namespace": "default"}
+    try:
+        selector = f"involvedObject.kind=Node,involvedObject.name={node},reason={reason}"
+        posted = await kube.request(api, "GET", "/api/v1/namespaces/default/events",
+                                    query={"fieldSelector": selector})
+        if any(e.get("message") == message for e in posted.get("items", [])):
+            return
+        nodes = await kube.request(api, "GET", f"/api/v1/nodes/{node}")
+        involved["uid"] = nodes["metadata"]["uid"]
+        body = event_body(involved, reason, message, warning, driver, node)
+        await kube.request(api, "POST", "/api/v1/namespaces/default/events", body=body)
+    except kube.TRANSIENT_ERRORS as e:
+        log.info("could not post an Event on the Node", reason=reason, error=str(e))

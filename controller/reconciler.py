@@ -19,7 +19,8 @@ adopted as it is after one replace, with a warning, instead of being rewritten f
 
 It must NOT decide what to write (that is the pure plan) nor crash on API errors: every
 failure ends in a retry. Which features to publish and the pools' first desired slices are
-decided before it starts (`controller.publisher`).
+decided before it starts (`controller.publisher`), and again when the server's features
+change under it (`set_features`, from `controller.publisher.follow_server`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ class SliceController:
     inventories: dict[str, Inventory] = field(default_factory=dict)
     features: SliceFeatures = field(default_factory=SliceFeatures)
     features_off: tuple[FeatureOff, ...] = ()  # asked for, but the server drops their fields
+    asked: SliceFeatures = field(default_factory=SliceFeatures)  # what `features` is decided from
+    _taints: dict[str, Mapping[str, Sequence[DeviceTaint]]] = field(default_factory=dict)  # per pool
     # pool -> (the desired slices the server refused, when to try them again)
     _refused: dict[str, tuple[tuple[JSON, ...], float]] = field(default_factory=dict)
     # slice name -> (the spec we wrote, the spec the server stored without some of its fields)
@@ -116,6 +119,17 @@ class SliceController:
     def set_taints(self, pool: str, taints: Mapping[str, Sequence[DeviceTaint]]) -> bool:
         """Publish `taints` (device name -> health taints) in `pool`; marks the pool for a write
         only when its slices change, so repeating the same taints writes nothing."""
+        self._taints[pool] = taints
+        return self._rebuild(pool)
+
+    def set_features(self, features: SliceFeatures, off: Sequence[FeatureOff]) -> list[str]:
+        """Publish with `features` from now on (the server's features changed under us); returns
+        the pools whose slices change, each marked for a write."""
+        self.features, self.features_off = features, tuple(off)
+        return [pool for pool in self.inventories if self._rebuild(pool)]
+
+    def _rebuild(self, pool: str) -> bool:
+        taints = self._taints.get(pool)
         specs = desired_slices(self.inventories[pool], pool, self.driver, self.features, taints)
         if specs == self.pools[pool].slice_specs:
             return False

@@ -12,12 +12,13 @@ import dataclasses
 import click
 import structlog
 
-from controller.publisher import ListAttributesMode, slice_controller
+from controller.publisher import ListAttributesMode, follow_server, slice_controller
 from dra_driver import kube
 from dra_driver.commands.options import cluster_options
 from dra_driver.gpu import discover
 from dra_driver.gpu.model import Inventory
 from dra_driver.kube import ApiClient
+from dra_driver.node.options import SERVER_PROBE_SECONDS
 from dra_driver.signals import run_until_signalled
 
 log = structlog.get_logger(__name__)
@@ -73,7 +74,7 @@ async def _run(
         ctl = await slice_controller(api, driver, inventories, list_attributes)
         log.info("publishing slices", driver=driver, pools=len(inventories))
         try:
-            await ctl.run()
+            await asyncio.gather(ctl.run(), follow_server(ctl, list_attributes, SERVER_PROBE_SECONDS))
         finally:
             log.warning("controller stopping", **dataclasses.asdict(ctl.stats))
     finally:

@@ -26,7 +26,7 @@ from dra_driver.commands.options import (
     topology_detail_attributes_option,
 )
 from dra_driver.node import daemon
-from dra_driver.node.options import NodeOptions
+from dra_driver.node.options import SERVER_PROBE_SECONDS, NodeOptions
 from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS
 from dra_driver.signals import run_until_signalled
 
@@ -123,6 +123,14 @@ log = structlog.get_logger(__name__)
     default=DEFAULT_TIMEOUT_SECONDS,
     show_default=True,
     help="Seconds a Prepare call waits for the API server to return its claims (the kubelet waits 45).",
+)
+@click.option(
+    "--server-probe-interval",
+    type=click.FloatRange(min=0.0),
+    default=SERVER_PROBE_SECONDS,
+    show_default=True,
+    help="Seconds between asking the API server again what it keeps (dry-run creates), so that a DRA "
+    "feature gate turned on or off under this plugin is followed without a restart; 0: only at start.",
 )
 @click.option(
     "--publish-slices/--no-publish-slices",

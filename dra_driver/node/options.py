@@ -17,6 +17,10 @@ from dra_driver.plugin.claim_source import DEFAULT_TIMEOUT_SECONDS
 from dra_driver.sharing.consumable import ConsumableShares
 
 SIMULATED_MIG_STATE: Final = "simulated-mig.json"
+# How often the API server is asked again what it keeps (controller.publisher.follow_server):
+# a DRA gate flipped under a running plugin is followed within about this long, for four
+# dry-run creates per node; the fleet controller uses it too.
+SERVER_PROBE_SECONDS: Final = 300.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ class NodeOptions:
     rolling_update_uid: str | None = None
     claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS
     publish_slices: bool = True
+    server_probe_interval: float = SERVER_PROBE_SECONDS  # 0: the server's features are read at start only
     metrics_port: int = 0  # 0: no metrics or probe port
     metrics_bind_address: str = "0.0.0.0"
     claim_identity_metric: bool = False

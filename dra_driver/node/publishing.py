@@ -13,7 +13,7 @@ from typing import Final
 
 import structlog
 
-from controller.publisher import slice_controller
+from controller.publisher import follow_server, slice_controller
 from controller.taints import follow_taints
 from dra_driver.gpu.model import Inventory
 from dra_driver.health.keeper import HealthKeeper
@@ -47,7 +47,9 @@ async def publish(
         consumable_shares=opts.consumable_shares,
     )
     ctl.heartbeat = heartbeat
-    if keeper is None:
-        await ctl.run()
-    else:
-        await asyncio.gather(ctl.run(), follow_taints(ctl, keeper, opts.node_name))
+    loops = [ctl.run()]
+    if keeper is not None:
+        loops.append(follow_taints(ctl, keeper, opts.node_name))
+    if opts.server_probe_interval > 0:
+        loops.append(follow_server(ctl, opts.list_attributes, opts.server_probe_interval))
+    await asyncio.gather(*loops)
