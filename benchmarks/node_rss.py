@@ -12,7 +12,10 @@ stand-in root). The process's VmRSS, RssAnon and RssFile from /proc are read:
   cycles (kubelet's protocol, from this process) of one claim allocated gpu-0 by an admin
   write (default 1,000), then 2 s idle (the claim's status written and released);
 * `peak`: VmHWM at the end.
-Start to registered and the CPU spent to get there are recorded beside them.
+Start to registered and the CPU spent to get there are recorded beside them, and the CPU
+the process spends idle (`idle_cpu_ms_per_second`: utime+stime over IDLE_S after the cycles,
+no call; on a GPU host the health monitor waits on real NVML events, where benchmarks.prepare
+runs simulated GPUs).
 
 Run alone: `python -m benchmarks.node_rss [--simulate PROFILE] [--cycles N]` (figures as
 JSON on stdout, written to benchmarks/results/node_rss.json). On the GPU host:
@@ -34,6 +37,7 @@ from benchmarks.prepare import (
     NODE,
     _charted_env,
     _claims,
+    _cpu_s,
     _driver_root,
     _free_port,
     _run_root,
@@ -44,6 +48,7 @@ from tests.harness.kubelet import KubeletSide, prepared_cdi_ids
 from tests.harness.objects import create_node, sync_client
 
 SETTLE_S = 2.0
+IDLE_S = 20.0  # seconds without a call over which idle CPU is read
 
 
 def _memory(pid: int) -> dict[str, int]:
@@ -96,6 +101,9 @@ def run(simulate: str | None, cycles: int) -> dict[str, Any]:
                     print(f"{i + 1} of {cycles} cycles", file=sys.stderr, flush=True)
             time.sleep(SETTLE_S)
             served = _memory(pid)
+            idle_start = _cpu_s(pid)
+            time.sleep(IDLE_S)
+            idle_cpu = _cpu_s(pid) - idle_start
             kubelet.close()
         finally:
             plugin.stop()
@@ -107,6 +115,7 @@ def run(simulate: str | None, cycles: int) -> dict[str, Any]:
         "start_cpu_s": round(start_cpu, 3),
         "registered": registered,
         "served": served,
+        "idle_cpu_ms_per_second": round(idle_cpu / IDLE_S * 1000, 2),
     }
 
 
