@@ -31,7 +31,7 @@ from dra_driver.sharing.config import (
     device_configs,
     device_requests,
 )
-from dra_driver.sharing.consumable import limited_shares, shared_whole_gpus
+from dra_driver.sharing.consumable import MIB, limited_shares, shared_whole_gpus
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.mps.errors import MpsError
 from dra_driver.sharing.mps.settings import MpsSettings, settings_for_claim
@@ -96,8 +96,9 @@ class Sharing:
                 entries.append((d.uuid, _share_mps(share, config, named, percentage)))
             else:
                 base = config.sharing.mps or MpsConfig()
-                _check_limit_fits(d, base.default_pinned_device_memory_limit)
-                entries.append((d.uuid, replace(base, default_active_thread_percentage=percentage)))
+                limit = _limit_within(d, base.default_pinned_device_memory_limit)
+                entries.append((d.uuid, replace(base, default_active_thread_percentage=percentage,
+                                                default_pinned_device_memory_limit=limit)))
         settings = settings_for_claim(claim_uid, entries)
         shared = shared_whole_gpus(claim, self.driver, self.pool)
         if not shares and all(d.mig is None and d.name not in shared for d in mps):
@@ -143,16 +144,15 @@ class Sharing:
             self.mps.start(plan)
 
 
-def _check_limit_fits(device: NodeDevice, limit: int | None) -> None:
-    """A pinned-memory limit above the device's own memory would limit nothing."""
+def _limit_within(device: NodeDevice, limit: int | None) -> int | None:
+    """The pinned-memory limit the device's daemon gets: a limit above the device's own memory
+    holds it to all of its memory, which is what such a limit means (NVIDIA's driver runs even
+    1Ei as no limit), so it is the device's memory in whole MiB rather than a refusal that
+    would leave the claim holding the GPU without running (issue 49: admitted, then stuck)."""
     memory = device.mig.memory_bytes if device.mig is not None else device.gpu.memory_bytes
-    if limit is not None and limit > memory:
-        raise ConfigError(
-            f"the MPS pinned-memory limit for {device.name} ({limit} bytes, {limit / 2**30:.2f}Gi) is more "
-            f"than its memory ({memory} bytes, {memory / 2**30:.2f}Gi), so it would limit nothing: "
-            "write a limit of at most that in defaultPinnedDeviceMemoryLimit (or in "
-            "defaultPerDevicePinnedMemoryLimit for this device), or remove it"
-        )
+    if limit is None or limit <= memory:
+        return limit
+    return memory // MIB * MIB
 
 
 def _share_mps(share: Share, config: GpuConfig, named: bool, percentage: int | None) -> MpsConfig:

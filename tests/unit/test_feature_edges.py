@@ -30,7 +30,6 @@ from dra_driver.gpu.simulated import FakeNvml
 from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.node import nvml_for, start_node_health
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.mps import errors as mps_errors
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.mps.settings import MpsSettings
@@ -129,7 +128,7 @@ def test_gpu_config_on_a_mig_slice_is_refused_with_what_to_change(tmp_path: Path
 # --------------------------------------------------------------------------- limits against memory
 
 
-def test_a_pinned_limit_above_the_gpus_memory_is_refused_on_the_node_with_the_number() -> None:
+def test_a_pinned_limit_above_the_gpus_memory_holds_it_to_all_of_its_memory() -> None:
     devices = node_devices(discover("hgx-h200"))
     gpu = devices["gpu-0"]
     claim = {
@@ -158,10 +157,10 @@ def test_a_pinned_limit_above_the_gpus_memory_is_refused_on_the_node_with_the_nu
         }
     }
     sharing = Sharing(DRIVER, NODE, MpsControl("/nonexistent", "/nonexistent"))
-    with pytest.raises(ConfigError) as refused:
-        sharing.plan("u1", claim, [gpu])
-    message = str(refused.value)
-    assert f"({200 * 2**30} bytes, 200.00Gi) is more than its memory ({gpu.gpu.memory_bytes} bytes" in message
+    # Above the GPU's memory: held to all of it, which is what the limit means (it was refused
+    # here, and the claim held the GPU without running: issue 49).
+    plan = sharing.plan("u1", claim, [gpu])
+    assert plan is not None and plan.devices[0].pinned_memory_limit == gpu.gpu.memory_bytes // 2**20 * 2**20
     fits = json.loads(json.dumps(claim).replace("200Gi", "100Gi"))
     plan = sharing.plan("u1", fits, [gpu])
     assert plan is not None and plan.devices[0].pinned_memory_limit == 100 * 2**30
