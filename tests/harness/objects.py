@@ -90,6 +90,33 @@ def watch_for(probe: Callable[[], T | None], seconds: float, interval: float = 0
         time.sleep(min(interval, max(0.0, deadline - time.monotonic())))  # the poll interval
 
 
+def wait_steady(what: str, read: Callable[[], int], tolerance: int, timeout: float = 10.0,
+                interval: float = 0.1) -> int:
+    """Poll `read` (a process's RSS, its open descriptors) until two readings `interval` apart
+    agree within `tolerance`, and return the last: the state a baseline or a count is taken in."""
+    readings: list[int] = []
+
+    def steady() -> int | None:
+        now = read()
+        agreed = bool(readings) and abs(now - readings[-1]) <= tolerance
+        readings.append(now)
+        return now if agreed else None
+
+    return wait_for(f"{what} to settle", steady, timeout, interval, detail=lambda: readings[-5:])
+
+
+async def watch_for_async(probe: Callable[[], T | None], seconds: float, interval: float = 0.01) -> T | None:
+    """`watch_for` inside an event loop: the loop runs on through the window."""
+    deadline = time.monotonic() + seconds
+    while True:
+        result = probe()
+        if result:
+            return result
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))  # the poll interval
+
+
 def _timed_out(
     what: str, timeout: float, last: object, detail: Callable[[], object] | None, error: Exception | None
 ) -> str:

@@ -28,7 +28,8 @@ from dra_driver import kube, metrics
 from dra_driver.gpu import discover
 from dra_driver.jsontypes import JSON
 from dra_driver.kube import ApiException
-from tests.unit.test_publisher_fleet import MemoryApi
+from tests.harness.objects import watch_for_async
+from tests.unit.test_publisher_fleet import MemoryApi, settle, watched
 
 DRIVER = "gpu.dra-driver.dev"
 NODE = "node-0000"
@@ -162,24 +163,16 @@ def test_on_1_34_each_counter_set_is_in_the_slice_of_its_consumers() -> None:
             asked, _caps("1.36 default gates"))[0]))
 
 
-def _settled(api: VersionedApi, ctl: SliceController) -> Any:
-    async def wait() -> None:
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if ctl.synced.is_set() and api.quiet() and not ctl._dirty:
-                return
-        raise AssertionError(f"publisher did not settle: {ctl.stats}")
-    return wait()
-
-
 def _run(api: VersionedApi, ctl: SliceController, quiet_for: float = 1.5) -> None:
-    """Run the loop until it settles, then `quiet_for` seconds more (a rewrite loop writes
-    2-4 times a second, so any would show)."""
+    """Run the loop until it settles, then watch `quiet_for` seconds more for a write (a rewrite
+    loop writes 2-4 times a second, so any would show); the caller's counts then say whether
+    one came."""
     async def scenario() -> None:
-        task = asyncio.create_task(ctl.run())
+        task = asyncio.create_task(watched(ctl).run())
         try:
-            await _settled(api, ctl)
-            await asyncio.sleep(quiet_for)
+            await settle(api, ctl)
+            settled_writes = api.writes
+            await watch_for_async(lambda: api.writes != settled_writes, quiet_for)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -250,10 +243,11 @@ def test_a_refused_write_is_logged_whole_once_and_not_retried_in_a_loop(
     writes: list[int] = []
 
     async def scenario() -> None:
-        task = asyncio.create_task(ctl.run())
+        task = asyncio.create_task(watched(ctl).run())
         try:
-            await _settled(api, ctl)
-            await asyncio.sleep(2.0)  # a retry loop would write 4 times in this
+            await settle(api, ctl)
+            # A window in which no second attempt may come (a retry loop would write 4 times in it).
+            await watch_for_async(lambda: ctl.stats.creates > 1, 2.0)
             writes.append(ctl.stats.creates)
             # Its desired slices change (a health taint, say): written again at once.
             api.refuse_all = ""
@@ -261,8 +255,7 @@ def test_a_refused_write_is_logged_whole_once_and_not_retried_in_a_loop(
             changed = {**first, "devices": first["devices"][:-1]}
             ctl.pools[NODE] = replace(ctl.pools[NODE], slice_specs=(changed,))
             ctl._mark(NODE)
-            await asyncio.sleep(0.1)
-            await _settled(api, ctl)
+            await settle(api, ctl)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
