@@ -52,6 +52,7 @@ from tests.harness.objects import (
     delete_node_and_slices,
     sync_request,
     wait_for,
+    wait_for_async,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -502,9 +503,10 @@ def test_the_plugins_calls_run_through_the_charts_rbac_and_policies(
             create_object(api, surplus)
             # The publisher deletes the surplus first, then applies the slice it keeps: wait
             # for both before it is stopped.
-            for _ in range(100):
-                if not {"DELETE", "PATCH"} <= {c[0] for c in calls if "/resourceslices" in c[1]}:
-                    await asyncio.sleep(0.1)
+            await wait_for_async(
+                "the surplus slice deleted and the kept one applied",
+                lambda: {"DELETE", "PATCH"} <= {c[0] for c in calls if "/resourceslices" in c[1]},
+                timeout=10, detail=lambda: calls)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             assert ctl.stats.errors == 0, f"the publisher met {ctl.stats.errors} errors: {calls}"

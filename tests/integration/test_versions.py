@@ -33,9 +33,16 @@ from dra_driver.gpu.placements import placements
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import ControlPlane, gate_mode
 from tests.harness.driver import DRIVER
-from tests.harness.objects import create_node, get_pod, scheduler_reason, sync_request, wait_for
+from tests.harness.objects import (
+    RESOURCE_API,
+    create_node,
+    get_pod,
+    scheduler_reason,
+    sync_request,
+    wait_for,
+    watch_for_async,
+)
 
-RESOURCE_API = "/apis/resource.k8s.io/v1"
 PROFILE = "hgx-h200-mig"  # 3 GPUs: one whole, one MIG mode without instances, one with a static 3g
 
 
@@ -63,8 +70,10 @@ def published(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[tu
             task = asyncio.create_task(ctl.run())
             try:
                 await asyncio.wait_for(ctl.synced.wait(), 60)
-                # A rewrite loop writes 2-4 times a second: 3 s show it.
-                await asyncio.sleep(3)
+                # A rewrite loop writes 2-4 times a second: a window of 3 s shows it (the counts
+                # checked below).
+                synced_writes = ctl.stats.writes
+                await watch_for_async(lambda: ctl.stats.writes != synced_writes, 3)
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

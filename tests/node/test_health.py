@@ -22,7 +22,7 @@ import pytest
 from dra_driver.health.node import SIMULATED_EVENTS_FILE
 from tests.harness.driver import DRIVER
 from tests.harness.node import Node
-from tests.harness.objects import RESOURCE_API, get_pod, scheduler_reason, sync_request
+from tests.harness.objects import RESOURCE_API, get_pod, scheduler_reason, sync_request, watch_for
 from tests.node import pods
 from tests.node.conftest import NodeCluster
 
@@ -106,6 +106,12 @@ def start_pod(cluster: NodeCluster, namespace: str, name: str, selectors: list[s
     pods.create(cluster.api, namespace, claim, pod)
 
 
+def phase_unless(cluster: NodeCluster, namespace: str, pod: str, phase: str) -> str | None:
+    """The pod's phase when it is not `phase` (a probe for `watch_for`)."""
+    now = str(get_pod(cluster.api, namespace, pod)["status"]["phase"])
+    return None if now == phase else now
+
+
 def allocated_gpu(cluster: NodeCluster, namespace: str, pod: str) -> tuple[str, int, str]:
     (result,) = pods.container_allocations(cluster.api, get_pod(cluster.api, namespace, pod), "main")
     device = result["device"]
@@ -154,8 +160,9 @@ def test_a_fatal_xid_taints_the_gpu_marks_the_pod_unhealthy_and_recovery_clears_
     # kube-scheduler 1.37 says only "cannot allocate all claims" (dynamicresources.go), never
     # which taint: that the taint is the cause is shown by the tolerating pod next.
     assert "cannot allocate all claims" in reason, reason
-    time.sleep(3)  # not a wait: the scheduler's reason above is the signal; 3 s more show it holds
-    assert get_pod(cluster.api, namespace, "blocked")["status"]["phase"] == "Pending"
+    # The scheduler's reason above is the signal; a window of 3 s more shows it holds.
+    left = watch_for(lambda: phase_unless(cluster, namespace, "blocked", "Pending"), 3)
+    assert left is None, f"the blocked pod left Pending: {left}"
     # ... while the same request tolerating our taint does get it (the only difference).
     start_pod(cluster, namespace, "tolerant", selectors=same_gpu, tolerate=True)
     pods.wait_running(cluster.api, namespace, "tolerant")
@@ -205,9 +212,9 @@ def test_with_noexecute_configured_the_pod_on_the_gpu_is_evicted(
              lambda: pods.describe(cluster.api, namespace, "doomed"))
     print(f"\npod on the GPU evicted {time.monotonic() - start:.2f} s after the XID")
     pods.wait_gone(cluster.api, namespace, "doomed")
-    time.sleep(2)  # not a wait: the eviction above shows the taint was acted on; the bystander stays
-    phase = get_pod(cluster.api, namespace, "bystander")["status"]["phase"]
-    assert phase == "Running", "the pod on another GPU stays"
+    # The eviction above shows the taint was acted on; a window of 2 s more shows the bystander stays.
+    left = watch_for(lambda: phase_unless(cluster, namespace, "bystander", "Running"), 2)
+    assert left is None, f"the pod on another GPU stays Running, not {left}"
 
     inject(h200, gpu=index, recover=True)
     wait_for("the taint to go", lambda: not taints(cluster, device) or None, 30)

@@ -9,6 +9,7 @@ from dra_driver import kube, metrics
 from dra_driver.kube.credentials import Credentials, static
 from dra_driver.plugin.claim_source import ClaimReader
 from dra_driver.plugin.claims import ClaimGone, ClaimRef, ClaimRejected
+from tests.harness.objects import wait_for_async
 
 
 def _errors(code: str) -> float:
@@ -88,7 +89,7 @@ def test_a_call_naming_1024_missing_claims_is_bounded_and_leaves_room_for_anothe
         try:
             started = time.monotonic()
             many = asyncio.create_task(reader.read(refs))
-            await asyncio.sleep(0.05)
+            await wait_for_async("the big read on all 8 connections", lambda: len(gets) >= 8)
             one_started = time.monotonic()
             one = (await reader.read([ClaimRef("ns", "real", "u")]))["u"]
             one_took = time.monotonic() - one_started

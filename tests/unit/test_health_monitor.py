@@ -25,7 +25,7 @@ from dra_driver.health.effects import affected_devices
 from dra_driver.health.events import EventKind, HealthEvent, Probe
 from dra_driver.health.monitor import Batch, NvmlHealthMonitor
 from dra_driver.health.node import gpu_refs, nvml_for, start_node_health
-from tests.harness.objects import wait_for_async
+from tests.harness.objects import wait_for_async, watch_for_async
 
 PROFILE = "hgx-h200"
 
@@ -305,12 +305,14 @@ def test_the_keeper_taints_and_recovers_a_gpu_through_the_control_file(tmp_path:
             view = health.keeper.views["gpu-6"]
             taints = [(t.key, t.value, t.effect) for t in view.taints]
             assert taints == [("gpu.dra-driver.dev/xid", "79", "NoSchedule")]
-            await asyncio.sleep(1.5)  # not a wait: three quiet periods pass with the action pending
-            # and the periodic checks (every 0.2 s) that say it is pending are taken in
 
             def checks() -> int:  # batches the keeper applied since the taint
                 return health.keeper.history_version - checked
 
+            # A window of three quiet periods with the action pending, in which the taint must
+            # stay, and then the periodic checks (every 0.2 s) that say it is pending taken in.
+            untainted = await watch_for_async(lambda: health.keeper.views["gpu-6"].healthy, 1.5)
+            assert not untainted, "recovery action pending: must stay tainted"
             await wait_for_async("three periodic checks", lambda: checks() >= 3, detail=checks)
             assert not health.keeper.views["gpu-6"].healthy, "recovery action pending: must stay tainted"
             start = time.monotonic()

@@ -17,6 +17,7 @@ import pytest
 
 from dra_driver import kube
 from dra_driver.kube.credentials import Credentials, static
+from tests.harness.objects import wait_for_async
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{\"n\": 1}"
 Head = Callable[[], Awaitable[bytes]]  # reads the next request on the connection
@@ -91,7 +92,8 @@ def test_a_connection_the_server_closed_while_idle_is_not_used_for_the_next_requ
     async def run(api: kube.ApiClient) -> None:
         assert await kube.request(api, "GET", "/api/v1/nodes/a", timeout=5) == {"n": 1}
         await closed.wait()
-        await asyncio.sleep(0.05)  # one turn of the loop for the client's end to read the FIN
+        await wait_for_async("the client's end to read the FIN",
+                             lambda: all(c.reader.at_eof() for c in api._pool._idle))
         assert await kube.request(api, "POST", "/api/v1/namespaces/n/events", body={}, timeout=5) == {"n": 1}
         assert await kube.request(api, "GET", "/api/v1/nodes/a", timeout=5) == {"n": 1}
 

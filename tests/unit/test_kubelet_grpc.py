@@ -46,6 +46,7 @@ from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.plugin.server import SocketServer
 from dra_driver.plugin.service import add_dra_services
+from tests.harness.objects import wait_steady
 
 REPO = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = Path(__file__).with_name("grpc_server_process.py")
@@ -192,8 +193,7 @@ def test_a_client_that_floods_control_frames_and_never_reads_gets_bounded_memory
     served: Served, kind: bytes
 ) -> None:
     _prepare_succeeds(served.socket)  # grpcio's server and our handlers warmed up
-    time.sleep(0.5)  # not a wait: lets the warm-up's allocations settle before the baseline RSS
-    before = _rss_kib(served.pid)
+    before = wait_steady("the server's RSS after the warm-up", lambda: _rss_kib(served.pid), 256)
     conn, _, how = _flood(served.socket, kind, seconds=6)
     try:
         after = _rss_kib(served.pid)

@@ -51,6 +51,7 @@ from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from dra_driver.plugin import server as server_module
 from dra_driver.plugin.server import SocketServer
 from dra_driver.plugin.service import MAX_CLAIMS, add_dra_services
+from tests.harness.objects import wait_for_async, wait_steady
 from tests.unit.grpc_server_process import FakePreparer, QuietBoard
 from tests.unit.test_kubelet_grpc import (
     PREFACE,
@@ -328,14 +329,14 @@ def test_200_idle_connections_with_a_soft_limit_of_64_leave_prepares_working(
     if hard != resource.RLIM_INFINITY and hard < 512:
         pytest.skip(f"the hard open-files limit here is {hard}: too low to hold 200 connections anyway")
     socket, pid = start_server(60.0, preexec=_soft_limit_64)
-    failures = _prepares_past_idle_connections(socket, 200)
+    failures = _prepares_past_idle_connections(socket, pid, 200)
     assert not failures, f"{len(failures)} of 30 Prepares failed (200 idle connections): {failures[:3]}"
     (line,) = [x for x in Path(f"/proc/{pid}/limits").read_text().splitlines() if "open files" in x]
     soft, hard_seen = line.split()[3:5]
     assert soft == hard_seen, line
 
 
-def _prepares_past_idle_connections(socket: Path, connections: int) -> list[str]:
+def _prepares_past_idle_connections(socket: Path, pid: int, connections: int) -> list[str]:
     """30 Prepares on the kubelet's connection, opened first, after `connections` idle ones:
     what failed. A Prepare of the fake preparer opens a file, as the real one does."""
     idle = []
@@ -348,7 +349,8 @@ def _prepares_past_idle_connections(socket: Path, connections: int) -> list[str]
                 with contextlib.suppress(OSError):  # a connection past the cap is closed
                     sock.sendall(PREFACE + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # empty SETTINGS
                 idle.append(sock)
-            time.sleep(0.5)  # for the server to take them all
+            # the server has taken them all (or closed those past its cap): its descriptors steady
+            wait_steady("the server's descriptors", lambda: len(os.listdir(f"/proc/{pid}/fd")), 0)
             return [f"{i}: {failed}" for i in range(30) if (failed := _prepare_on(kubelet))]
         finally:
             for sock in idle:
@@ -363,7 +365,7 @@ def test_400_idle_connections_at_a_hard_limit_of_256_leave_a_prepare_its_descrip
     start_server: Callable[..., tuple[Path, int]]
 ) -> None:
     socket, pid = start_server(60.0, preexec=_both_limits_256)
-    failures = _prepares_past_idle_connections(socket, 400)
+    failures = _prepares_past_idle_connections(socket, pid, 400)
     assert not failures, f"{len(failures)} of 30 Prepares failed (400 idle connections): {failures[:3]}"
     descriptors = len(os.listdir(f"/proc/{pid}/fd"))
     assert descriptors < 256 - 32, f"the server holds {descriptors} descriptors of 256"
@@ -377,6 +379,7 @@ class _LoopLag:
 
     def __init__(self) -> None:
         self.worst = 0.0
+        self.samples = 0
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
@@ -385,6 +388,7 @@ class _LoopLag:
             due = loop.time() + 0.01
             await asyncio.sleep(0.01)
             self.worst = max(self.worst, loop.time() - due)
+            self.samples += 1
 
     def __enter__(self) -> _LoopLag:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -423,7 +427,8 @@ def test_a_call_naming_100000_claims_is_refused_at_once_with_one_log_line() -> N
             await asyncio.to_thread(_raw_call, socket, _claims("warm").SerializeToString(), 10)
             with structlog.testing.capture_logs() as logs, _LoopLag() as lag:
                 answer = await asyncio.to_thread(_raw_call, socket, payload, 30)
-                await asyncio.sleep(0.05)  # one more lag sample after the answer
+                taken = lag.samples
+                await wait_for_async("one more lag sample after the answer", lambda: lag.samples > taken)
             return answer, lag.worst, logs
         finally:
             await server.stop(None)

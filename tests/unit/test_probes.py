@@ -29,6 +29,7 @@ from dra_driver.plugin.server import SocketServer
 from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.state import ClaimResult
 from dra_driver.probes import CheckResult, Heartbeat, ProbeServer, plugin_probes
+from tests.harness.objects import wait_for_async
 
 
 def _get(port: int, path: str) -> tuple[int, str]:
@@ -83,7 +84,8 @@ def test_heartbeat_stuck_and_ended() -> None:
         assert (await beat.check()).ok
         beat.busy()
         assert (await beat.check()).ok
-        await asyncio.sleep(0.1)  # not a wait: busy for twice stuck_after is the input (monotonic clock)
+        assert beat.busy_since is not None
+        beat.busy_since -= 0.1  # busy for twice stuck_after (the monotonic clock, not a sleep)
         result = await beat.check()
         assert not result.ok and "running for" in result.detail
         beat.idle()
@@ -96,7 +98,7 @@ def test_heartbeat_stuck_and_ended() -> None:
         task.add_done_callback(beat.task_ended)
         with contextlib.suppress(RuntimeError):
             await task
-        await asyncio.sleep(0)  # not a wait: one turn of the loop runs the done callback
+        await wait_for_async("the done callback", lambda: beat.ended_with)
         result = await beat.check()
         assert not result.ok and "lost the API server" in result.detail
 

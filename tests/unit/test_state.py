@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
 from tests.harness.checkpoints import with_started
 from tests.harness.claims_in_memory import with_spec
+from tests.harness.objects import wait_for_async
 
 NODE = "node-a"
 BOOT = "boot-1"
@@ -397,21 +397,23 @@ def test_an_invalid_sharing_config_is_refused_with_what_to_fix(tmp_path: Path) -
 
 
 @contextlib.contextmanager
-def _held_by_another_instance(lock: Path, seconds: float) -> Iterator[None]:
-    """The lock taken by a thread (as another plugin instance would) for `seconds` from now."""
-    held = threading.Event()
+def _held_by_another_instance(lock: Path) -> Iterator[threading.Event]:
+    """The lock taken by a thread (as another plugin instance would) until the event it yields
+    is set (or the block ends)."""
+    held, release = threading.Event(), threading.Event()
 
     def other_instance() -> None:
         with exclusive(lock):
             held.set()
-            time.sleep(seconds)  # not a wait: the other instance holds the lock this long
+            release.wait(60)
 
     holder = threading.Thread(target=other_instance)
     holder.start()
     held.wait()
     try:
-        yield
+        yield release
     finally:
+        release.set()
         holder.join()
 
 
@@ -448,14 +450,17 @@ def test_a_lock_held_by_the_other_instance_never_blocks_the_event_loop(tmp_path:
                 await asyncio.sleep(0.01)  # not a wait: a tick counts each turn the loop gets
                 ticks += 1
 
-        with _held_by_another_instance(p.steps.lock_path, 0.3):
+        with _held_by_another_instance(p.steps.lock_path) as release:
             ticking = asyncio.create_task(ticker())
-            start = time.monotonic()
-            assert await prepared(p, ref) == ["gpu-0"]
-            waited = time.monotonic() - start
+            preparing = asyncio.create_task(prepared(p, ref))
+            # The loop turns while the prepare waits for the other instance's section ...
+            await wait_for_async("ten turns of the loop", lambda: ticks >= 10,
+                                 detail=lambda: (ticks, preparing))
+            assert not preparing.done(), "the prepare waited for the other instance's section"
+            # ... and the prepare goes on once that section ends.
+            release.set()
+            assert await preparing == ["gpu-0"]
             ticking.cancel()
-        assert waited > 0.2, "the prepare waited for the other instance's section"
-        assert ticks >= 10, f"the event loop stood still ({ticks} ticks in {waited:.2f} s)"
 
     asyncio.run(run())
 
