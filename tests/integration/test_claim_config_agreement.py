@@ -40,11 +40,10 @@ from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import parse_claim_config
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import render_chart
-from tests.harness.objects import api_error, sync_client, sync_request, wait_for
+from tests.harness.objects import RESOURCE_API, api_error, sync_client, sync_request, wait_for
 
 DRIVER = "agree.dra-driver.dev"  # a release of its own: its policy is named after it
 CLASS = "agree-any.example.com"  # a class the policy knows nothing of
-RESOURCE_API = "/apis/resource.k8s.io/v1"
 ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
 DENIED = "denied request: "
 FIXED_SEED = 38

@@ -38,12 +38,13 @@ from dra_driver.jsontypes import JSON
 from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import NVIDIA_ONLY_KINDS, parse_claim_config
 from tests.harness.cluster import ControlPlane
-from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.driver import DRIVER
 from tests.harness.driver_image import render_chart
 from tests.harness.fake_mps import mps_driver_root
-from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.kubelet import ClaimName
 from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import (
+    RESOURCE_API,
     allocation_results,
     api_error,
     create_device_class,
@@ -55,9 +56,9 @@ from tests.harness.objects import (
     sync_request,
     wait_for,
 )
+from tests.harness.pinned_claims import Bench as PinnedBench
 from tests.harness.plugin_node import plugin_node
 
-RESOURCE_API = "/apis/resource.k8s.io/v1"
 ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "nvidia"
@@ -70,11 +71,9 @@ OURS = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig"}
 
 
 @dataclass
-class Bench:
-    api: client.ApiClient
-    control_plane: ControlPlane
-    plugin: DriverProcess
-    kubelet: KubeletSide
+class Bench(PinnedBench):
+    """tests/harness/pinned_claims.py's bench, with the chart's admission policy as rendered."""
+
     policy: list[JSON]
 
 
@@ -142,7 +141,7 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
             base / "n",
             ("--driver-root", str(mps_driver_root(base / "driver"))),
         ) as n:
-            yield Bench(api, control_plane, n.plugin, n.side, policy)
+            yield Bench(api, control_plane, n.plugin, n.side, NODE, policy)
     finally:
         for name in (GPU_CLASS, MIG_CLASS):
             sync_request(api, "DELETE", f"{RESOURCE_API}/deviceclasses/{name}")

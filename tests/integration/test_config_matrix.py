@@ -29,7 +29,6 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +40,12 @@ from kubernetes.client.exceptions import ApiException
 from dra_driver.cdi.builders import DEVICE_ENV_PREFIX, device_env_name
 from dra_driver.sharing.mps.settings import CONTAINER_PIPE_DIR
 from tests.harness.cluster import ControlPlane
-from tests.harness.driver import DRIVER, DriverProcess
+from tests.harness.driver import DRIVER
 from tests.harness.driver_image import CHART, build_helm
 from tests.harness.fake_mps import mps_driver_root
-from tests.harness.kubelet import ClaimName, KubeletSide
+from tests.harness.kubelet import ClaimName
 from tests.harness.objects import (
+    RESOURCE_API,
     api_error,
     get_claim,
     get_pod,
@@ -54,9 +54,9 @@ from tests.harness.objects import (
     sync_request,
     wait_for,
 )
+from tests.harness.pinned_claims import Bench
 from tests.harness.plugin_node import plugin_node
 
-RESOURCE_API = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"
 NODE = f"matrix-{uuid.uuid4().hex[:6]}"
 A = f'device.attributes["{DRIVER}"]'
@@ -99,13 +99,6 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
 CELLS = [(kind, config) for kind in KINDS for config in CONFIGS]
 # What to change, in a refusal: the message must say one of these.
 FIXES = ("use kind", "remove", "set strategy", "ask for", "write", "use one of", "must be")
-
-
-@dataclass
-class Bench:
-    api: client.ApiClient
-    plugin: DriverProcess
-    kubelet: KubeletSide
 
 
 def _chart(tmp: Path) -> list[dict[str, Any]]:
@@ -183,7 +176,7 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
             base / "n",
             ("--driver-root", str(mps_driver_root(base / "driver")), "--dynamic-mig", "--memory-shares"),
         ) as n:
-            yield Bench(api, n.plugin, n.side)
+            yield Bench(api, control_plane, n.plugin, n.side, NODE)
     finally:
         for doc in reversed(docs):
             try:

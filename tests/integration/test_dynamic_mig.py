@@ -23,6 +23,7 @@ from dra_driver.gpu import discover
 from dra_driver.jsontypes import JSON
 from tests.harness.driver import DRIVER
 from tests.harness.objects import (
+    RESOURCE_API,
     allocation_results,
     create_node,
     get_claim,
@@ -34,7 +35,6 @@ from tests.harness.objects import (
     wait_for,
 )
 
-RESOURCE_API = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"
 CLASSES = f"{RESOURCE_API}/deviceclasses"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -31,6 +31,7 @@ from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.fake_mps import mps_driver_root
 from tests.harness.objects import (
+    RESOURCE_API,
     create_object,
     get_claim,
     get_pod,
@@ -41,7 +42,6 @@ from tests.harness.objects import (
 from tests.harness.pinned_claims import Bench, Case, oci_env
 from tests.harness.plugin_node import plugin_node
 
-RESOURCE_API = "/apis/resource.k8s.io/v1"
 SLICES = f"{RESOURCE_API}/resourceslices"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SHARE_CLASS_FILE = DEPLOY / "deviceclasses" / "gpu-share.yaml"
