@@ -31,8 +31,8 @@ from dra_driver.kube import ApiClient
 from dra_driver.kube.events import event_body
 from dra_driver.sharing.consumable import ConsumableShares
 
-# SliceController is named here too for dra_driver.commands.kubelet_plugin's import.
-__all__ = ["ListAttributesMode", "SliceController", "pools_for", "slice_controller"]
+# ListAttributesMode (controller.capabilities) is named here too for dra_driver.commands.controller's import.
+__all__ = ["ListAttributesMode", "follow_server", "pools_for", "slice_controller"]
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Final
 
 import structlog
 
-from controller.publisher import SliceController
+from controller.reconciler import SliceController
 from dra_driver.health.keeper import HealthKeeper
 
 log = structlog.get_logger(__name__)

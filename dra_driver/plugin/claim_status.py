@@ -20,7 +20,11 @@ latest wanted state wins; a claim is never written by two workers at once), at m
 `QUIET_PERIOD` of the last one's end (for at most `QUIET_MAX_WAIT`: the kubelet's calls
 come in bursts as pods start, and a burst's writes wait for its end; a claim prepared and
 unprepared within it is never written), each failure retried with backoff by this queue
-alone (ATTEMPTS in all; 404/409/422 end it: the claim is gone, re-created or deallocated). An error is logged
+(ATTEMPTS in all; 404/409/422 end it: the claim is gone, re-created or deallocated). Inside
+each of those attempts `kube.request` retries too, as it does for every caller: a PATCH only
+where it never left (the connection could not be made) or on 429 (after Retry-After), a GET
+also on a 5xx or a broken answer, up to `kube.ATTEMPTS` times within WRITE_TIMEOUT_SECONDS;
+so a write meets the API server at most ATTEMPTS x kube.ATTEMPTS times. An error is logged
 with the claim's identity and counted (`gpu_dra_api_errors{component="claim-status"}`); a 404 is
 not one: a claim made from a template goes with its pod, and its release finds it gone (debug).
 
@@ -78,7 +82,7 @@ CONCURRENCY: Final = 4  # writes in flight at once, for the whole node
 # its status.
 QUIET_PERIOD: Final = 0.2
 QUIET_MAX_WAIT: Final = 1.0
-WRITE_TIMEOUT_SECONDS: Final = 10.0  # one attempt; the queue's backoff makes the next
+WRITE_TIMEOUT_SECONDS: Final = 10.0  # one attempt of the queue, kube.request's retries inside it
 # At stop (the kubelet sends no call any more) the writes wanted so far get this long; what
 # is left then, a new start writes again from its checkpoint (releases: the API server drops
 # a deallocated claim's entries by itself).

@@ -38,7 +38,7 @@ from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.plugin.server import SocketServer
 from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.state import NodePreparer
-from dra_driver.sharing.mps import MpsControl
+from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.policy import Sharing
 from tests.harness.claims_in_memory import with_spec
 

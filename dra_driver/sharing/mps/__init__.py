@@ -11,8 +11,8 @@ One module per job:
 
 The mount and namespace system calls are `dra_driver.sharing.mounts` (shared with the
 launcher, `dra_driver.sharing.mps_launch`). Import from the module that does the job; the
-names below stay here only for `dra_driver.commands.kubelet_plugin`, whose imports another
-change owns. Nothing else belongs in this file.
+names below stay here only for `dra_driver.node.daemon`'s imports (the last importer; once it
+imports from `daemon`, `errors` and `layout`, they go). Nothing else belongs in this file.
 """
 
 from dra_driver.sharing.mps.daemon import MpsControl
