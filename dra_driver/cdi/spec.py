@@ -94,9 +94,6 @@ class ContainerEdits:
             additional_gids=self.additional_gids + other.additional_gids,
         )
 
-    def is_empty(self) -> bool:
-        return not (self.env or self.device_nodes or self.mounts or self.hooks or self.additional_gids)
-
     @cached_property
     def cdi_version(self) -> str:
         """`edits_minimum_version`, worked out once per object (the edits every claim's spec
@@ -260,18 +257,6 @@ def qualified_name(vendor: str, cdi_class: str, name: str) -> str:
     validate_class(cdi_class)
     validate_device_name(name)
     return f"{vendor}/{cdi_class}={name}"
-
-
-def parse_qualified_name(device_id: str) -> tuple[str, str, str]:
-    """(vendor, class, name) of `vendor/class=name`; CdiNameError if it is not one."""
-    kind, eq, name = device_id.partition("=")
-    vendor, slash, cdi_class = kind.partition("/")
-    if not (eq and slash and vendor and cdi_class and name):
-        raise CdiNameError(f"{device_id!r} is not a qualified CDI device id (vendor/class=name)")
-    _check_vendor_or_class("vendor", vendor)
-    validate_class(cdi_class)
-    validate_device_name(name)
-    return vendor, cdi_class, name
 
 
 def claim_device_name(claim_uid: str, device_name: str) -> str:

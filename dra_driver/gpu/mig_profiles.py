@@ -49,10 +49,6 @@ class GiProfile:
     # (NVIDIA's MIG user guide; an H200 with driver 580 answers 1 for 1g.18gb+me).
     instance_count: int
 
-    @property
-    def media_extensions(self) -> bool:
-        return self.name.endswith("+me")
-
 
 # NVML's profile enum -> the profile id NVML answers for it (the same on A100, H100, H200).
 _P = pynvml
@@ -140,8 +136,3 @@ def table_for(product_name: str) -> tuple[GiProfile, ...]:
         if key in product_name:
             return table
     return ()
-
-
-def placements_of(profiles: tuple[GiProfile, ...]) -> int:
-    """How many GPU-instance placements a GPU offers in all."""
-    return sum(len(p.placements) for p in profiles)

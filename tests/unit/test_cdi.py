@@ -42,7 +42,6 @@ from dra_driver.cdi.spec import (
     Mount,
     claim_device_id,
     minimum_version,
-    parse_qualified_name,
     validate_device_name,
     validate_vendor,
 )
@@ -236,16 +235,9 @@ def test_invalid_device_names(name: str) -> None:
         validate_device_name(name)
 
 
-def test_claim_device_id_format_and_round_trip() -> None:
+def test_claim_device_id_format() -> None:
     device_id = claim_device_id(VENDOR, UID, "gpu-0")
     assert device_id == f"gpu.dra-driver.dev/gpu={UID}-gpu-0"
-    assert parse_qualified_name(device_id) == (VENDOR, "gpu", f"{UID}-gpu-0")
-
-
-@pytest.mark.parametrize("bad", ["gpu.dra-driver.dev/gpu", "gpu=0", "/gpu=0", "v/c=", "v/c=-x"])
-def test_parse_rejects_unqualified_ids(bad: str) -> None:
-    with pytest.raises(CdiNameError):
-        parse_qualified_name(bad)
 
 
 @pytest.mark.parametrize("uid", ["../../etc", "a/b", "", "x" * 129, "uid with space"])
