@@ -80,7 +80,8 @@ WHOLE_GPU_BASE: tuple[str, ...] = (
 )
 # How many nvlinkClique<L> layers a node may publish: one claim tries them through
 # firstAvailable (at most MAX_LAYERS subrequests), and they must fit the 32 entries of a
-# device beside everything else (24 at most): min(8, 32 - 24) = 8.
+# device beside everything in WHOLE_GPU_BASE (its attributes and the two capacities; counted
+# here, not in this comment, so that a new attribute cannot leave the sum stale).
 NVLINK_LAYERS = min(MAX_LAYERS, MAX_ATTRIBUTES_AND_CAPACITIES - len(WHOLE_GPU_BASE))
 
 # --- capacity names ---
@@ -115,8 +116,8 @@ LEGACY_ATTRIBUTES: frozenset[str] = frozenset(
 # layers, nvlinkCliques, nvlinkCliqueSize and nvlinkDomain say what a claim needs; nvlinkIsland
 # must never be used to ask for linked GPUs), and our tools get the links elsewhere: `kubectl
 # gpu` from the clique layers (or nvlinkPeers where published), the demo from the claim's
-# status (its `nvlinkPeers` data), `dra-driver inventory` from NVML. 3 of a whole GPU's ~21
-# entries, about 1.7 us each per CEL evaluation (docs/attributes.md, "Cost").
+# status (its `nvlinkPeers` data), `dra-driver inventory` from NVML. Each entry costs every CEL
+# evaluation on the device (docs/attributes.md, "Cost", has the figure).
 TOPOLOGY_DETAIL_ATTRIBUTES: frozenset[str] = frozenset({NVLINK_PEERS, NVLINK_PEER_COUNT, NVLINK_ISLAND})
 
 

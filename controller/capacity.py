@@ -7,8 +7,8 @@ with, for every whole GPU, `consumesCounters` on the whole GPU, its share view r
 it, and the GPU's counter set. With `only` (`--memory-shares-only`) a whole GPU is published
 as its share view alone, without counters: no whole-GPU claim can take it, and the scheduler
 has no counters to check (kube-scheduler 1.37 checks a pool's counters by scanning every
-allocated share of the cluster for each device: 0.35x the reference shape's pods/s at 500
-DGX-1 nodes against 0.64x without counters, docs/sharing.md). Pure: no I/O, no API calls;
+allocated share of the cluster for each device, which costs share pods much of their
+scheduling rate: docs/sharing.md has the figures). Pure: no I/O, no API calls;
 the caller puts the counter sets in slices of their own (since 1.35 a slice holds devices or
 counters, not both).
 """

@@ -11,14 +11,14 @@ one with the fewest subrequests that still finds k linked GPUs wherever the flee
   any node; it is also taken when some node's layers leave a maximal clique out (a
   topology with more cliques than 8 layers can hold), as the GA shape would miss it there.
 The claim names the selector-free class `gpu-linked.<driver>` (claim_shapes.linked_class):
-the constraint alone picks the GPUs, and the scheduler evaluates no CEL for it (a claim no node
-can hold: 229 ms of scheduler CPU per attempt at 500 random-4 nodes with the fail-fast test in
-the class's selector, docs/nvlink.md for the figure without). With a class of the caller's
-(`device_class`), the test `nvlinkCliqueSize >= k` goes in as a claim selector
-(`claim_shapes.fits_selector`) only where some node of the fleet has no set of k linked GPUs
+the constraint alone picks the GPUs, and the scheduler evaluates no CEL for it (a fail-fast
+test in the class's selector would cost every claim, one no node can hold included, an
+evaluation per device looked at; docs/nvlink.md, "Cost for the scheduler", has the figures).
+With a class of the caller's (`device_class`), the test `nvlinkCliqueSize >= k` goes in as a
+claim selector (`claim_shapes.fits_selector`) only where some node of the fleet has no set of k linked GPUs
 and the claim has one subrequest: elsewhere it would cost one more evaluation per device
 looked at and drop nothing. Every subrequest the scheduler cannot satisfy on a node is one
-more search there, so fewer is cheaper (docs/nvlink.md, "Cost").
+more search there, so fewer is cheaper (docs/nvlink.md, "Cost for the scheduler").
 
 Pure: slices in, a claim out; reading the cluster is `dra_driver.commands.claim`'s.
 It must NOT decide what a slice publishes.
@@ -37,15 +37,14 @@ from dra_driver.jsontypes import JSON
 
 # A node's largest linked group from which the scheduler's search for k GPUs it cannot give
 # there (every subset of the group: 2^g steps, upstream's allocator has no count bound) costs
-# more than the fail-fast selector's one CEL evaluation per device (docs/nvlink.md, "Cost"). At
-# 500 nodes, per attempt, against a plain pod that cannot fit: without the selector 1.09-1.28x
-# on groups of 2, 2.44x on DGX-1 (groups of 4), 9.9x for 9 GPUs on HGX (8); with it 1.12x.
+# more than the fail-fast selector's one CEL evaluation per device: measured at 500 nodes, the
+# search without the selector is cheap on groups of 2 and costs a multiple of a plain pod's
+# attempt from groups of 4 on (docs/nvlink.md, "Cost for the scheduler", has the figures).
 SEARCH_BOUND_GROUP = 4
 # From this many fitted layers on, the list form costs the scheduler's search less than the
 # layers (each a search of its own on a node where the earlier ones fail); below it, the list
-# form's intersections cost more where cliques overlap. At 500 nodes, per bound pod: random-4
-# triple, 3 layers 17.8 ms, list 14.8; random-5 quad (two 4-cliques sharing 3 GPUs), 2 layers
-# 17.8 ms, list 44.0; DGX-1 pair, 2 layers 13.1, list 10.7 (a plain one-GPU pod: 11).
+# form's intersections cost more where cliques overlap (scheduler CPU per bound pod at 500
+# nodes on random-4, random-5 and DGX-1 fleets: docs/nvlink.md, "Cost for the scheduler").
 LIST_FORM_FROM_LAYERS = 3
 _LAYER = re.compile(re.escape(NVLINK_LAYER_PREFIX) + r"(\d+)$")
 

@@ -9,8 +9,8 @@
 
 The HTTP is served by a thread of its own with its own event loop, not by the daemon's
 loop that serves the kubelet's gRPC: anyone who can reach the port can send requests, and
-parsing and answering them there queued every kubelet call behind them (Prepare p50 2x
-quiet under 1,000 requests/s). The checks themselves still run on the daemon's loop (the
+parsing and answering them there queued every kubelet call behind them (the probe flood
+in docs/performance-history.md). The checks themselves still run on the daemon's loop (the
 loop `start` was awaited on), handed over once per run: when that loop is blocked, the gRPC
 servers are too, and the probe then fails (`LOOP_TIMEOUT_SECONDS`), which is what makes the
 kubelet act. A probe must cost the node next to nothing: the checks run at most once per
@@ -32,8 +32,9 @@ the time it may take to send a whole request, idle keep-alive included
 traceback in the log.
 
 The HTTP/1.1 parsing and framing are h11's (sans-IO: it owns the protocol, this module only
-moves bytes between it and asyncio's streams), not our own parser and not aiohttp (about
-11 MiB of resident memory for a port that answers three paths). Not `http.server` either:
+moves bytes between it and asyncio's streams), not our own parser and not aiohttp (too much
+resident memory for a port that answers three paths: docs/install.md, "What the plugin
+costs a node"). Not `http.server` either:
 it serves a thread per connection, unbounded under a flood, where here one loop thread
 serves every connection with the admission above.
 This module must not know what the plugin or the publisher do; it only asks them, and it

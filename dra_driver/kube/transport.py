@@ -7,9 +7,10 @@ head has arrived; the caller reads the body chunk by chunk (`Response.chunks`) a
 and both sides may go on, and closes it otherwise.
 
 Why h11 and not aiohttp: h11 is the HTTP/1.1 state machine (framing, chunked bodies,
-keep-alive rules) with no I/O of its own, 0.3 MiB once imported; aiohttp's client was
-10 MiB of every node's resident memory and a third of the plugin's start CPU, for one
-peer that speaks JSON. Not http.client: it blocks, and the daemon is asyncio throughout.
+keep-alive rules) with no I/O of its own, next to nothing in memory once imported; aiohttp's
+client cost every node resident memory and start CPU (docs/install.md, "What the plugin
+costs a node") for one peer that speaks JSON. Not http.client: it blocks, and the daemon is
+asyncio throughout.
 
 It must NOT parse HTTP itself (h11 does), retry or time out (`dra_driver.kube` decides,
 inside the caller's deadline), follow redirects, read proxy variables, or know what a
