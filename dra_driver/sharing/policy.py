@@ -67,8 +67,8 @@ class Sharing:
         configs = per_device(
             device_configs(claim, self.driver, self.pool, parse_claim_config), devices, slices
         )
-        shares = {**allocated_shares(claim, self.driver, self.pool, devices),
-                  **limited_shares(claim, self.driver, self.pool, devices)}
+        views = allocated_shares(claim, self.driver, self.pool, devices)
+        shares = {**views, **limited_shares(claim, self.driver, self.pool, devices)}
         mps = [d for d in devices if d.name in shares or configs[d.name].uses_mps]
         if not mps:
             return None
@@ -85,7 +85,9 @@ class Sharing:
                 f"{', '.join(sorted(mixed))} has MPS for {', '.join(d.name for d in mps)} only: put the "
                 "other devices in a request of their own, or configure MPS for them"
             )
-        percentage = _share_thread_percentage(shares, configs)
+        # A memory share's compute follows its memory; a consumable share keeps the whole GPU's,
+        # time-sliced, as NVIDIA's driver gives it (only its memory is limited here).
+        percentage = _share_thread_percentage(views, configs)
         entries = []
         for d in mps:
             config = configs[d.name]

@@ -647,6 +647,8 @@ def test_consumable_shares_share(
             if mode == "memory":
                 assert consumed.get("memory") == "4Gi", r
                 assert g.mps.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == "0=4G", g.mps
+                # only memory is held: the compute stays the whole GPU's, as NVIDIA's driver gives it
+                assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in g.mps, g.mps
                 (claim,) = pods.pod_claims(cluster.api, g.pod).values()
                 log = claim_dirs(setups, claim["metadata"]["uid"]) / "log" / "control.log"
                 assert "set_default_device_pinned_mem_limit 0 4G" in log.read_text(), log
