@@ -15,6 +15,7 @@ builder does).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -27,7 +28,7 @@ from controller.reconciler import SliceController
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import kube, metrics
 from dra_driver.gpu.model import Inventory
-from dra_driver.kube import ApiClient
+from dra_driver.kube import ApiClient, ApiException
 from dra_driver.kube.events import event_body
 from dra_driver.sharing.consumable import ConsumableShares
 
@@ -179,18 +180,20 @@ async def report_features_off(
 
 async def _post_node_event(api: ApiClient, driver: str, node: str, reason: str, message: str,
                            warning: bool) -> None:
-    """One Event on the Node, unless one of the same reason and message is still there (a
-    restarted plugin says nothing new; the API server drops Events after an hour)."""
+    """One Event on the Node, named after its reason and message, so that a restarted plugin
+    saying the same again is told it exists (409) while the first is kept (an hour, the API
+    server's Event TTL), without the right to list Events."""
     involved = {"apiVersion": "v1", "kind": "Node", "name": node, "namespace": "default"}
+    digest = hashlib.sha256(f"{driver}\n{message}".encode()).hexdigest()[:12]
     try:
-        selector = f"involvedObject.kind=Node,involvedObject.name={node},reason={reason}"
-        posted = await kube.request(api, "GET", "/api/v1/namespaces/default/events",
-                                    query={"fieldSelector": selector})
-        if any(e.get("message") == message for e in posted.get("items", [])):
-            return
         nodes = await kube.request(api, "GET", f"/api/v1/nodes/{node}")
         involved["uid"] = nodes["metadata"]["uid"]
         body = event_body(involved, reason, message, warning, driver, node)
+        name = f"{node[:200].rstrip('.-')}.{reason.lower()}-{digest}"  # within 253, a DNS subdomain
+        body["metadata"] = {"name": name, "namespace": "default"}
         await kube.request(api, "POST", "/api/v1/namespaces/default/events", body=body)
+    except ApiException as e:
+        if e.status != 409:
+            log.info("could not post an Event on the Node", reason=reason, error=str(e))
     except kube.TRANSIENT_ERRORS as e:
         log.info("could not post an Event on the Node", reason=reason, error=str(e))
