@@ -32,8 +32,7 @@ from dra_driver.kube import ApiClient, ApiException
 from dra_driver.kube.events import event_body
 from dra_driver.sharing.consumable import ConsumableShares
 
-# ListAttributesMode (controller.capabilities) is named here too for dra_driver.commands.controller's import.
-__all__ = ["ListAttributesMode", "follow_server", "pools_for", "slice_controller"]
+__all__ = ["follow_server", "pools_for", "slice_controller"]
 
 log = structlog.get_logger(__name__)
 

@@ -73,7 +73,7 @@ def _device_order(device: NodeDevice) -> tuple[int, int]:
 
 
 # Kept per inventory (both are immutable): a fleet controller builds thousands of pools from
-# a few inventories, and the clique search was 5 of the 7 s it took for 5,000 nodes.
+# a few inventories, and the clique search was most of the time it took.
 @functools.lru_cache(maxsize=32)
 def published_topology(inventory: Inventory) -> NvlinkTopology:
     """The NVLink topology as the slices publish it: with as many clique layers as they hold."""

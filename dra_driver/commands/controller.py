@@ -12,7 +12,8 @@ import dataclasses
 import click
 import structlog
 
-from controller.publisher import ListAttributesMode, follow_server, slice_controller
+from controller.capabilities import ListAttributesMode
+from controller.publisher import follow_server, slice_controller
 from dra_driver import kube
 from dra_driver.commands.options import cluster_options
 from dra_driver.gpu import discover

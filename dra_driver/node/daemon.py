@@ -56,8 +56,9 @@ from dra_driver.plugin.service import add_dra_services
 from dra_driver.plugin.sick_devices import TaintsOf
 from dra_driver.plugin.sockets import PluginPaths, plugin_paths
 from dra_driver.plugin.state import NodePreparer
-from dra_driver.sharing.mps import MpsControl, MpsRootRefused
-from dra_driver.sharing.mps import default_root as mps_default_root
+from dra_driver.sharing.mps.daemon import MpsControl
+from dra_driver.sharing.mps.errors import MpsRootRefused
+from dra_driver.sharing.mps.layout import default_root as mps_default_root
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
 
@@ -71,9 +72,8 @@ PUBLISHER_LEASE: Final = "publisher.lock"
 PUBLISHER_STUCK_SECONDS: Final = 180.0
 # The node's API connections: the claim reads of a Prepare burst, the claim status writes and
 # the slice publisher's watch share them. Each TLS connection holds asyncio's 256 KiB SSL read
-# buffer and OpenSSL's state while it is kept alive: 8 instead of the client's 64 took the
-# RSS after 16 Prepares at once from 75.2 to 71.3 MiB, that burst's
-# Prepare p50 0.86x (benchmarks.prepare --baseline-ref main, local API server on 2 cores).
+# buffer and OpenSSL's state while it is kept alive: 8 instead of the client's 64 lowered the
+# RSS after 16 Prepares at once, without slowing that burst (benchmarks.prepare --baseline-ref).
 API_CONNECTIONS: Final = 8
 # What refuses a start (another driver's state dir or MPS root): said once, no traceback.
 REFUSALS: Final = (ckpt.CheckpointRefused, MpsRootRefused)
@@ -145,7 +145,7 @@ class PluginNode:
             self.tasks[-1].add_done_callback(heartbeat.task_ended)
         # What start made (modules, grpc's and protobuf's tables, the inventory) lives as long as
         # the process. Frozen, the collector's full passes stop walking it: otherwise the first
-        # such pass after start held one Prepare for 16-18 ms. Once, about 10 ms, after registration.
+        # such pass after start held up one Prepare. Once, after registration.
         gc.collect()
         gc.freeze()
 

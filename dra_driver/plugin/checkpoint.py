@@ -276,7 +276,7 @@ def encode(cp: Checkpoint) -> bytes:
 
     Exactly `_canonical` of that object, built from the canonical text of each part: the json
     module cannot reuse text it already made, and serializing every held claim again on every
-    Prepare was most of its time with many held (5 of 7 ms with 500). An entry is immutable,
+    Prepare was most of its time with many held (benchmarks.held_claims). An entry is immutable,
     so its text is kept (`_EntryTexts`); sorted keys put the parts in this order."""
     claims = ",".join(_entry_texts.of(sorted(cp.claims.values(), key=lambda c: c.uid)))
     driver = "" if cp.driver is None else f',"driver":{_canonical(cp.driver)}'
@@ -562,8 +562,8 @@ def save(path: Path, cp: Checkpoint) -> None:
 class _LastCheckpoint:
     """The checkpoint this process last wrote or read, with the file's bytes: a file that
     still holds exactly those bytes is that checkpoint, so it is not decoded and verified
-    again. Decoding was most of a Prepare's time with many claims held (2 ms with none, 15 ms
-    with 500, of which 10 ms decoding twice). Another writer (a second instance in a rolling
+    again. Decoding it was most of a Prepare's time with many claims held
+    (benchmarks.held_claims). Another writer (a second instance in a rolling
     update) changes the bytes, and then the file is decoded as always. One tuple, replaced
     whole: threads (Prepare runs in one) read a consistent pair without a lock."""
 

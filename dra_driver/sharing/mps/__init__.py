@@ -10,13 +10,6 @@ One module per job:
     errors         MpsError and the refusals of an MPS root
 
 The mount and namespace system calls are `dra_driver.sharing.mounts` (shared with the
-launcher, `dra_driver.sharing.mps_launch`). Import from the module that does the job; the
-names below stay here only for `dra_driver.node.daemon`'s imports (the last importer; once it
-imports from `daemon`, `errors` and `layout`, they go). Nothing else belongs in this file.
+launcher, `dra_driver.sharing.mps_launch`). Import from the module that does the job: this
+file re-exports nothing.
 """
-
-from dra_driver.sharing.mps.daemon import MpsControl
-from dra_driver.sharing.mps.errors import MpsRootRefused
-from dra_driver.sharing.mps.layout import default_root
-
-__all__ = ["MpsControl", "MpsRootRefused", "default_root"]
