@@ -17,7 +17,8 @@ allocation made for another claim shows in the claim itself:
 * the configs with `source: FromClaim` are exactly the claim's own `spec.devices.config`
   entries that the allocator copies, in their order: none foreign, none missing (it
   leaves out only those for subrequests not chosen, and may empty `requests` when an
-  entry names every request).
+  entry names every request; 1.34 and 1.35 copy an entry once per request it names, and
+  such repeats count once).
 
 Where both claims have the same shape, the device still shows it when the request names
 one of the DeviceClasses the chart ships (`foreign_device`: a MIG slice asked, a whole GPU
@@ -152,8 +153,9 @@ def _configs_differ(
     copies, in order: those for every request, for one of its requests, or for a subrequest
     that was chosen."""
     names = {n.split("/", 1)[0] for n in chosen} | set(chosen)
-    expected = [c for c in own if isinstance(c, Mapping)
-                and (not _list(c.get("requests")) or names & set(map(str, _list(c.get("requests")))))]
+    expected = _once([c for c in own if isinstance(c, Mapping)
+                      and (not _list(c.get("requests")) or names & set(map(str, _list(c.get("requests")))))])
+    copied = _once(copied)
     for i, entry in enumerate(copied):
         if i >= len(expected) or not _same_config(entry, expected[i]):
             driver = _mapping(entry.get("opaque")).get("driver", "?")
@@ -169,6 +171,17 @@ def _configs_differ(
             f"the claim's {len(expected)} config entr{'y' if len(expected) == 1 else 'ies'} for its requests)"
         )
     return None
+
+
+def _once(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The entries without a repeat of the one before: kube-scheduler 1.34 and 1.35 copy a claim
+    entry once per request it names (1.37 stops at the first), so a claim's own entry for two
+    requests arrives twice; its own allocation must not read as another claim's."""
+    out: list[Mapping[str, Any]] = []
+    for entry in entries:
+        if not out or dict(out[-1]) != dict(entry):
+            out.append(entry)
+    return out
 
 
 def _same_config(copied: Mapping[str, Any], own: Any) -> bool:

@@ -158,10 +158,22 @@ def test_each_sign_of_another_claims_allocation_is_named(case: dict[str, Any], f
         claim([exactly("gpu", adminAccess=True)], [], [result("gpu", adminAccess=True)], []),
         # results of other drivers count towards the request too
         claim([exactly("n", count=2)], [], [result("n"), {**result("n", "eth0"), "driver": "nic"}], []),
+        # kube-scheduler 1.34 and 1.35 copy an entry once per request it names (1.37: once)
+        claim([exactly("a"), exactly("b"), exactly("c")], [{"requests": ["a", "b"], "opaque": MPS}],
+              [result("a"), result("b", "gpu-1"), result("c", "gpu-2")],
+              [from_claim(MPS, ["a", "b"]), from_claim(MPS, ["a", "b"])]),
     ],
 )
 def test_an_allocation_made_for_the_claim_passes(case: dict[str, Any]) -> None:
     assert foreign_allocation(case) is None
+
+
+def test_a_repeated_copy_still_shows_another_claims_config() -> None:
+    """Repeats count once, but an entry the claim does not have is still another claim's."""
+    case = claim([exactly("a"), exactly("b")], [{"requests": ["a", "b"], "opaque": MPS}],
+                 [result("a"), result("b", "gpu-1")],
+                 [from_claim(MPS, ["a", "b"]), from_claim(MPS, ["a", "b"]), from_claim(TIME_SLICING)])
+    assert "not among the claim's own 1 config entry" in (foreign_allocation(case) or "")
 
 
 # --------------------------------------------------------------------------- the device's kind
