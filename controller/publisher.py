@@ -146,7 +146,7 @@ class FeatureChange:
         parts = [f"{name} is on again: the API server keeps its fields now" for name in self.turned_on]
         parts += [f.message() for f in self.turned_off]
         parts += list(self.other)
-        return "; ".join(parts)
+        return "; ".join(parts) or "the API server's features changed; publishing with what it keeps now"
 
 
 def feature_change(
