@@ -17,8 +17,7 @@ allocation made for another claim shows in the claim itself:
 * the configs with `source: FromClaim` are exactly the claim's own `spec.devices.config`
   entries that the allocator copies, in their order: none foreign, none missing (it
   leaves out only those for subrequests not chosen, and may empty `requests` when an
-  entry names every request; 1.34 and 1.35 copy an entry once per request it names, and
-  such repeats count once).
+  entry names every request; 1.34 and 1.35 copy an entry once per request it names).
 
 Where both claims have the same shape, the device still shows it when the request names
 one of the DeviceClasses the chart ships (`foreign_device`: a MIG slice asked, a whole GPU
@@ -151,11 +150,28 @@ def _configs_differ(
 ) -> str | None:
     """The copied FromClaim entries must be exactly the claim's own entries that the allocator
     copies, in order: those for every request, for one of its requests, or for a subrequest
-    that was chosen."""
-    names = {n.split("/", 1)[0] for n in chosen} | set(chosen)
-    expected = _once([c for c in own if isinstance(c, Mapping)
-                      and (not _list(c.get("requests")) or names & set(map(str, _list(c.get("requests")))))])
-    copied = _once(copied)
+    that was chosen. kube-scheduler 1.34 and 1.35 copy an entry once per request it names (a
+    missing `break`, there since 1.37), so that form is the claim's own allocation too."""
+    differs = _differs(own, _expected(own, chosen, per_request=False), copied)
+    if differs is not None and _differs(own, _expected(own, chosen, per_request=True), copied) is None:
+        return None
+    return differs
+
+
+def _expected(own: Sequence[Any], chosen: Sequence[str], per_request: bool) -> list[Mapping[str, Any]]:
+    expected: list[Mapping[str, Any]] = []
+    for entry in own:
+        if not isinstance(entry, Mapping):
+            continue
+        named = set(map(str, _list(entry.get("requests"))))
+        matches = sum(1 for n in chosen if n in named or n.split("/", 1)[0] in named) if named else 1
+        expected += [entry] * (matches if per_request else min(matches, 1))
+    return expected
+
+
+def _differs(
+    own: Sequence[Any], expected: Sequence[Mapping[str, Any]], copied: Sequence[Mapping[str, Any]]
+) -> str | None:
     for i, entry in enumerate(copied):
         if i >= len(expected) or not _same_config(entry, expected[i]):
             driver = _mapping(entry.get("opaque")).get("driver", "?")
@@ -171,17 +187,6 @@ def _configs_differ(
             f"the claim's {len(expected)} config entr{'y' if len(expected) == 1 else 'ies'} for its requests)"
         )
     return None
-
-
-def _once(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The entries without a repeat of the one before: kube-scheduler 1.34 and 1.35 copy a claim
-    entry once per request it names (1.37 stops at the first), so a claim's own entry for two
-    requests arrives twice; its own allocation must not read as another claim's."""
-    out: list[Mapping[str, Any]] = []
-    for entry in entries:
-        if not out or dict(out[-1]) != dict(entry):
-            out.append(entry)
-    return out
 
 
 def _same_config(copied: Mapping[str, Any], own: Any) -> bool:

@@ -89,9 +89,10 @@ from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.nvidia_config import parse_claim_config
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import GI, memory_policy, share_views
+from tests.harness.admission import policies_in_force
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import render_chart
-from tests.harness.objects import RESOURCE_API, api_error, sync_client, sync_request, wait_for
+from tests.harness.objects import RESOURCE_API, api_error, sync_client, sync_request
 from tests.integration.test_claim_config_agreement import parameters as any_parameters
 
 DRIVER = "multi.dra-driver.dev"  # a release of its own: its policies are named after it
@@ -99,7 +100,6 @@ WHOLE, MIG, MIG_DYN, SHARE = DRIVER, f"mig.{DRIVER}", f"mig-dynamic.{DRIVER}", f
 NVIDIA_DRIVER = "gpu.nvidia.com"
 NV = "resource.nvidia.com/v1beta1"
 OURS = f"{DRIVER}/v1alpha1"
-ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
 DENIED = "denied request: "
 POOL = "multi-node"
 FIXED_SEED = 49
@@ -663,14 +663,6 @@ def known(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | None) ->
 # --------------------------------------------------------------------------- the bench
 
 
-def _path(doc: dict[str, Any], name: bool = False) -> str:
-    plural = {
-        "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
-        "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
-    }[doc["kind"]]
-    return f"{ADMISSION_API}/{plural}" + (f"/{doc['metadata']['name']}" if name else "")
-
-
 def rendered_policies(tmp: Path) -> list[dict[str, Any]]:
     """The chart's policies for claims and classes, as its default values render them with
     memoryShares and dynamicMig on (the shipped classes themselves are not created: a dry
@@ -702,26 +694,18 @@ class Bench:
 def bench(
     control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Bench]:
+    probes = [  # one claim each policy refuses
+        _probe(WHOLE, None, [{"opaque": {"driver": DRIVER, "parameters": {"apiVersion": OURS}}}]),
+        _probe(SHARE, "1G"),
+        _probe(WHOLE, "1Gi"),
+    ]
+    def refused(ns: str) -> bool:
+        return all(not policy_verdict(api, ns, p).admitted for p in probes)
+
     policies = rendered_policies(tmp_path_factory.mktemp("helm"))
-    for doc in policies:
-        sync_request(api, "POST", _path(doc), doc)
-    namespace = f"multi-{random.randrange(16**6):06x}"
-    sync_request(api, "POST", "/api/v1/namespaces",
-                 {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-    try:
-        probes = [  # one claim each policy refuses
-            _probe(WHOLE, None, [{"opaque": {"driver": DRIVER, "parameters": {"apiVersion": OURS}}}]),
-            _probe(SHARE, "1G"),
-            _probe(WHOLE, "1Gi"),
-        ]
-        wait_for("the policies to take effect",
-                 lambda: all(not policy_verdict(api, namespace, p).admitted for p in probes), timeout=60)
+    with policies_in_force(api, policies, "multi", refused) as namespace:
         node()  # discovered once, before the threads
         yield Bench([sync_client(str(control_plane.kubeconfig)) for _ in range(THREADS)], namespace)
-    finally:
-        sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}")
-        for doc in reversed(policies):
-            sync_request(api, "DELETE", _path(doc, name=True))
 
 
 @dataclass

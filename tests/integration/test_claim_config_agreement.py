@@ -38,13 +38,13 @@ from kubernetes.client.exceptions import ApiException
 
 from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import parse_claim_config
+from tests.harness.admission import policies_in_force
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import render_chart
-from tests.harness.objects import RESOURCE_API, api_error, sync_client, sync_request, wait_for
+from tests.harness.objects import RESOURCE_API, api_error, sync_client, sync_request
 
 DRIVER = "agree.dra-driver.dev"  # a release of its own: its policy is named after it
 CLASS = "agree-any.example.com"  # a class the policy knows nothing of
-ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
 DENIED = "denied request: "
 FIXED_SEED = 38
 PER_RUN = 5000
@@ -359,14 +359,6 @@ def _rendered_policy(tmp: Path) -> list[dict[str, Any]]:
     return render_chart(tmp, f"driverName={DRIVER}", show_only="templates/claim-config-policy.yaml")
 
 
-def _path(doc: dict[str, Any], name: bool = False) -> str:
-    plural = {
-        "ValidatingAdmissionPolicy": "validatingadmissionpolicies",
-        "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings",
-    }[doc["kind"]]
-    return f"{ADMISSION_API}/{plural}" + (f"/{doc['metadata']['name']}" if name else "")
-
-
 @dataclass
 class Bench:
     clients: list[client.ApiClient]
@@ -377,28 +369,10 @@ class Bench:
 def bench(
     control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Bench]:
-    policy = _rendered_policy(tmp_path_factory.mktemp("helm"))
-    for doc in policy:
-        sync_request(api, "POST", _path(doc), doc)
-    namespace = f"agree-{random.randrange(16**6):06x}"
-    sync_request(
-        api,
-        "POST",
-        "/api/v1/namespaces",
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
-    )
-    try:
-        probe = {"apiVersion": NV, "kind": "VfioDeviceConfig"}
-        wait_for(
-            "the claim-config policy to take effect",
-            lambda: not policy_verdict(api, namespace, probe).admitted,
-            timeout=60,
-        )
+    probe = {"apiVersion": NV, "kind": "VfioDeviceConfig"}
+    with policies_in_force(api, _rendered_policy(tmp_path_factory.mktemp("helm")), "agree",
+                           lambda ns: not policy_verdict(api, ns, probe).admitted) as namespace:
         yield Bench([sync_client(str(control_plane.kubeconfig)) for _ in range(THREADS)], namespace)
-    finally:
-        sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}")
-        for doc in reversed(policy):
-            sync_request(api, "DELETE", _path(doc, name=True))
 
 
 def check_agreement(bench: Bench, run_seed: int) -> tuple[int, float]:

@@ -29,14 +29,13 @@ from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import render_chart
 from tests.harness.fake_mps import mps_driver_root
-from tests.harness.objects import RESOURCE_API, sync_request, wait_for
+from tests.harness.objects import RESOURCE_API, create_object, delete_object, sync_request, wait_for
 from tests.harness.pinned_claims import Bench, Case, oci_env
 from tests.harness.plugin_node import plugin_node
 
 SUFFIX = uuid.uuid4().hex[:6]
 WHOLE_CLASS = f"consumable-{SUFFIX}"
 H200 = "143771Mi"
-ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
 
 
 def _devices(api: client.ApiClient, node: str) -> dict[str, JSON]:
@@ -167,15 +166,13 @@ def _refused(api: client.ApiClient, namespace: str, devices: JSON) -> str | None
 @contextlib.contextmanager
 def _policy(api: client.ApiClient, tmp: Path, *sets: str) -> Iterator[None]:
     docs = render_chart(tmp, *sets, show_only="templates/consumable-shares-policy.yaml")
-    plural = {"ValidatingAdmissionPolicy": "validatingadmissionpolicies",
-              "ValidatingAdmissionPolicyBinding": "validatingadmissionpolicybindings"}
     for doc in docs:
-        sync_request(api, "POST", f"{ADMISSION_API}/{plural[doc['kind']]}", doc)
+        create_object(api, doc)
     try:
         yield
     finally:
         for doc in reversed(docs):
-            sync_request(api, "DELETE", f"{ADMISSION_API}/{plural[doc['kind']]}/{doc['metadata']['name']}")
+            delete_object(api, doc)
 
 
 def test_share_claims_the_release_cannot_serve_are_refused_when_written(

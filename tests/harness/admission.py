@@ -1,0 +1,35 @@
+"""The chart's admission policies in force for a test module: installed, waited on, removed.
+
+Helpers only: what a policy must admit or refuse stays in the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from kubernetes import client
+
+from tests.harness.objects import create_namespace, create_object, delete_object, sync_request, wait_for
+
+
+@contextlib.contextmanager
+def policies_in_force(
+    api: client.ApiClient, docs: Sequence[dict[str, Any]], prefix: str, refuses: Callable[[str], bool]
+) -> Iterator[str]:
+    """Install `docs` (rendered ValidatingAdmissionPolicies and their bindings) and a namespace
+    `<prefix>-<random>`, and yield its name once `refuses(namespace)` holds (a policy takes
+    effect a moment after it is written); the namespace and the policies go after."""
+    for doc in docs:
+        create_object(api, doc)
+    namespace = f"{prefix}-{random.randrange(16**6):06x}"
+    create_namespace(api, namespace)
+    try:
+        wait_for("the policies to take effect", lambda: refuses(namespace), timeout=60)
+        yield namespace
+    finally:
+        sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}")
+        for doc in reversed(docs):
+            delete_object(api, doc)
