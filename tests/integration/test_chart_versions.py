@@ -56,9 +56,9 @@ def test_gated_features_install_where_the_gates_are_on_and_are_refused_clearly_w
         release, _ = _install(helm, *features)
         _uninstall(helm, release)
         return
-    # 1.34's scheduler gives a GPU out whole and as a share: there only the share views (the
-    # chart refuses memoryShares without `only` on 1.34 before it looks at the gates)
-    shares = ("memoryShares.only=true",) if minor == 34 else ()
+    # 1.34's and 1.35's schedulers give a GPU out whole and as a share: there only the share
+    # views (the chart refuses memoryShares without `only` there before it looks at the gates)
+    shares = ("memoryShares.only=true",) if minor <= 35 else ()
     release, out = _install(helm, *features, *shares, check=False)
     assert "needs the" in out and "DRAConsumableCapacity" in out and f"1.{minor}" in out, out
     assert "kubernetesFeatureGates" in out, out
