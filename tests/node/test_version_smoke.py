@@ -106,6 +106,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
             "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
             "--set", f"image.tag={image.tag}", "--set", "memoryShares.enabled=true",
+            # 1.34's and 1.35's schedulers give a GPU out whole and as a share: the chart asks `only`
+            *(("--set", "memoryShares.only=true") if cp.version[1] <= 35 else ()),
             "--set", "dynamicMig.enabled=true", "--set", f"kubernetesFeatureGates={GATES}",
             "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}"]',
             "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
@@ -222,7 +224,8 @@ def test_features_on_where_carried_else_one_warning_each(env: Cluster) -> None:
         e if len(e := _feature_events(env.api)) >= 2 else None), timeout=30)
     off = sorted(e["message"].split(" is off")[0] for e in events)
     # health taints (the chart's default) are off too where DRADeviceTaints is
-    assert {"--dynamic-mig", "--memory-shares"} <= set(off) and len(off) == len(set(off)), off
+    shares_flag = "--memory-shares-only" if env.cp.version[1] <= 35 else "--memory-shares"
+    assert {"--dynamic-mig", shares_flag} <= set(off) and len(off) == len(set(off)), off
     assert all(e.get("count", 1) == 1 and e["type"] == "Warning" for e in events), "warned once"
     generations = {s["metadata"]["generation"] for s in _slices(env.api)}
     assert generations == {1}, f"no slice rewritten: {generations}"
