@@ -4,7 +4,7 @@ does: an MPS daemon holding a claim to the memory it asked for, time-slicing for
 against the fake `nvidia-cuda-mps-control` and the real transaction.
 
 The scheduler's part (several claims on one GPU, the policy's defaults and rounding) is
-proven against the real kube-scheduler in tests/integration/test_consumable_shares.py.
+proven against the real kube-scheduler in tests/integration/test_consumable_shares_scheduled.py.
 """
 
 from __future__ import annotations
