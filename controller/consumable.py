@@ -22,7 +22,9 @@ from dra_driver.sharing.consumable import MIB, SHARES, ConsumableShares, consuma
 
 def _range(default: int, minimum: int, maximum: int, step: int,
            fmt: Callable[[int], str] = binary_quantity) -> JSON:
-    bounds = {"min": minimum, "max": maximum, "step": step}
+    # The API wants min + step within the capacity: a range with no room for a step has none
+    # (NVIDIA's --consumable-shares=1 publishes one and its slices are refused).
+    bounds = {"min": minimum, "max": maximum, **({"step": step} if minimum + step <= maximum else {})}
     return {"default": fmt(default), "validRange": {k: fmt(v) for k, v in bounds.items()}}
 
 
@@ -44,7 +46,7 @@ def with_consumable_shares(
     """The entries with every whole GPU made consumable; other devices as they were."""
     out: list[JSON] = []
     for device, entry in zip(devices, entries, strict=True):
-        if not consumable(device) or whole_memory(device) < MIB:
+        if not consumable(device) or whole_memory(device) < 2 * MIB:
             out.append(entry)
             continue
         kept = {k: v for k, v in entry.get("capacity", {}).items() if k not in (MEMORY, MULTIPROCESSORS)}

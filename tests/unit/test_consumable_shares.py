@@ -85,6 +85,12 @@ def test_every_whole_gpu_is_published_for_several_claims(mode: str, capacity: di
         assert device["attributes"] == plain[name]["attributes"]
 
 
+def test_one_share_per_gpu_has_a_range_without_a_step() -> None:
+    """min + step must fit the capacity (API validation): with N=1 there is no room for one."""
+    shares = _devices("1", "h200-single")["gpu-0"]["capacity"]["shares"]
+    assert shares == {"value": "1", "requestPolicy": {"default": "1", "validRange": {"min": "1", "max": "1"}}}
+
+
 def test_mig_devices_and_the_share_class_views_stay_as_they_are() -> None:
     plain, shared = _devices(None, "hgx-h200-mig"), _devices("4", "hgx-h200-mig")
     mig = [n for n, d in plain.items() if d["attributes"]["type"]["string"] == "mig"]
