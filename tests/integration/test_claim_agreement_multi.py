@@ -641,6 +641,10 @@ def disagreement(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | N
         return None
     if "per-device-key" in node_answer.rules and policy.rule in ("kind", "share-limit", "share-strategy"):
         return None  # the node resolves per-device keys first and stops there
+    if all(k in KNOWN and KNOWN[k][1](case) for k in node_answer.rules):
+        # the node stopped at a rule the policies are known not to check (KNOWN); the policies
+        # refused the claim for another of its faults, which the node reaches only after that one
+        return None
     return f"refused for different rules: policy {policy.rule}, node {sorted(node_answer.rules)}"
 
 
@@ -650,7 +654,8 @@ def known(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | None) ->
     if node_answer is None:
         return None
     rule = policy.rule
-    if not policy.admitted and node_answer.prepares and rule in OVERRIDABLE and rule in node_answer.rules:
+    if not policy.admitted and node_answer.prepares and rule in OVERRIDABLE:
+        # the node prepares it: the entry the policies refused is overridden by a later one
         return f"{rule}-overridden"
     if not policy.admitted or node_answer.prepares:
         return None
