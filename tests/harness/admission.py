@@ -8,11 +8,28 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
 
-from tests.harness.objects import create_namespace, create_object, delete_object, sync_request, wait_for
+from tests.harness.cluster import ControlPlane
+from tests.harness.objects import (
+    create_namespace,
+    create_object,
+    delete_object,
+    sync_client,
+    sync_request,
+    wait_for,
+)
+
+
+@dataclass
+class PolicyBench:
+    """Clients for concurrent dry-run writes, and the namespace the policies were seen in force in."""
+
+    clients: list[client.ApiClient]
+    namespace: str
 
 
 @contextlib.contextmanager
@@ -33,3 +50,13 @@ def policies_in_force(
         sync_request(api, "DELETE", f"/api/v1/namespaces/{namespace}")
         for doc in reversed(docs):
             delete_object(api, doc)
+
+
+@contextlib.contextmanager
+def policy_bench(
+    control_plane: ControlPlane, api: client.ApiClient, docs: Sequence[dict[str, Any]], prefix: str,
+    refuses: Callable[[str], bool], threads: int,
+) -> Iterator[PolicyBench]:
+    """`policies_in_force`, with `threads` clients of their own for concurrent checks."""
+    with policies_in_force(api, docs, prefix, refuses) as namespace:
+        yield PolicyBench([sync_client(str(control_plane.kubeconfig)) for _ in range(threads)], namespace)

@@ -89,10 +89,10 @@ from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.nvidia_config import parse_claim_config
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import GI, memory_policy, share_views
-from tests.harness.admission import policies_in_force
+from tests.harness.admission import PolicyBench, policy_bench
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import render_chart
-from tests.harness.objects import RESOURCE_API, api_error, sync_client, sync_request
+from tests.harness.objects import RESOURCE_API, api_error, sync_request
 from tests.integration.test_claim_config_agreement import parameters as any_parameters
 
 DRIVER = "multi.dra-driver.dev"  # a release of its own: its policies are named after it
@@ -689,16 +689,12 @@ def _probe(cls: str, memory: str | None, config: list[dict[str, Any]] | None = N
     return Case(devices, {})
 
 
-@dataclass
-class Bench:
-    clients: list[client.ApiClient]
-    namespace: str
 
 
 @pytest.fixture(scope="module")
 def bench(
     control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Bench]:
+) -> Iterator[PolicyBench]:
     probes = [  # one claim each policy refuses
         _probe(WHOLE, None, [{"opaque": {"driver": DRIVER, "parameters": {"apiVersion": OURS}}}]),
         _probe(SHARE, "1G"),
@@ -708,9 +704,9 @@ def bench(
         return all(not policy_verdict(api, ns, p).admitted for p in probes)
 
     policies = rendered_policies(tmp_path_factory.mktemp("helm"))
-    with policies_in_force(api, policies, "multi", refused) as namespace:
-        node()  # discovered once, before the threads
-        yield Bench([sync_client(str(control_plane.kubeconfig)) for _ in range(THREADS)], namespace)
+    node()  # discovered once, before the threads
+    with policy_bench(control_plane, api, policies, "multi", refused, THREADS) as bench:
+        yield bench
 
 
 @dataclass
@@ -721,7 +717,7 @@ class Tally:
     wrong: dict[str, str] = field(default_factory=dict)  # an example of each other one
 
 
-def check_agreement(bench: Bench, run_seed: int, per_run: int = PER_RUN) -> tuple[Tally, float]:
+def check_agreement(bench: PolicyBench, run_seed: int, per_run: int = PER_RUN) -> tuple[Tally, float]:
     """Runs the property with `run_seed`; returns what was checked and the seconds."""
     tally = Tally()
     pool = ThreadPoolExecutor(THREADS)
@@ -767,7 +763,7 @@ def check_agreement(bench: Bench, run_seed: int, per_run: int = PER_RUN) -> tupl
 
 
 @pytest.mark.parametrize("which", ["fixed", "random"])
-def test_the_policies_admit_a_whole_claim_iff_the_node_prepares_it(bench: Bench, which: str) -> None:
+def test_the_policies_admit_a_whole_claim_iff_the_node_prepares_it(bench: PolicyBench, which: str) -> None:
     run_seed = FIXED_SEED if which == "fixed" else random.randrange(2**32)
     print(f"\n[multi] seed {run_seed} ({which})")
     tally, seconds = check_agreement(bench, run_seed)
@@ -840,7 +836,7 @@ KNOWN_EXAMPLES = {
 
 @pytest.mark.xfail(strict=True, reason="issue 49 item 6: the policies do not check this rule (or too widely)")
 @pytest.mark.parametrize("name", list(KNOWN_EXAMPLES))
-def test_known_disagreement(bench: Bench, name: str) -> None:
+def test_known_disagreement(bench: PolicyBench, name: str) -> None:
     case = KNOWN_EXAMPLES[name]
     policy = policy_verdict(bench.clients[0], bench.namespace, case)
     answer = node_verdict(case)

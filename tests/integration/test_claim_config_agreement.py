@@ -38,10 +38,10 @@ from kubernetes.client.exceptions import ApiException
 
 from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import parse_claim_config
-from tests.harness.admission import policies_in_force
+from tests.harness.admission import PolicyBench, policy_bench
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import render_chart
-from tests.harness.objects import RESOURCE_API, api_error, sync_client, sync_request
+from tests.harness.objects import RESOURCE_API, api_error, sync_request
 
 DRIVER = "agree.dra-driver.dev"  # a release of its own: its policy is named after it
 CLASS = "agree-any.example.com"  # a class the policy knows nothing of
@@ -359,23 +359,19 @@ def _rendered_policy(tmp: Path) -> list[dict[str, Any]]:
     return render_chart(tmp, f"driverName={DRIVER}", show_only="templates/claim-config-policy.yaml")
 
 
-@dataclass
-class Bench:
-    clients: list[client.ApiClient]
-    namespace: str
 
 
 @pytest.fixture(scope="module")
 def bench(
     control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Bench]:
+) -> Iterator[PolicyBench]:
     probe = {"apiVersion": NV, "kind": "VfioDeviceConfig"}
-    with policies_in_force(api, _rendered_policy(tmp_path_factory.mktemp("helm")), "agree",
-                           lambda ns: not policy_verdict(api, ns, probe).admitted) as namespace:
-        yield Bench([sync_client(str(control_plane.kubeconfig)) for _ in range(THREADS)], namespace)
+    with policy_bench(control_plane, api, _rendered_policy(tmp_path_factory.mktemp("helm")), "agree",
+                      lambda ns: not policy_verdict(api, ns, probe).admitted, THREADS) as bench:
+        yield bench
 
 
-def check_agreement(bench: Bench, run_seed: int) -> tuple[int, float]:
+def check_agreement(bench: PolicyBench, run_seed: int) -> tuple[int, float]:
     """Runs the property with `run_seed`; returns how many configs were checked and the seconds."""
     checked: list[int] = []
     pool = ThreadPoolExecutor(THREADS)
@@ -431,7 +427,7 @@ NVIDIA_ONLY = [
 
 @pytest.mark.parametrize("params", NVIDIA_ONLY, ids=lambda p: str(p["kind"]))
 def test_nvidias_kinds_with_no_counterpart_are_refused_for_their_kind_by_both(
-    bench: Bench, params: dict[str, Any]
+    bench: PolicyBench, params: dict[str, Any]
 ) -> None:
     plugin = plugin_verdict(params)
     for as_class in (False, True):
@@ -459,7 +455,7 @@ NULL_OR_EMPTY = [
 
 
 @pytest.mark.parametrize("params", NULL_OR_EMPTY, ids=lambda p: json.dumps(p["sharing"]))
-def test_a_null_or_empty_object_is_its_default_for_both(bench: Bench, params: dict[str, Any]) -> None:
+def test_a_null_or_empty_object_is_its_default_for_both(bench: PolicyBench, params: dict[str, Any]) -> None:
     plugin = plugin_verdict(params)
     for as_class in (False, True):
         policy = policy_verdict(bench.clients[0], bench.namespace, params, as_class)
@@ -467,7 +463,9 @@ def test_a_null_or_empty_object_is_its_default_for_both(bench: Bench, params: di
 
 
 @pytest.mark.parametrize("which", ["fixed", "random"])
-def test_the_policy_and_the_plugin_give_the_same_verdict_on_every_config(bench: Bench, which: str) -> None:
+def test_the_policy_and_the_plugin_give_the_same_verdict_on_every_config(
+    bench: PolicyBench, which: str
+) -> None:
     run_seed = FIXED_SEED if which == "fixed" else random.randrange(2**32)
     print(f"\n[agreement] seed {run_seed} ({which})")
     checked, seconds = check_agreement(bench, run_seed)
