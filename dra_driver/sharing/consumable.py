@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from dra_driver.devices import NodeDevice
-from dra_driver.sharing.config import ConfigError, quantity_value
-from dra_driver.sharing.shares import MEMORY, Share, is_share_view, shareable
+from dra_driver.sharing.config import ConfigError
+from dra_driver.sharing.shares import Share, consumed_memory, is_share_view, shareable
 
 MIB: Final = 2**20
 SHARES: Final = "shares"  # the capacity of the integer mode
@@ -113,14 +113,12 @@ def _results(claim: Mapping[str, Any], driver: str, pool: str) -> list[Mapping[s
 
 def _consumed_memory(result: Mapping[str, Any], device: str) -> int | None:
     """Bytes of `memory` the scheduler charged; None where it charged none (no entry)."""
-    consumed = result.get("consumedCapacity") or {}
-    raw = consumed.get(MEMORY) if isinstance(consumed, Mapping) else None
+    raw, value = consumed_memory(result)
     if raw is None:
         return None
-    value = quantity_value(raw) if isinstance(raw, str) else None
-    if value is None or value < 0 or value != value.to_integral_value():
+    if value is None or value < 0:
         raise ConfigError(
             f"{device} was allocated with consumedCapacity.memory {raw!r}, which is not a whole number of "
             "bytes: the scheduler never writes that; delete the claim and let the scheduler allocate it"
         )
-    return int(value)
+    return value

@@ -153,17 +153,24 @@ def _gib(n: int) -> str:
     return f"{n / GI:g}Gi"
 
 
-def _consumed_memory(result: Mapping[str, Any], device: str) -> int:
+def consumed_memory(result: Mapping[str, Any]) -> tuple[object, int | None]:
+    """An allocation result's `consumedCapacity.memory`: as written, and in whole bytes (None
+    where it is missing or not a whole number of bytes)."""
     consumed = result.get("consumedCapacity") or {}
     raw = consumed.get(MEMORY) if isinstance(consumed, Mapping) else None
     value = quantity_value(raw) if isinstance(raw, str) else None
-    if value is None or value != value.to_integral_value():
+    return raw, None if value is None or value != value.to_integral_value() else int(value)
+
+
+def _consumed_memory(result: Mapping[str, Any], device: str) -> int:
+    raw, value = consumed_memory(result)
+    if value is None:
         raise ConfigError(
             f"share of {device} has no consumedCapacity.memory in its allocation (got {raw!r}): "
             "the scheduler must run with DRAConsumableCapacity (beta, on by default since 1.36); "
             "ask for the whole GPU instead (class gpu.<driver>) if the feature is off"
         )
-    return int(value)
+    return value
 
 
 def allocated_shares(
