@@ -5,12 +5,14 @@ Kubernetes 1.34 to 1.37 differ (reference/dra-protocol.md 1.3, 1.10): a server w
 DRAPartitionableDevices or DRAConsumableCapacity gate is off (the default on 1.34 and 1.35)
 accepts a slice with shared counters or a multi-allocatable device and silently drops those
 fields; DRADeviceTaints off drops device taints; 1.34 wants a counter set in the same slice as
-the devices that consume it, 1.35+ in a slice of its own. Publishing a field the server drops
-makes the slice differ from what was read back after every write (a rewrite loop), and worse,
-leaves the scheduler without the counters that keep two MIG placements or a GPU and its
-memory share apart. So `probe_server` asks the server with dry-run creates (nothing is
-stored) what it keeps, and `decide` turns off, with a reason, each asked feature whose fields
-would not survive.
+the devices that consume it, 1.35+ in a slice of its own; the schedulers of 1.34 and 1.35 give
+one GPU out both whole and as a memory share, which only the version (GET /version, readable by
+every user through the bootstrap role system:public-info-viewer) tells apart. Publishing a
+field the server drops makes the slice differ from what was read back after every write (a
+rewrite loop), and worse, leaves the scheduler without the counters that keep two MIG
+placements or a GPU and its memory share apart. So `probe_server` asks the server with dry-run
+creates (nothing is stored) and its version what it keeps, and `decide` turns off, with a
+reason, each asked feature whose fields would not survive or that its scheduler would misuse.
 
 It must NOT write anything to the server (dry runs only), retry, or decide what a
 slice contains beyond the `SliceFeatures` it returns: `controller.slices` builds the slices,
@@ -19,6 +21,7 @@ slice contains beyond the `SliceFeatures` it returns: `controller.slices` builds
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
@@ -51,11 +54,18 @@ class ServerCapabilities:
     taints: bool = False  # DRADeviceTaints: devices[].taints
     consumable_capacity: bool = False  # DRAConsumableCapacity: allowMultipleAllocations, requestPolicy
     counters: CounterLayout = "none"  # DRAPartitionableDevices: sharedCounters, consumesCounters
+    version: tuple[int, int] | None = None  # the binaries' (major, minor); None: not said
 
     @classmethod
     def everything(cls) -> ServerCapabilities:
         """A server that keeps every field (1.37 with its alpha gates on); for tests."""
-        return cls(("v1",), True, True, True, "apart")
+        return cls(("v1",), True, True, True, "apart", (1, 37))
+
+    @property
+    def mixes_whole_gpus_and_shares(self) -> bool:
+        """Whether this server's scheduler would give one GPU out both whole and as a share: 1.34
+        (told apart also by its counter layout) and 1.35."""
+        return self.counters == "together" or (self.version is not None and self.version < (1, 36))
 
 
 @dataclass(frozen=True)
@@ -79,15 +89,15 @@ _CAPACITY_GATE: Final = (
     "turn on the DRAConsumableCapacity feature gate on kube-apiserver, kube-scheduler and "
     "kube-controller-manager (beta and on by default from 1.36)"
 )
-# Measured against a real v1.34.4 control plane with both gates on (issue 54): share claims and
-# whole-GPU claims created alternately were all allocated, every GPU given out both whole and as
-# a share; 1.35+ (and 1.34 emulated on 1.37) keep them apart. A 1.34 server is told apart by
-# where it wants counter sets (in the slice of their consumers).
-_ALLOCATOR_134: Final = (
-    "the 1.34 scheduler gives one GPU out both whole and as a memory share (it does not keep the "
-    "whole GPU and its share views apart through their shared counter): upgrade the control plane "
-    "to 1.35 or later, or use --memory-shares-only (Helm memoryShares.only), which publishes each "
-    "GPU as its share view alone"
+# Measured against real v1.34.4 and v1.35.4 control planes with both gates on (issue 54): share
+# claims and whole-GPU claims created alternately were all allocated, GPUs given out both whole
+# and as a share; 1.36+ (and 1.34/1.35 emulated on 1.37 binaries) keep them apart. The binaries'
+# version says which scheduler runs, not the emulated one.
+_ALLOCATOR_BEFORE_136: Final = (
+    "the scheduler of Kubernetes {version} gives one GPU out both whole and as a memory share (it "
+    "does not keep the whole GPU and its share views apart through their shared counter): upgrade "
+    "the control plane to 1.36 or later, or use --memory-shares-only (Helm memoryShares.only), "
+    "which publishes each GPU as its share view alone"
 )
 _TAINT_GATE: Final = (
     "the API server drops device taints, so a sick device is left out of the slice instead (no "
@@ -106,14 +116,15 @@ def decide(asked: SliceFeatures, server: ServerCapabilities) -> tuple[SliceFeatu
     if shares_only and not server.consumable_capacity:
         off.append(FeatureOff("--memory-shares-only", _CAPACITY_GATE))
         memory_shares = shares_only = False
-    elif memory_shares and not shares_only and server.counters == "together":
-        off.append(FeatureOff("--memory-shares", _ALLOCATOR_134))
-        memory_shares = False
-    elif memory_shares and not shares_only and not (server.consumable_capacity and server.counters != "none"):
+    elif memory_shares and not shares_only:
+        version = ".".join(map(str, server.version)) if server.version else "1.34"
         reasons = [r for ok, r in ((server.consumable_capacity, _CAPACITY_GATE),
-                                   (server.counters != "none", _COUNTER_GATE)) if not ok]
-        off.append(FeatureOff("--memory-shares", "; and ".join(reasons)))
-        memory_shares = False
+                                   (server.counters != "none", _COUNTER_GATE),
+                                   (not server.mixes_whole_gpus_and_shares,
+                                    _ALLOCATOR_BEFORE_136.format(version=version))) if not ok]
+        if reasons:
+            off.append(FeatureOff("--memory-shares", "; and ".join(reasons)))
+            memory_shares = False
     consumable_shares = asked.consumable_shares
     if consumable_shares is not None and not server.consumable_capacity:
         off.append(FeatureOff("--consumable-shares", _CAPACITY_GATE))
@@ -209,6 +220,45 @@ async def _counters(api: ApiClient, driver: str) -> CounterLayout:
     return "none"
 
 
+_EXTENDED_GATE: Final = (
+    "the API server stored DeviceClass {cls} without extendedResourceName {name}, so pods asking "
+    "`resources.limits: {name}` wait forever: turn on the DRAExtendedResource feature gate on "
+    "kube-apiserver, kube-scheduler and kube-controller-manager, then `helm upgrade` to write the "
+    "class again; or set extendedResource.enabled=false"
+)
+
+
+async def extended_resource_dropped(api: ApiClient, driver: str, name: str) -> FeatureOff | None:
+    """Whether the server kept extendedResourceName on the chart's class `extended.<driver>`: a
+    server without DRAExtendedResource stores the class without it, silently. None: kept, or
+    the class is not there to read (it says nothing about the gate)."""
+    cls = f"extended.{driver}"
+    try:
+        stored = await kube.request(api, "GET", f"/apis/resource.k8s.io/v1/deviceclasses/{cls}")
+    except ApiException as e:
+        log.info("could not read the extended resource's DeviceClass", device_class=cls, status=e.status)
+        return None
+    if stored.get("spec", {}).get("extendedResourceName") == name:
+        return None
+    return FeatureOff("extendedResource", _EXTENDED_GATE.format(cls=cls, name=name))
+
+
+_VERSION: Final = re.compile(r"v?(\d+)\.(\d+)")
+
+
+async def _version(api: ApiClient) -> tuple[int, int] | None:
+    """The binaries' version from gitVersion (`v1.35.4`, `v1.35.4-gke.1`); None where the server
+    does not say (an error, or an aggregator that hides it): then only the counter layout counts.
+    Not `major`/`minor`: providers write `35+` there."""
+    try:
+        info = await kube.request(api, "GET", "/version")
+    except ApiException as e:
+        log.info("API server did not say its version", status=e.status)
+        return None
+    found = _VERSION.match(str(info.get("gitVersion", "")))
+    return (int(found[1]), int(found[2])) if found else None
+
+
 async def probe_server(api: ApiClient, driver: str) -> ServerCapabilities:
     """Ask the server what it keeps: a few dry-run creates, nothing stored. The driver speaks
     resource.k8s.io/v1 only (GA in 1.34): a server that does not serve it answers 404 and
@@ -228,7 +278,9 @@ async def probe_server(api: ApiClient, driver: str) -> ServerCapabilities:
         taints=await _taints(api, driver),
         consumable_capacity=await _consumable_capacity(api, driver),
         counters=await _counters(api, driver),
+        version=await _version(api),
     )
     log.info("API server capabilities", list_attributes=caps.list_attributes, device_taints=caps.taints,
-             consumable_capacity=caps.consumable_capacity, shared_counters=caps.counters)
+             consumable_capacity=caps.consumable_capacity, shared_counters=caps.counters,
+             version=".".join(map(str, caps.version)) if caps.version else None)
     return caps

@@ -133,6 +133,13 @@ log = structlog.get_logger(__name__)
     "feature gate turned on or off under this plugin is followed without a restart; 0: only at start.",
 )
 @click.option(
+    "--extended-resource",
+    default=None,
+    metavar="NAME",
+    help="The extended resource name that DeviceClass extended.<driver> serves (Helm extendedResource): "
+    "checked at start, with a Warning Event where the API server stored the class without it.",
+)
+@click.option(
     "--publish-slices/--no-publish-slices",
     default=True,
     show_default=True,

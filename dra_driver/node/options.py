@@ -47,6 +47,7 @@ class NodeOptions:
     claim_read_timeout: float = DEFAULT_TIMEOUT_SECONDS
     publish_slices: bool = True
     server_probe_interval: float = SERVER_PROBE_SECONDS  # 0: the server's features are read at start only
+    extended_resource: str | None = None  # the chart's extendedResource.name: its class is checked
     metrics_port: int = 0  # 0: no metrics or probe port
     metrics_bind_address: str = "0.0.0.0"
     claim_identity_metric: bool = False

@@ -13,7 +13,8 @@ from typing import Final
 
 import structlog
 
-from controller.publisher import follow_server, slice_controller
+from controller.capabilities import extended_resource_dropped
+from controller.publisher import follow_server, report_features_off, slice_controller
 from controller.taints import follow_taints
 from dra_driver.gpu.model import Inventory
 from dra_driver.health.keeper import HealthKeeper
@@ -47,6 +48,9 @@ async def publish(
         consumable_shares=opts.consumable_shares,
     )
     ctl.heartbeat = heartbeat
+    if opts.extended_resource:
+        dropped = await extended_resource_dropped(api, opts.driver_name, opts.extended_resource)
+        await report_features_off(api, opts.driver_name, (dropped,) if dropped else (), opts.node_name)
     loops = [ctl.run()]
     if keeper is not None:
         loops.append(follow_taints(ctl, keeper, opts.node_name))

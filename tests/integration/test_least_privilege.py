@@ -82,6 +82,11 @@ class Grant:
     verb: str
 
 
+# GET /version: granted to every user, authenticated or not, by the bootstrap ClusterRole
+# system:public-info-viewer; the chart grants nothing for it.
+PUBLIC_VERSION = Grant("", "nonResourceURL:/version", "get")
+
+
 # -- the grants the code needs, from its source -------------------------------------------------
 
 
@@ -146,6 +151,8 @@ def _text(node: ast.expr, module: Any, local: dict[str, ast.expr]) -> str | None
 def grant_for(method: str, path: str) -> tuple[Grant, bool]:
     """The RBAC grant an API call needs, and whether it is namespaced."""
     parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    if parts == ["version"] and method == "GET":
+        return PUBLIC_VERSION, False
     if parts[0] == "api":
         group, rest = "", parts[2:]
     elif parts[0] == "apis":
@@ -232,6 +239,7 @@ def needed_grants() -> set[Grant]:
         s.grant
         for s in call_sites()
         if (s.file, s.grant.verb, s.grant.group, s.grant.resource) not in NOT_REACHED_BY_THE_PLUGIN
+        and s.grant != PUBLIC_VERSION
     }
     # The API server's own rule (1.36+): a write of a claim's status.devices also needs the
     # synthetic `driver` subresource, for claims allocated on the caller's node.
@@ -552,6 +560,7 @@ def test_the_plugins_calls_run_through_the_charts_rbac_and_policies(
             Grant("", "nodes", "get"),
             Grant("", "events", "create"),
             Grant("resource.k8s.io", "resourceclaims/status", "patch"),
+            PUBLIC_VERSION,  # as the node's token: no grant of the chart's needed
         }
     )
     assert expected <= made, f"not exercised: {sorted(expected - made)}"

@@ -25,6 +25,7 @@ import pytest
 import structlog
 from kubernetes import client
 
+from controller.capabilities import extended_resource_dropped
 from controller.plan import SLICES
 from controller.publisher import slice_controller
 from dra_driver import kube
@@ -53,8 +54,8 @@ def carries(cp: ControlPlane) -> bool:
 
 def shares_here(cp: ControlPlane) -> bool:
     """Whether whole GPUs and their share views are published side by side: where the server
-    carries them, but not on 1.34, whose scheduler gave every GPU out twice (issue 54)."""
-    return carries(cp) and cp.version[1] != 34
+    carries them, but not on 1.34 and 1.35, whose schedulers gave GPUs out twice (issue 54)."""
+    return carries(cp) and cp.version[1] >= 36
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,32 @@ def test_one_write_per_slice_and_one_warning_per_feature_off(
     posted = wait_for("the Warning Events on the Node", events, timeout=10) if off else events() or []
     assert sorted(e["message"].split(" is off")[0] for e in posted) == sorted(off)
     assert {(e["type"], e["reason"]) for e in posted} <= {("Warning", "DRAFeatureOff")}
+
+
+def test_a_dropped_extended_resource_name_is_said(control_plane: ControlPlane, api: client.ApiClient) -> None:
+    """The chart's extended-resource class as the server stores it: without DRAExtendedResource
+    (off by default before 1.36) the server drops extendedResourceName silently, and the plugin
+    started with --extended-resource says so (issue 54 item 4); where it is kept, nothing."""
+    name = f"extended.{DRIVER}"
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+            "spec": {"extendedResourceName": "example.com/gpu"}}
+    sync_request(api, "POST", "/apis/resource.k8s.io/v1/deviceclasses", body)
+
+    async def check() -> Any:
+        aio = await kube.load_client(str(control_plane.kubeconfig))
+        try:
+            return await extended_resource_dropped(aio, DRIVER, "example.com/gpu")
+        finally:
+            await aio.close()
+
+    try:
+        dropped = asyncio.run(check())
+    finally:
+        sync_request(api, "DELETE", f"/apis/resource.k8s.io/v1/deviceclasses/{name}")
+    gate_on = control_plane.version[1] >= 36 or gate_mode() == "all"
+    assert (dropped is None) is gate_on, dropped
+    if dropped:
+        assert "DRAExtendedResource" in dropped.reason and "example.com/gpu" in dropped.reason
 
 
 def _gpu_of(name: str) -> int:

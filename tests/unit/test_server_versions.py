@@ -20,7 +20,7 @@ import pytest
 import structlog
 
 from controller import reconciler
-from controller.capabilities import ServerCapabilities, decide, probe_server
+from controller.capabilities import ServerCapabilities, decide, extended_resource_dropped, probe_server
 from controller.publisher import pools_for, slice_controller
 from controller.reconciler import SliceController
 from controller.slices import SliceFeatures, desired_slices
@@ -35,14 +35,14 @@ DRIVER = "gpu.dra-driver.dev"
 NODE = "node-0000"
 ASKED = SliceFeatures(memory_shares=True, dynamic_mig=True)
 
-# What each server keeps: (list attributes, taints, consumable capacity, counters layout)
-SERVERS: dict[str, tuple[bool, bool, bool, str]] = {
-    "1.34 default gates": (False, False, False, "none"),
-    "1.34 DRA gates on": (False, True, True, "together"),
-    "1.35 default gates": (False, False, False, "none"),
-    "1.35 DRA gates on": (False, True, True, "apart"),
-    "1.36 default gates": (False, True, True, "apart"),
-    "1.37 default gates": (False, True, True, "apart"),
+# What each server keeps: (list attributes, taints, consumable capacity, counters layout, version)
+SERVERS: dict[str, tuple[bool, bool, bool, str, tuple[int, int]]] = {
+    "1.34 default gates": (False, False, False, "none", (1, 34)),
+    "1.34 DRA gates on": (False, True, True, "together", (1, 34)),
+    "1.35 default gates": (False, False, False, "none", (1, 35)),
+    "1.35 DRA gates on": (False, True, True, "apart", (1, 35)),
+    "1.36 default gates": (False, True, True, "apart", (1, 36)),
+    "1.37 default gates": (False, True, True, "apart", (1, 37)),
 }
 
 
@@ -51,7 +51,9 @@ class VersionedApi(MemoryApi):
 
     def __init__(self, server: str) -> None:
         super().__init__([NODE])
-        self.lists, self.taints, self.capacity, self.counters = SERVERS[server]
+        self.lists, self.taints, self.capacity, self.counters, version = SERVERS[server]
+        self.version: JSON = {"major": str(version[0]), "minor": f"{version[1]}+",
+                              "gitVersion": f"v{version[0]}.{version[1]}.4-provider.1"}
         self.events: list[JSON] = []
         self.refuse_all = ""  # a 422 message for every slice write
 
@@ -91,6 +93,10 @@ class VersionedApi(MemoryApi):
         query = kw.get("query") or {}
         if path == f"/api/v1/nodes/{NODE}":
             return self.nodes[0]
+        if path == "/version":
+            if not self.version:
+                raise ApiException(403, "Forbidden", "{}")
+            return self.version
         if path.startswith("/api/v1/namespaces/default/events"):
             self.events.append(body)
             return dict(body)
@@ -103,8 +109,7 @@ class VersionedApi(MemoryApi):
 
 
 def _caps(server: str) -> ServerCapabilities:
-    lists, taints, capacity, counters = SERVERS[server]
-    return ServerCapabilities(("v1",), lists, taints, capacity, counters)  # type: ignore[arg-type]
+    return ServerCapabilities(("v1",), *SERVERS[server])  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("server", list(SERVERS))
@@ -136,15 +141,29 @@ def test_features_whose_fields_would_be_dropped_are_off_with_the_gate_to_turn_on
     assert (features.dynamic_mig, features.counters_with_devices) == (True, True)
 
 
-def test_on_1_34_a_gpu_is_never_published_both_whole_and_as_a_share() -> None:
-    """The 1.34 allocator gave every GPU out twice (issue 54): there, whole GPUs and share views
-    are never published side by side; the share views alone (--memory-shares-only) still are."""
-    features, off = decide(ASKED, _caps("1.34 DRA gates on"))
+@pytest.mark.parametrize("server", ["1.34 DRA gates on", "1.35 DRA gates on"])
+def test_before_1_36_a_gpu_is_never_published_both_whole_and_as_a_share(server: str) -> None:
+    """The 1.34 and 1.35 allocators gave GPUs out twice (issue 54): there, whole GPUs and share
+    views are never published side by side; the share views alone (--memory-shares-only) still are."""
+    features, off = decide(ASKED, _caps(server))
     assert not features.memory_shares
+    assert features.dynamic_mig, "MIG placements keep their counters on both"
     (why,) = [o.reason for o in off if o.feature == "--memory-shares"]
-    assert "1.35" in why and "--memory-shares-only" in why
-    features, off = decide(SliceFeatures(memory_shares=True, shares_only=True), _caps("1.34 DRA gates on"))
+    assert f"Kubernetes {server[:4]}" in why and "1.36" in why and "--memory-shares-only" in why
+    features, off = decide(SliceFeatures(memory_shares=True, shares_only=True), _caps(server))
     assert (features.memory_shares, features.shares_only, off) == (True, True, ())
+
+
+def test_a_server_that_does_not_say_its_version_is_judged_by_its_counter_layout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = VersionedApi("1.35 DRA gates on")
+    api.version = {}
+    monkeypatch.setattr(kube, "request", api.request)
+    found = asyncio.run(probe_server(None, DRIVER))  # type: ignore[arg-type]
+    assert found.version is None
+    assert decide(ASKED, found)[0].memory_shares, "no version: the 1.35+ layout decides"
+    assert not decide(ASKED, replace(found, counters="together"))[0].memory_shares
 
 
 def test_on_1_34_each_counter_set_is_in_the_slice_of_its_consumers() -> None:
@@ -271,3 +290,26 @@ def test_the_capabilities_of_a_full_server_change_nothing() -> None:
     features, off = decide(ASKED, ServerCapabilities.everything())
     assert (features, off) == (ASKED, ())
     assert reconciler.RETRY_REFUSED_SECONDS >= 60
+
+
+@pytest.mark.parametrize(("stored", "said"), [
+    ({"spec": {"extendedResourceName": "example.com/gpu"}}, False),
+    ({"spec": {}}, True),  # the server without DRAExtendedResource drops it
+    ({"spec": {"extendedResourceName": "nvidia.com/gpu"}}, True),  # another release's class
+    (None, False),  # no class to read: says nothing about the gate
+])
+def test_an_extended_resource_class_stored_without_its_name_is_said(
+    monkeypatch: pytest.MonkeyPatch, stored: JSON | None, said: bool
+) -> None:
+    async def request(_api: Any, method: str, path: str, *args: Any, **kw: Any) -> JSON:
+        assert (method, path) == ("GET", f"/apis/resource.k8s.io/v1/deviceclasses/extended.{DRIVER}")
+        if stored is None:
+            raise ApiException(404, "NotFound", "{}")
+        return stored
+
+    monkeypatch.setattr(kube, "request", request)
+    off = asyncio.run(extended_resource_dropped(None, DRIVER, "example.com/gpu"))  # type: ignore[arg-type]
+    assert (off is not None) is said
+    if off:
+        assert off.feature == "extendedResource" and "DRAExtendedResource" in off.reason
+        assert "extendedResource.enabled=false" in off.reason
