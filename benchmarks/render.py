@@ -442,6 +442,17 @@ def _scheduler(d: Any) -> list[str]:
     return lines
 
 
+def _why_cpu(d: Any) -> list[str]:
+    rows = [
+        (name, fmt(get(c, "cpu_s.p50")), fmt(get(c, "cpu_s.max")), fmt(get(c, "wall_s.p50")),
+         fmt(get(c, "wall_s.max")))
+        for name, c in get(d, "commands").items()
+    ]
+    lines = table(("command", "CPU p50 (s)", "CPU max (s)", "wall p50 (s)", "wall max (s)"), rows)
+    return [*lines, f"Runs of each: {fmt(get(d, 'runs'))}; limit {fmt(get(d, 'limit_cpu_s'))} s of CPU per "
+            f"`why`, every run within it: {fmt(get(d, 'within_limit'))}.", ""]
+
+
 def _flat(d: Any) -> list[str]:
     rows: list[Row] = []
 
@@ -554,6 +565,16 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
             "fatal XID inside the storm and behind a burst."
         ),
         _health_storm,
+    ),
+    "why_cpu": (
+        "`kubectl gpu why` on the demo's cluster",
+        (
+            "`python -m benchmarks.why_cpu`: each command typed in the shell `make demo DEMO_ARGS=--keep` "
+            "prints, interleaved; CPU is user + system of the process (os.wait4). Before 8e9e6f7 (its "
+            "parent 132825c, same machine, same day, `/usr/bin/time`, 3 runs): `kubectl-gpu why` on the "
+            "pending pod 0.30-0.34 s."
+        ),
+        _why_cpu,
     ),
     "helm": ("Image and Helm chart", "tests/node/test_helm.py with `DRA_HELM_FIGURES` set.", _helm),
     "slices": (

@@ -4,7 +4,8 @@ ResourceSlice controller), `scheduler` (pods/s through the real kube-scheduler p
 and `health_storm` (Prepare latency and slice writes during a storm of health events). `slices`
 and `scheduler` run a small fleet by default (minutes); `--full` runs them at fleet scale (5,000
 nodes' slices; 100, 500 and 1,000 nodes with 5,000 pods: over an hour on 2 cores). The node
-tier's figures (`python -m benchmarks.node`) need the node binaries and run apart.
+tier's figures (`python -m benchmarks.node`, and `python -m benchmarks.why_cpu` on the demo's
+cluster) need the node binaries and run apart.
 
 Each starts its own control plane and stops it before the next begins, so no benchmark
 shares a machine with another; each one's figures go to benchmarks/results/<name>.json and

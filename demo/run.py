@@ -661,13 +661,23 @@ def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 def _wait_for_interrupt(cp: ControlPlane, nodes: Nodes, base: Path) -> None:
     """--keep: the nodes die with this process (their sandboxes have a parent-death signal),
-    so it stays until it is told to stop, then tears down as usual."""
-    kubectl = cp.bin_dir / "kubectl"
-    print("\nLeft running (--keep) until you press Ctrl-C or send SIGTERM to pid", os.getpid())
+    so it stays until it is told to stop, then tears down as usual. What it prints is what a
+    user types in another shell (tests.harness.kept_demo reads it as such)."""
+    pending = too_big_pod()[1]["metadata"]["name"]
+    commands = (
+        "kubectl get pods,resourceclaims -A -o wide",
+        f"kubectl gpu {MIG_NODE.name}",
+        f"kubectl gpu why -n {DEMO_NAMESPACE} {pending}",
+        f"kubectl logs -n {DEMO_NAMESPACE} nvlink-pair",
+    )
+    print("\nLeft running (--keep). To use it, in another shell:")
     print(f"  export KUBECONFIG={cp.kubeconfig}")
-    print(f"  {kubectl} get pods,resourceclaims -A -o wide")
-    print(f"  {kubectl} logs -n {DEMO_NAMESPACE} nvlink-pair")
+    # kubectl itself, and kubectl-gpu and dra-driver beside this Python
+    print(f"  export PATH={Path(sys.executable).parent}:{cp.bin_dir}:$PATH")
+    for command in commands:
+        print(f"  {command}")
     print(f"  node files (kubelet.log, containerd.log, plugin.log, cdi/): {base / 'nodes'}/<node>/")
+    print(f"To stop it and tear everything down: Ctrl-C here, or kill {os.getpid()}", flush=True)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     with contextlib.suppress(KeyboardInterrupt):
         while all(n.driver is None or n.driver.proc is not None for n in nodes.nodes.values()):

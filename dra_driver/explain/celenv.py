@@ -17,11 +17,14 @@ It must NOT read anything or keep state beyond the compiled-expression cache.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Final
+from pathlib import Path
+from typing import Any, Final, cast
 
 from dra_driver.jsontypes import JSON
 
@@ -47,11 +50,30 @@ class Outcome:
 # --------------------------------------------------------------------------- quantities
 
 
+@functools.cache
+def _client_parser() -> Callable[[object], Any]:
+    """The Kubernetes client's `parse_quantity`, loaded from its own file. Importing
+    `kubernetes.utils.quantity` runs the `kubernetes` and `kubernetes.utils` packages' __init__,
+    which import the whole client and its config loader: most of the CPU of a `why` run that
+    evaluates a quantity, for one function that imports only `decimal`."""
+    loaded = sys.modules.get("kubernetes.utils.quantity")
+    if loaded is not None:
+        return cast(Callable[[object], Any], loaded.parse_quantity)
+    package = importlib.util.find_spec("kubernetes")  # finds it without importing it
+    if package is None or not package.submodule_search_locations:
+        raise ModuleNotFoundError("the kubernetes client is not installed (pip install kubernetes)")
+    path = Path(package.submodule_search_locations[0]) / "utils" / "quantity.py"
+    spec = importlib.util.spec_from_file_location("dra_driver.explain._client_quantity", path)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"the kubernetes client has no quantity parser at {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return cast(Callable[[object], Any], module.parse_quantity)
+
+
 def parse_quantity(value: object) -> Decimal:
     """A Kubernetes quantity ("80Gi", "100m", 3) as a Decimal (the client's parser)."""
-    from kubernetes.utils.quantity import parse_quantity as parse  # heavy import, kept lazy
-
-    return Decimal(parse(value))
+    return Decimal(_client_parser()(value))
 
 
 def format_quantity(value: Decimal) -> str:

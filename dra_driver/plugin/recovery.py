@@ -221,21 +221,25 @@ async def instances_at_start(
     by the API server, CDI spec of this boot on disk), as intents. Without them an instance
     this plugin made would be published as static. `ask_api` False (no --dynamic-mig): the
     checkpoint's records only."""
+    unreadable: str | None = None  # recovery says so itself; here it is said only where it matters
     try:
         at = steps_at
         loaded = await asyncio.to_thread(ckpt.load, at.checkpoint_path, at.boot_id, at.driver)
     except ckpt.CheckpointRefused:
         return []  # recovery stops the plugin before anything is published
     except (ckpt.CheckpointUnreadable, OSError, ValueError) as e:
-        log.error("cannot read which MIG instances are this plugin's; asking the API server", error=str(e))
+        unreadable = str(e)
     else:
         if loaded.status == ckpt.LoadStatus.LOADED:
             return [r for entry in loaded.checkpoint.claims.values() for r in entry.mig]
     if not ask_api or not any(dynamic(g) and g.mig_devices for g in inventory.gpus):
-        return []
+        return []  # no instance on a dynamic GPU to tell apart: nothing to ask
     on_disk = await asyncio.to_thread(specs_of_this_boot, steps_at.cdi_dir, steps_at.driver)
     if not on_disk:
         return []  # no claim to adopt: every instance there is someone else's
+    if unreadable is not None:
+        log.error("cannot read which MIG instances are this plugin's from the checkpoint; asking the API "
+                  "server which claims are allocated here", error=unreadable)
     listed = await list_allocated()
     if listed is None:
         log.error("the API server could not say which claims are allocated here: every MIG instance on a "

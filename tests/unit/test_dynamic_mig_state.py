@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog.testing
 
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.cdi.files import claim_spec_path
@@ -387,5 +388,38 @@ def test_a_lost_checkpoint_and_no_instance_at_the_placement_adopts_nothing(tmp_p
         assert await p.unprepare([ref]) == {ref.uid: ClaimResult()} and node.spec(ref) is None
         assert dynamic(node) == [(0, profile_id("3g.71gb"), 0)]
         assert await p.unprepare([other]) == {other.uid: ClaimResult()} and dynamic(node) == []
+
+    asyncio.run(run())
+
+
+def test_a_corrupt_checkpoint_says_the_api_server_is_asked_only_where_it_is(tmp_path: Path) -> None:
+    """A node with no MIG instance on a dynamic GPU has nothing to ask the API server about; one
+    with a claim's instance to adopt asks, and says so."""
+
+    async def run() -> None:
+        plain = tmp_path / "plain"
+        path = ckpt.checkpoint_path(plain / "state")
+        path.parent.mkdir(parents=True)
+        path.write_text('{"version": 1, "claims": {')
+        asked: list[int] = []
+
+        async def listed() -> list[dict[str, Any]] | None:
+            asked.append(1)
+            return []
+
+        paths = StartPaths(path, BOOT, DRIVER, NODE, plain / "cdi")
+        with structlog.testing.capture_logs() as logs:
+            assert await instances_at_start(discover("hgx-h200"), paths, listed) == []
+        assert asked == [] and not [e for e in logs if "API server" in e["event"]], logs
+
+        node = MigNode(tmp_path / "mig")
+        p = await node.restart()
+        ref = node.add("a", SLICE_3G)
+        assert (await p.prepare([ref]))[ref.uid].error is None
+        lose_checkpoint(node, "corrupt")
+        with structlog.testing.capture_logs() as logs:
+            await node.restart()
+        assert node.listings == 1
+        assert [e for e in logs if "asking the API server" in e["event"]], logs
 
     asyncio.run(run())
