@@ -39,7 +39,7 @@ TESTS = (
     "tests/integration/test_slice_controller.py",
 )
 NODE_TESTS = ("tests/node/test_version_smoke.py",)
-NODE_FEATURES = ("whole GPU", "share", "MIG", "warnings")
+NODE_FEATURES = ("whole GPU", "share", "MIG", "sick GPU", "warnings")
 FEATURES = ("--memory-shares", "--dynamic-mig", "device health taints", "list attributes")
 
 

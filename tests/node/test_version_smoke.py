@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from dra_driver.health.node import SIMULATED_EVENTS_FILE
 from tests.harness.cluster import ControlPlane, gate_mode
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
@@ -57,6 +59,8 @@ PODS_NS = "smoke"
 RUN_DIR = Path(f"/run/{DRIVER}")
 FAKE_ROOT = RUN_DIR / "state" / "fake-driver"
 IMAGE_PYTHON = "/opt/dra-driver/bin/python3"
+EVENTS = RUN_DIR / "state" / SIMULATED_EVENTS_FILE  # the simulated NVML's event source
+QUIET = 2  # seconds a recovered GPU stays well before it is offered again
 PLUGIN_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=kubelet-plugin"
 # What the operator names in kubernetesFeatureGates: the chart then renders shares and MIG on
 # 1.34/1.35 too, and it is the plugin that must find out what the API server keeps.
@@ -109,7 +113,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             # 1.34's and 1.35's schedulers give a GPU out whole and as a share: the chart asks `only`
             *(("--set", "memoryShares.only=true") if cp.version[1] <= 35 else ()),
             "--set", "dynamicMig.enabled=true", "--set", f"kubernetesFeatureGates={GATES}",
-            "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}"]',
+            "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}", '
+            f'"--simulate-health-events={EVENTS}"]', "--set", f"health.quietPeriodSeconds={QUIET}",
             "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
         )
         wait_for("the node's whole pool published", lambda: _pool_complete(api), timeout=180, interval=0.5)
@@ -277,3 +282,41 @@ def test_a_mig_slice_runs_where_carried(env: Cluster) -> None:
         assert pod is None and not _allocated(env, "mig"), "a MIG placement allocated where MIG is off"
     _done(env, "mig")
     _record(env, "MIG", "works" if carries(env.cp) else "off (warning)")
+
+
+def test_a_gpu_with_a_fatal_xid_gets_no_new_pod(env: Cluster) -> None:
+    """Issue 54 item 2: a fatal XID on the whole GPU keeps new pods off it on every version:
+    tainted NoSchedule where the server keeps device taints, left out of the slice where it does
+    not (1.34/1.35 default gates). A pod asking for exactly that GPU waits with the scheduler's
+    reason; once the GPU has recovered (and stayed well for the quiet period) it runs there."""
+    device = _devices(env.api)["gpu-2"]  # the profile's one GPU with MIG mode off
+    uuid, index = device["attributes"]["uuid"]["string"], 2
+    events = env.node.host_path(EVENTS)
+
+    def inject(**record: Any) -> None:
+        with events.open("a") as f:
+            f.write(json.dumps({"gpu": index, **record}) + "\n")
+
+    def kept_off() -> str | None:
+        found = _devices(env.api).get(device["name"])
+        if found is None:
+            return "left out of the slice"
+        keeps_off = [t for t in found.get("taints", []) if t["effect"] in ("NoSchedule", "NoExecute")]
+        return "tainted" if keeps_off else None
+
+    inject(xid=79, recovery_action=1)
+    how = wait_for(f"{device['name']} kept from new pods", kept_off, timeout=30, interval=0.5)
+    same_gpu = f'device.attributes["{DRIVER}"].uuid == "{uuid}"'
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                 "deviceClassName": f"gpu.{DRIVER}", "selectors": [{"cel": {"expression": same_gpu}}]}}]}}}
+    assert _run(env, "sick", claim, command="sleep 3600") is None, f"a pod got {uuid} while {how}"
+    inject(recover=True)
+    recovered = time.monotonic()
+    wait_for("the pod on the recovered GPU", lambda: get_pod(env.api, PODS_NS, "sick").get(
+        "status", {}).get("phase") == "Running" or None, timeout=120, interval=0.5)
+    assert time.monotonic() - recovered >= QUIET, "offered again only after the quiet period"
+    (result,) = _allocated(env, "sick")
+    assert result["device"] == device["name"], result
+    _done(env, "sick")
+    _record(env, "sick GPU", f"kept from new pods ({how})")
