@@ -197,6 +197,20 @@ def _run(env: Cluster, name: str, claim: JSON, command: str = "ls -l /dev/nvidia
     return get_pod(env.api, PODS_NS, name) if decided == "running" else None
 
 
+def _plugin_log(env: Cluster) -> str:
+    """The plugin pod's last log lines, for a failure's message."""
+    listed = sync_request(env.api, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods",
+                          query={"labelSelector": PLUGIN_SELECTOR})["items"]
+    if not listed:
+        return "(no plugin pod)"
+    name = listed[0]["metadata"]["name"]
+    try:
+        logs: str = client.CoreV1Api(env.api).read_namespaced_pod_log(name, NAMESPACE, tail_lines=40)
+    except ApiException as e:
+        return f"(the plugin's log could not be read: {e.status} {e.reason})"
+    return logs
+
+
 def _done(env: Cluster, name: str) -> None:
     pods.delete_pod(env.api, PODS_NS, name)
     pods.wait_gone(env.api, PODS_NS, name, timeout=60)
@@ -306,15 +320,17 @@ def test_a_gpu_with_a_fatal_xid_gets_no_new_pod(env: Cluster) -> None:
 
     inject(xid=79, recovery_action=1)
     how = wait_for(f"{device['name']} kept from new pods", kept_off, timeout=30, interval=0.5)
-    same_gpu = f'device.attributes["{DRIVER}"].uuid == "{uuid}"'
-    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {},
-             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-                 "deviceClassName": f"gpu.{DRIVER}", "selectors": [{"cel": {"expression": same_gpu}}]}}]}}}
+    claim = pods.gpu_claim("sick", selectors=[f'device.attributes["{DRIVER}"].uuid == "{uuid}"'])
     assert _run(env, "sick", claim, command="sleep 3600") is None, f"a pod got {uuid} while {how}"
+    reason = scheduler_reason(env.api, PODS_NS, "sick") or ""
+    assert "cannot allocate all claims" in reason, reason
     inject(recover=True)
     recovered = time.monotonic()
     wait_for("the pod on the recovered GPU", lambda: get_pod(env.api, PODS_NS, "sick").get(
-        "status", {}).get("phase") == "Running" or None, timeout=120, interval=0.5)
+        "status", {}).get("phase") == "Running" or None, timeout=120, interval=0.5,
+        detail=lambda: f"plugin log:\n{_plugin_log(env)[-1500:]}\n{device['name']}: "
+                       f"{kept_off() or 'offered'}; claim {_allocated(env, 'sick')}; "
+                       f"pod {get_pod(env.api, PODS_NS, 'sick').get('status')}")
     assert time.monotonic() - recovered >= QUIET, "offered again only after the quiet period"
     (result,) = _allocated(env, "sick")
     assert result["device"] == device["name"], result
