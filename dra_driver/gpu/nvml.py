@@ -2,7 +2,7 @@
 
 `discover(nvml, sysfs)` is the one code path for real and simulated hardware: `nvml` is
 the `pynvml` module (nvidia-ml-py) on a GPU host, or a `FakeNvml` built from a profile
-(dra_driver.gpu.simulated) in CI; both answer the same calls in `NvmlApi` with the same
+(dra_driver.gpu.sim.fake_nvml) in CI; both answer the same calls in `NvmlApi` with the same
 return shapes and raise `pynvml.NVMLError` the same way.
 
 Rules kept here:

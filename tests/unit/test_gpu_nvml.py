@@ -14,10 +14,10 @@ import pytest
 from dra_driver.gpu import nvml
 from dra_driver.gpu.errors import GpuDiscoveryError, NvmlUnavailableError
 from dra_driver.gpu.model import Inventory, LinkEndpointKind
-from dra_driver.gpu.profile_model import Profile
-from dra_driver.gpu.profiles import NVML_ERRORS, load_profile
 from dra_driver.gpu.report import connectivity_matrix
-from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.fake_nvml import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.profile_model import Profile
+from dra_driver.gpu.sim.profiles import NVML_ERRORS, load_profile
 from dra_driver.gpu.sysfs import HostSysfs, pcie_root_from_path
 from dra_driver.gpu.topology import LinkVia, nvlink_topology
 

@@ -9,10 +9,10 @@ runs the very parsing code a GPU host runs with `nvml.discover(pynvml)`.
 
 `FakeSysfs(profile)` answers the sysfs questions (PCIe root, NUMA node) the same way.
 `calls` records every call, so tests can check that each query is made once.
-With a `FakeEventSource` (dra_driver.gpu.simulated_events) it also answers the health
+With a `FakeEventSource` (dra_driver.gpu.sim.events) it also answers the health
 monitor's event calls: injected XIDs, ECC errors, lost GPUs and recovery actions come out
 of `nvmlEventSetWait_v2` and `nvmlDeviceGetFieldValues` as from the real library.
-The MIG calls are `dra_driver.gpu.simulated_mig_calls.MigCalls`, a base class of FakeNvml.
+The MIG calls are `dra_driver.gpu.sim.mig_calls.MigCalls`, a base class of FakeNvml.
 This module holds no discovery or health logic of its own.
 """
 
@@ -28,10 +28,10 @@ import pynvml
 
 from dra_driver.gpu.mig_profiles import GiProfile
 from dra_driver.gpu.nvml import normalize_pci_bus_id
-from dra_driver.gpu.profile_model import GpuSpec, Profile
-from dra_driver.gpu.simulated_events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
-from dra_driver.gpu.simulated_mig import FakeMig
-from dra_driver.gpu.simulated_mig_calls import MigCalls, MigHandle
+from dra_driver.gpu.sim.events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
+from dra_driver.gpu.sim.mig import FakeMig
+from dra_driver.gpu.sim.mig_calls import MigCalls, MigHandle
+from dra_driver.gpu.sim.profile_model import GpuSpec, Profile
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class FakeNvml(MigCalls):
         self.compute_modes = {g.index: int(pynvml.NVML_COMPUTEMODE_DEFAULT) for g in profile.gpus}
         self.compute_mode_errors: dict[int, int] = {}
         self.contexts: dict[int, set[str]] = {g.index: set() for g in profile.gpus}
-        # MIG instances as NVML keeps them (dra_driver.gpu.simulated_mig); in `mig_state_file`
+        # MIG instances as NVML keeps them (dra_driver.gpu.sim.mig); in `mig_state_file`
         # they outlive this object as they outlive the plugin on a GPU
         self.mig = FakeMig(profile.gpus, mig_state_file)
         self._static_profiles = {m.profile.id: m.profile for g in profile.gpus for m in g.mig_devices}

@@ -1,8 +1,8 @@
 """What a simulated-hardware profile holds once read and checked: a frozen `Profile` of
 `GpuSpec`s (with their MIG devices, MIG profiles and fabric) as NVML would report them.
 
-Data only: reading and checking a profile file is `dra_driver.gpu.profiles`'; answering NVML
-calls from it is `dra_driver.gpu.simulated`'s. It must not do I/O.
+Data only: reading and checking a profile file is `dra_driver.gpu.sim.profiles`'; answering NVML
+calls from it is `dra_driver.gpu.sim.fake_nvml`'s. It must not do I/O.
 """
 
 from __future__ import annotations

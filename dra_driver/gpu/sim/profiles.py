@@ -1,15 +1,15 @@
 """Simulated-hardware profiles: YAML files that describe a GPU node as NVML would see it.
 
-`load_profile(name_or_path)` finds a profile shipped in `dra_driver/gpu/profiles/<name>.yaml`
+`load_profile(name_or_path)` finds a profile shipped in `dra_driver/gpu/sim/profiles/<name>.yaml`
 (or reads a file path), checks every field and returns a frozen `Profile`; anything wrong
 raises ONE `ProfileError` that names the file and the field, before any fake hardware
 exists, so nothing half-built is ever used. `list_profiles()` lists the shipped ones.
 
 The profile vocabulary is NVML's (enum names such as `NVIDIA`, `HOPPER`, `NOT_SUPPORTED`,
-NVML function names in `errors`), because `dra_driver.gpu.simulated.FakeNvml` replays
+NVML function names in `errors`), because `dra_driver.gpu.sim.fake_nvml.FakeNvml` replays
 it through the same calls the real NVML answers. The file format is documented in
 `docs/inventory.md` and by the shipped profiles themselves; what a profile holds, once read,
-is `dra_driver.gpu.profile_model`.
+is `dra_driver.gpu.sim.profile_model`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import yaml
 
 from dra_driver.gpu.errors import ProfileError
 from dra_driver.gpu.nvml import NVML_FUNCTIONS, normalize_pci_bus_id
-from dra_driver.gpu.profile_model import (
+from dra_driver.gpu.sim.profile_model import (
     FabricSpec,
     GpuSpec,
     MigInstanceSpec,
@@ -414,7 +414,7 @@ def _check_unique(path: str, gpus: Sequence[GpuSpec]) -> None:
 
 
 def _shipped() -> Path:
-    return Path(str(resources.files("dra_driver.gpu").joinpath("profiles")))
+    return Path(str(resources.files("dra_driver.gpu.sim").joinpath("profiles")))
 
 
 def profile_names() -> tuple[str, ...]:
