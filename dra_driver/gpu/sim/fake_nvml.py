@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import pynvml
 
 from dra_driver.gpu.mig_profiles import GiProfile
-from dra_driver.gpu.nvml import normalize_pci_bus_id
+from dra_driver.gpu.nvml import NVML_FUNCTIONS, normalize_pci_bus_id
 from dra_driver.gpu.sim.events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
 from dra_driver.gpu.sim.mig import FakeMig
 from dra_driver.gpu.sim.mig_calls import MigCalls, MigHandle
@@ -97,6 +98,28 @@ class FakeNvml(MigCalls):
         for switch_bus, count in zip(self.profile.nvswitches, gpu.nvswitch_links, strict=True):
             ends += [_LinkEnd(None, switch_bus)] * count
         return tuple(ends)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        """A per-GPU query of NvmlApi not spelled out here (a fact that no profile had to model):
+        answered from the GPU's `nvml` answers in its profile, else NotSupported, which discovery
+        reads as "unknown". So a new fact discovery reads needs no edit here."""
+        if name not in NVML_FUNCTIONS or not name.startswith("nvmlDeviceGet"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+        def query(handle: Any, *args: Any) -> Any:
+            self._enter(name, handle, *args)
+            answers = self._gpu(handle).nvml
+            if name not in answers:
+                raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            answer = answers[name]
+            if isinstance(answer, dict):
+                if not args or args[0] not in answer:
+                    raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+                return answer[args[0]]
+            return answer
+
+        query.__name__ = name
+        return query
 
     # -- plumbing ---------------------------------------------------------------------
 

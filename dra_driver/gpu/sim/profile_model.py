@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class GpuSpec:
     fabric: FabricSpec | None
     errors: Mapping[str, int] = field(default_factory=dict)
     addressing_mode: int | None = None  # NVML_DEVICE_ADDRESSING_MODE_*; None: NotSupported
+    # answers to the per-GPU queries FakeNvml does not spell out: call -> value, or -> {argument: value};
+    # a query not here answers NotSupported (so a new fact needs no profile edit)
+    nvml: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

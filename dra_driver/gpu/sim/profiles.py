@@ -178,6 +178,25 @@ def _errors(f: _Fields, key: str) -> dict[str, int]:
     return result
 
 
+def _answers(f: _Fields, key: str) -> dict[str, Any]:
+    """`nvml`: what the GPU answers to the per-GPU queries FakeNvml does not spell out (a fact
+    discovery reads that the profiles need not all say): a value, or values by the call's argument."""
+    sub = f.sub(key)
+    if sub is None:
+        return {}
+    result: dict[str, Any] = {}
+    for function, value in sub.data.items():
+        if function not in NVML_FUNCTIONS or not str(function).startswith("nvmlDeviceGet"):
+            raise sub.fail(str(function), "not a per-GPU NVML query the discovery makes (nvmlDeviceGet...)")
+        values = value.values() if isinstance(value, dict) else [value]
+        if not all(isinstance(v, int | str) for v in values) or (
+            isinstance(value, dict) and not all(isinstance(k, int) for k in value)
+        ):
+            raise sub.fail(str(function), f"expected a number or string, or such by argument: {_kind(value)}")
+        result[str(function)] = value
+    return result
+
+
 def _int_list(f: _Fields, key: str, items: Sequence[Any], length: int | None = None) -> tuple[int, ...]:
     if length is not None and len(items) != length:
         raise f.fail(key, f"expected {length} integers, got {len(items)}")
@@ -321,6 +340,7 @@ def _gpu(
         fabric=_fabric(f),
         errors=_errors(f, "errors"),
         addressing_mode=f.opt_enum("addressing_mode", ADDRESSING_MODES),
+        nvml=_answers(f, "nvml"),
     )
     f.done()
     return spec
