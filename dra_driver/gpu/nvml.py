@@ -92,7 +92,8 @@ class NvmlApi(Protocol):
     def nvmlDeviceGetGpuFabricInfo(self, handle: Any, info: Any) -> int: ...
 
 
-# Every name in NvmlApi; FakeNvml implements exactly these, and a profile may make any fail.
+# Every name in NvmlApi; FakeNvml answers each (spelled out, or from a profile's `nvml` answers),
+# and a profile may make any fail.
 NVML_FUNCTIONS: tuple[str, ...] = tuple(
     name for name in NvmlApi.__dict__ if name.startswith("nvml") and callable(NvmlApi.__dict__[name])
 )
