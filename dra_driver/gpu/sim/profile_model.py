@@ -71,10 +71,10 @@ class GpuSpec:
     mig_devices: tuple[MigInstanceSpec, ...]
     fabric: FabricSpec | None
     errors: Mapping[str, int] = field(default_factory=dict)
-    addressing_mode: int | None = None  # NVML_DEVICE_ADDRESSING_MODE_*; None: NotSupported
     # answers to the per-GPU queries FakeNvml does not spell out: call -> value, or -> {argument: value};
     # a query not here answers NotSupported (so a new fact needs no profile edit)
     nvml: Mapping[str, Any] = field(default_factory=dict)
+    addressing_mode: int | None = None  # NVML_DEVICE_ADDRESSING_MODE_*; None: NotSupported
 
 
 @dataclass(frozen=True)
