@@ -8,7 +8,7 @@ InvalidArgument past the last NVLink link). So `nvml.discover(FakeNvml(p), FakeS
 runs the very parsing code a GPU host runs with `nvml.discover(pynvml)`.
 
 `FakeSysfs(profile)` answers the sysfs questions (PCIe root, NUMA node) the same way.
-`calls` records every call, so tests can check that each query is made once.
+`calls` records the latest CALLS_KEPT calls, so tests can check that each query is made once.
 With a `FakeEventSource` (dra_driver.gpu.sim.events) it also answers the health
 monitor's event calls: injected XIDs, ECC errors, lost GPUs and recovery actions come out
 of `nvmlEventSetWait_v2` and `nvmlDeviceGetFieldValues` as from the real library.
@@ -19,7 +19,9 @@ This module holds no discovery or health logic of its own.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,8 @@ from dra_driver.gpu.sim.events import ALL_EVENTS, POLL_EVERY, EventData, FakeEve
 from dra_driver.gpu.sim.mig import FakeMig
 from dra_driver.gpu.sim.mig_calls import MigCalls, MigHandle
 from dra_driver.gpu.sim.profile_model import GpuSpec, Profile
+
+CALLS_KEPT = 100_000
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,13 @@ class FakeNvml(MigCalls):
         mig_state_file: Path | None = None,
     ) -> None:
         self.profile = profile
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        # the latest calls (a simulated node's health monitor asks every GPU a few times a second
+        # for as long as it runs): enough for a test to count a discovery's queries
+        self.calls: deque[tuple[str, tuple[Any, ...]]] = deque(maxlen=CALLS_KEPT)
         self._initialized = 0
+        # one FakeNvml serves the whole process (discovery, MIG, compute modes, the health
+        # monitor's thread), as the driver's library does: its init count is counted under a lock
+        self._init_lock = threading.Lock()
         self._links = {g.index: self._link_table(g) for g in profile.gpus}
         self.events = events
         self.supported_events = supported_events
@@ -158,11 +167,13 @@ class FakeNvml(MigCalls):
 
     def nvmlInit(self) -> None:
         self._enter("nvmlInit")
-        self._initialized += 1
+        with self._init_lock:
+            self._initialized += 1
 
     def nvmlShutdown(self) -> None:
         self._enter("nvmlShutdown")
-        self._initialized -= 1
+        with self._init_lock:
+            self._initialized -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._enter("nvmlSystemGetDriverVersion")
