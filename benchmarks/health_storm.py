@@ -141,7 +141,7 @@ def _cycles(kubelet: KubeletSide, claims: list[ClaimName], seconds: float) -> li
 
 
 def _inject(control: Path, record: dict[str, Any]) -> None:
-    """One line for the plugin's simulated NVML (dra_driver.gpu.simulated_events)."""
+    """One line for the plugin's simulated NVML (dra_driver.gpu.sim.events)."""
     with control.open("a") as f:
         f.write(json.dumps(record) + "\n")
 

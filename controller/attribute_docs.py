@@ -1,8 +1,9 @@
 """The attribute vocabulary as a table: what docs/attributes.md shows for each attribute and capacity.
 
 `VOCABULARY` and `CAPACITIES` are the single source of that table (`markdown_table()` renders
-it; a test keeps the two equal). Pure data: it must not decide what a device publishes
-(controller/attributes.py does).
+it; a test keeps the two equal); the rows of the attributes read straight from the inventory
+are those of `controller.attributes.FACTS`, written beside their values. Pure data: it must not
+decide what a device publishes (controller/attributes.py does).
 """
 
 from __future__ import annotations
@@ -10,16 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.attributes import (
-    ADDRESSING_MODE,
-    ARCHITECTURE,
-    BRAND,
     COPY_ENGINES,
-    CUDA_COMPUTE_CAPABILITY,
-    CUDA_DRIVER_VERSION,
     DECODERS,
-    DRIVER_VERSION,
     ENCODERS,
     FABRIC_CLIQUE_ID,
+    FACTS,
     INDEX,
     ISOLATION,
     JPEG_ENGINES,
@@ -42,11 +38,7 @@ from controller.attributes import (
     OFA_ENGINES,
     PARENT_INDEX,
     PARENT_UUID,
-    PCI_BUS_ID,
-    PCIE_ROOT,
-    PRODUCT_NAME,
     PROFILE,
-    STANDARD_NUMA_NODE,
     TYPE,
     UUID,
     nvlink_group_attribute,
@@ -71,28 +63,7 @@ VOCABULARY: tuple[AttributeDoc, ...] = (
     AttributeDoc(TYPE, "string", '"gpu"', 'kind of device: "gpu" (whole GPU) or "mig" (MIG instance)',
                  "yes", _BOTH),
     AttributeDoc(UUID, "string", '"GPU-5b1c…" / "MIG-…"', "NVML UUID of the device", "yes", _BOTH),
-    AttributeDoc(PRODUCT_NAME, "string", '"NVIDIA H100 80GB HBM3"',
-                 "NVML product name (of the parent, for MIG)", "yes", _BOTH),
-    AttributeDoc(BRAND, "string", '"Nvidia"', "NVML brand", "yes", _BOTH),
-    AttributeDoc(ARCHITECTURE, "string", '"Hopper"', "NVML architecture", "yes", _BOTH),
-    AttributeDoc(CUDA_COMPUTE_CAPABILITY, "version", '"9.0.0"', "CUDA compute capability, as semver",
-                 "yes", _BOTH),
-    AttributeDoc(DRIVER_VERSION, "version", '"570.195.3"',
-                 "kernel driver version as semver (570.195.03 -> 570.195.3, as NVIDIA does)", "yes", _BOTH),
-    AttributeDoc(CUDA_DRIVER_VERSION, "version", '"12.8.0"', "highest CUDA version the driver supports",
-                 "yes", _BOTH),
-    AttributeDoc(PCI_BUS_ID, "string", '"0000:3b:00.0"',
-                 "PCI address (of the parent, for MIG); standard name", "yes (v25.12+)", _BOTH),
-    AttributeDoc(PCIE_ROOT, "string", '"pci0000:3a"',
-                 "PCIe root complex; standard name, match it to co-locate with NICs", "yes", _BOTH),
-    AttributeDoc(STANDARD_NUMA_NODE, "int", "0",
-                 "NUMA node of the PCI device, only when known; standard name; scalar even where "
-                 "list-type attributes are served, as NVIDIA publishes it by default", "yes", _BOTH),
-    AttributeDoc(ADDRESSING_MODE, "string", '"ATS"',
-                 "how the GPU addresses CPU memory (NVML addressing mode, of the parent for MIG): "
-                 '"ATS" or "HMM" where the coherent-memory mode is active (ATS on GH200/GB200), '
-                 '"None" where NVML answers but none is (an x86 H100, driver 580); absent where NVML '
-                 "does not report it", "yes", _BOTH),
+    *(AttributeDoc(f.name, f.type, f.example, f.meaning, f.nvidia, f.devices) for f in FACTS),
     AttributeDoc(PARENT_UUID, "string", '"GPU-5b1c…"', "UUID of the MIG instance's GPU", "yes", "mig"),
     AttributeDoc(PROFILE, "string", '"1g.10gb"', "MIG profile", "yes", "mig"),
     AttributeDoc(INDEX, "int", "3", "NVML index of the GPU", "v25.3 only", "gpu"),

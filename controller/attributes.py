@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from controller.quantities import binary_quantity, decimal_quantity
 from dra_driver.devices import NodeDevice
 from dra_driver.gpu.cliques import MAX_LAYERS
 from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
@@ -68,12 +69,62 @@ ISOLATION = "isolation"  # share views only (dra_driver.sharing.shares.ISOLATION
 # 32 attributes+capacities limit whatever the topology module reports.
 NVLINK_GROUP_SIZES = (2, 4, 8, 16, 32, 64)
 
+
+DEVICE_TYPE_GPU = "gpu"
+DEVICE_TYPE_MIG = "mig"
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One attribute read straight from the inventory (a GPU's fact, or the driver's): its name,
+    its value (None: not published), and its row of docs/attributes.md. A MIG instance
+    publishes its parent GPU's value where `devices` names "mig"."""
+
+    name: str
+    value: Callable[[GpuInfo, Inventory], JSON | None]
+    type: str  # the DeviceAttribute field: string, int, bool, version
+    example: str
+    meaning: str
+    nvidia: str  # whether/how NVIDIA's gpu.nvidia.com driver publishes it
+    devices: str = "gpu, mig"
+
+
+# A new attribute read from NVML is a row here (with its GpuInfo field and its reader in
+# dra_driver/gpu/nvml.py); the device budget, the publishing and the docs table follow it.
+FACTS: tuple[Fact, ...] = (
+    Fact(PRODUCT_NAME, lambda g, _: _string(g.product_name, free_text=True), "string",
+         '"NVIDIA H100 80GB HBM3"', "NVML product name (of the parent, for MIG)", "yes"),
+    Fact(BRAND, lambda g, _: _string(g.brand, free_text=True), "string", '"Nvidia"', "NVML brand", "yes"),
+    Fact(ARCHITECTURE, lambda g, _: _string(g.architecture, free_text=True), "string", '"Hopper"',
+         "NVML architecture", "yes"),
+    Fact(CUDA_COMPUTE_CAPABILITY, lambda g, _: _version(g.cuda_compute_capability), "version", '"9.0.0"',
+         "CUDA compute capability, as semver", "yes"),
+    Fact(DRIVER_VERSION, lambda _, inv: _version(inv.driver_version), "version", '"570.195.3"',
+         "kernel driver version as semver (570.195.03 -> 570.195.3, as NVIDIA does)", "yes"),
+    Fact(CUDA_DRIVER_VERSION, lambda _, inv: _version(inv.cuda_driver_version), "version", '"12.8.0"',
+         "highest CUDA version the driver supports", "yes"),
+    Fact(PCI_BUS_ID, lambda g, _: _string(g.pci_bus_id), "string", '"0000:3b:00.0"',
+         "PCI address (of the parent, for MIG); standard name", "yes (v25.12+)"),
+    Fact(PCIE_ROOT, lambda g, _: _string(g.pcie_root), "string", '"pci0000:3a"',
+         "PCIe root complex; standard name, match it to co-locate with NICs", "yes"),
+    # Scalar even where list-type attributes are served: NVIDIA's driver publishes the list
+    # form only behind its own alpha DRAListTypeAttributes gate, and a claim's `numaNode == 0`
+    # never matches a list.
+    Fact(STANDARD_NUMA_NODE, lambda g, _: _int(_known_numa(g.numa_node)), "int", "0",
+         "NUMA node of the PCI device, only when known; standard name; scalar even where "
+         "list-type attributes are served, as NVIDIA publishes it by default", "yes"),
+    Fact(ADDRESSING_MODE, lambda g, _: _string(g.addressing_mode), "string", '"ATS"',
+         "how the GPU addresses CPU memory (NVML addressing mode, of the parent for MIG): "
+         '"ATS" or "HMM" where the coherent-memory mode is active (ATS on GH200/GB200), '
+         '"None" where NVML answers but none is (an x86 H100, driver 580); absent where NVML '
+         "does not report it", "yes"),
+)
+
 # Everything a whole GPU may publish apart from the clique layers (the opt-in topology-detail
 # ones included): the layers get what is left of the per-device budget. The opt-in legacy
 # attributes (LEGACY_ATTRIBUTES) are dropped before the layers when a device would go over it.
 WHOLE_GPU_BASE: tuple[str, ...] = (
-    TYPE, UUID, PRODUCT_NAME, BRAND, ARCHITECTURE, CUDA_COMPUTE_CAPABILITY, DRIVER_VERSION,
-    CUDA_DRIVER_VERSION, PCI_BUS_ID, PCIE_ROOT, STANDARD_NUMA_NODE, ADDRESSING_MODE, INDEX, MINOR,
+    TYPE, UUID, *(f.name for f in FACTS if DEVICE_TYPE_GPU in f.devices.split(", ")), INDEX, MINOR,
     NVLINK_CLIQUE_SIZE,
     NVLINK_PEER_COUNT, NVLINK_PEERS, NVLINK_ISLAND, NVLINK_CLIQUES, NVLINK_DOMAIN, FABRIC_CLIQUE_ID,
     MIG_ENABLED, "memory", "multiprocessors",
@@ -94,8 +145,6 @@ JPEG_ENGINES = "jpegEngines"
 OFA_ENGINES = "ofaEngines"
 MEMORY_SLICE_PREFIX = "memorySlice"
 
-DEVICE_TYPE_GPU = "gpu"
-DEVICE_TYPE_MIG = "mig"
 
 
 def nvlink_group_attribute(size: int) -> str:
@@ -199,38 +248,6 @@ def semver(raw: str) -> str | None:
     return text if len(text) <= MAX_STRING_LENGTH else None
 
 
-_DECIMAL_SUFFIXES = ("", "k", "M", "G", "T", "P", "E")
-_BINARY_SUFFIXES = ("", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei")
-
-
-def decimal_quantity(n: int) -> str:
-    """The canonical form the API server writes for integer `n` in DecimalSI (1000 -> "1k")."""
-    if n == 0:
-        return "0"
-    step = 0
-    while step < len(_DECIMAL_SUFFIXES) - 1 and n % 1000 == 0:
-        n //= 1000
-        step += 1
-    return f"{n}{_DECIMAL_SUFFIXES[step]}"
-
-
-def binary_quantity(n: int) -> str:
-    """The canonical form the API server writes for integer `n` in BinarySI.
-
-    Like Go's `resource.NewQuantity(n, resource.BinarySI).String()` (what NVIDIA's driver
-    sends): the largest power-of-1024 suffix that keeps `n` whole, and below 1024 the
-    DecimalSI form. Publishing the server's own canonical form keeps `spec` comparisons
-    with what the server returns exact.
-    """
-    if -1024 < n < 1024:
-        return decimal_quantity(n)
-    step = 0
-    while step < len(_BINARY_SUFFIXES) - 1 and n % 1024 == 0:
-        n //= 1024
-        step += 1
-    return f"{n}{_BINARY_SUFFIXES[step]}"
-
-
 def _string(value: str | None, *, free_text: bool = False) -> JSON | None:
     if value is None:
         return None
@@ -293,24 +310,11 @@ def _peer_string(peers: tuple[int, ...]) -> JSON | None:
 
 # --- devices ---
 
-def _common(gpu: GpuInfo, inventory: Inventory) -> dict[str, JSON | None]:
-    """What a whole GPU and its MIG instances share: NVIDIA's common set plus NUMA."""
-    numa = _known_numa(gpu.numa_node)
+def _common(gpu: GpuInfo, inventory: Inventory, device: str) -> dict[str, JSON | None]:
+    """The fact rows of a `device` ("gpu" or "mig"), and the legacy NUMA attribute."""
     return {
-        PRODUCT_NAME: _string(gpu.product_name, free_text=True),
-        BRAND: _string(gpu.brand, free_text=True),
-        ARCHITECTURE: _string(gpu.architecture, free_text=True),
-        CUDA_COMPUTE_CAPABILITY: _version(gpu.cuda_compute_capability),
-        DRIVER_VERSION: _version(inventory.driver_version),
-        CUDA_DRIVER_VERSION: _version(inventory.cuda_driver_version),
-        PCI_BUS_ID: _string(gpu.pci_bus_id),
-        PCIE_ROOT: _string(gpu.pcie_root),
-        # Scalar even where list-type attributes are served: NVIDIA's driver publishes the
-        # list form only behind its own alpha DRAListTypeAttributes gate, and a claim's
-        # `numaNode == 0` never matches a list.
-        STANDARD_NUMA_NODE: _int(numa),
-        NUMA_NODE: _int(numa),
-        ADDRESSING_MODE: _string(gpu.addressing_mode),
+        **{f.name: f.value(gpu, inventory) for f in FACTS if device in f.devices.split(", ")},
+        NUMA_NODE: _int(_known_numa(gpu.numa_node)),
     }
 
 
@@ -344,7 +348,7 @@ def _gpu_device(gpu: GpuInfo, inventory: Inventory, facts: NvlinkFacts | None,
     attrs: dict[str, JSON | None] = {
         TYPE: {"string": DEVICE_TYPE_GPU},
         UUID: _string(gpu.uuid),
-        **_common(gpu, inventory),
+        **_common(gpu, inventory, DEVICE_TYPE_GPU),
         INDEX: _int(gpu.index),
         MINOR: _int(gpu.minor),
         **_nvlink(facts, gpu, list_attributes),
@@ -365,7 +369,7 @@ def _mig_device(gpu: GpuInfo, mig: MigDevice,
         UUID: _string(mig.uuid),
         PARENT_UUID: _string(gpu.uuid),
         PROFILE: _string(mig.profile),
-        **_common(gpu, inventory),
+        **_common(gpu, inventory, DEVICE_TYPE_MIG),
         PARENT_INDEX: _int(gpu.index),
     }
     capacity: dict[str, JSON | None] = {

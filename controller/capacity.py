@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from controller.attributes import LINKED_SET_ATTRIBUTES, TYPE, binary_quantity
+from controller.attributes import LINKED_SET_ATTRIBUTES, TYPE
+from controller.quantities import binary_quantity
 from dra_driver.devices import NodeDevice
 from dra_driver.jsontypes import JSON
 from dra_driver.sharing.shares import (

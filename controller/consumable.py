@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from controller.attributes import MEMORY, MULTIPROCESSORS, binary_quantity, decimal_quantity
+from controller.attributes import MEMORY, MULTIPROCESSORS
+from controller.quantities import binary_quantity, decimal_quantity
 from dra_driver.devices import NodeDevice
 from dra_driver.jsontypes import JSON
 from dra_driver.sharing.consumable import MIB, SHARES, ConsumableShares, consumable, whole_memory

@@ -15,20 +15,20 @@ through them: its slices and capacities are left out of the counter set instead,
 placements that overlap it are not published, nor the whole GPU (it is not whole).
 All of one GPU's devices go in one slice (at most 64 with counters: an H200 has 26 + its
 static instances); the counter sets go in counter-only slices, as the API wants since 1.35.
-Pure: no I/O; `controller.slices` puts the pieces in slices.
+Pure: no I/O. This module holds the counters (the sets and what each device consumes);
+`controller.device_entries` authors the devices, `controller.slices` puts them in slices.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from controller.attributes import UUID, NvlinkFacts, binary_quantity, device_attributes
-from dra_driver.devices import NodeDevice, gpu_device_name, mig_device_name
+from controller.quantities import binary_quantity
 from dra_driver.gpu.mig_profiles import COMPUTE_SLICES, MEMORY_SLICES, GiProfile
-from dra_driver.gpu.model import GpuInfo, Inventory, MigDevice
+from dra_driver.gpu.model import GpuInfo, MigDevice
 from dra_driver.gpu.placements import MIB, Placement, dynamic, placements, static_slices
 
-__all__ = ["counter_set", "counter_set_name", "dynamic", "gpu_devices", "placements"]
+__all__ = ["consumes", "counter_set", "counter_set_name", "dynamic", "placement_counters", "placements"]
 from dra_driver.jsontypes import JSON
 
 MAX_COUNTERS_PER_SET: Final = 32
@@ -79,55 +79,13 @@ def _static_compute(gpu: GpuInfo, mig: MigDevice) -> int:
     return profile.compute_slices if profile is not None else 0
 
 
-def _consumes(gpu: GpuInfo, counters: JSON) -> list[JSON]:
+def consumes(gpu: GpuInfo, counters: JSON) -> list[JSON]:
+    """A device's `consumesCounters`: `counters` of the GPU's counter set."""
     return [{"counterSet": counter_set_name(gpu.index), "counters": counters}]
 
 
-def _profile_counters(p: GiProfile, slices: range) -> JSON:
-    return _counters(slices, p.compute_slices, p.multiprocessors, p.copy_engines, p.decoders, p.encoders,
-                     p.jpeg_engines, p.ofa_engines, p.memory_mib)
-
-
-def _as_mig(p: Placement) -> MigDevice:
+def placement_counters(p: Placement) -> JSON:
+    """What the device of one placement takes: its memory slices and its profile's capacities."""
     g = p.profile
-    return MigDevice(
-        parent_index=p.gpu.index, profile=g.name, gpu_instance_id=0, compute_instance_id=0,
-        placement_start=p.start, placement_size=g.memory_slices, uuid="", memory_bytes=g.memory_mib * MIB,
-        multiprocessors=g.multiprocessors, copy_engines=g.copy_engines, decoders=g.decoders,
-        encoders=g.encoders, jpeg_engines=g.jpeg_engines, ofa_engines=g.ofa_engines,
-        gpu_instance_profile_id=g.id,
-    )
-
-
-def gpu_devices(
-    gpu: GpuInfo, inventory: Inventory, nvlink: NvlinkFacts | None, list_attributes: bool
-) -> list[JSON]:
-    """Every device of one MIG-mode GPU, each consuming its counters: the whole GPU first,
-    then the static instances, then every placement of every profile (small to large)."""
-    out: list[JSON] = []
-    if not gpu.mig_devices:
-        whole = device_attributes(NodeDevice(gpu_device_name(gpu), gpu), inventory, nvlink,
-                                  list_attributes=list_attributes)
-        everything = counter_set(gpu)["counters"]
-        out.append(_entry(gpu_device_name(gpu), whole.attributes, whole.capacity, everything, gpu))
-    for mig in gpu.mig_devices:
-        d = device_attributes(NodeDevice(mig_device_name(mig), gpu, mig), inventory, None,
-                              list_attributes=list_attributes)
-        out.append(_entry(mig_device_name(mig), d.attributes, d.capacity, None, gpu))
-    for p in placements(gpu):
-        placed = NodeDevice(p.name, gpu, _as_mig(p))
-        d = device_attributes(placed, inventory, None, list_attributes=list_attributes)
-        attributes = {k: v for k, v in d.attributes.items() if k != UUID}  # the UUID exists once created
-        out.append(_entry(p.name, attributes, d.capacity, _profile_counters(p.profile, p.slices), gpu))
-    return out
-
-
-def _entry(name: str, attributes: JSON, capacity: JSON, counters: JSON | None, gpu: GpuInfo) -> JSON:
-    entry: JSON = {"name": name}
-    if attributes:
-        entry["attributes"] = attributes
-    if capacity:
-        entry["capacity"] = capacity
-    if counters is not None:
-        entry["consumesCounters"] = _consumes(gpu, counters)
-    return entry
+    return _counters(p.slices, g.compute_slices, g.multiprocessors, g.copy_engines, g.decoders, g.encoders,
+                     g.jpeg_engines, g.ofa_engines, g.memory_mib)

@@ -4,7 +4,7 @@
 ResourceSlice of the node's one pool (pool name = node name), as plain JSON-ready dicts
 in the `resource.k8s.io/v1` shape. Devices are named by `dra_driver.devices` (the
 plugin resolves allocations with the same names) and described by
-`controller.attributes`. The reconcile loop owns what changes between writes: it adds
+`controller.device_entries`. The reconcile loop owns what changes between writes: it adds
 `pool.generation` and `pool.resourceSliceCount` and talks to the API server; nothing
 here does I/O.
 
@@ -24,6 +24,7 @@ from controller import partitions
 from controller.attributes import NVLINK_LAYERS, DeviceAttributes, NvlinkFacts, device_attributes
 from controller.capacity import MAX_COUNTER_SETS_PER_SLICE, with_memory_shares
 from controller.consumable import with_consumable_shares
+from controller.device_entries import device_json, dynamic_mig_entries
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
@@ -91,16 +92,6 @@ def nvlink_facts(inventory: Inventory) -> dict[int, NvlinkFacts]:
     }
 
 
-def device_json(name: str, described: DeviceAttributes) -> JSON:
-    """One `Device` entry; empty maps are left out as the API server leaves them out."""
-    device: JSON = {"name": name}
-    if described.attributes:
-        device["attributes"] = described.attributes
-    if described.capacity:
-        device["capacity"] = described.capacity
-    return device
-
-
 def taint_json(taint: DeviceTaint) -> JSON:
     """A device taint as the API holds it; `timeAdded` is ours (when the condition began), in
     whole seconds as the server keeps it, so an unchanged taint reads back equal: no rewrite."""
@@ -154,8 +145,8 @@ def desired_slices(
     chunks = [entries[i : i + per_slice] for i in range(0, len(entries), per_slice)] or [[]]
     # One slice per MIG-mode GPU: its devices all consume its counter set
     for gpu in (g for g in inventory.gpus if g.index in carved):
-        mig_entries = [e for e in partitions.gpu_devices(gpu, inventory, facts.get(gpu.index),
-                                                          features.list_attributes)
+        mig_entries = [e for e in dynamic_mig_entries(gpu, inventory, facts.get(gpu.index),
+                                                      features.list_attributes)
                        if not _is_withheld(e["name"], withheld)]
         # a condition of the whole GPU (named by gpu-<i>) holds for every slice carved from it
         whole_gpu = list((taints or {}).get(f"gpu-{gpu.index}", ()))

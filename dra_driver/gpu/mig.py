@@ -22,13 +22,15 @@ the caller writes its checkpoint before calling `create` (two-phase).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 import pynvml
 
 from dra_driver.gpu.mig_profiles import GiProfile
+
+_T = TypeVar("_T")
 
 # A compute instance as large as its GPU instance, by compute slices.
 FULL_CI_PROFILE: Final = {
@@ -144,12 +146,10 @@ class MigInstances:
         """(profile id, start) of the GPU instance with that id, None if there is none."""
         self.api.nvmlInit()
         try:
-            try:
-                gi = self.api.nvmlDeviceGetGpuInstanceById(self._handle(parent_uuid), gpu_instance_id)
-            except pynvml.NVMLError as e:
-                if e.value == pynvml.NVML_ERROR_NOT_FOUND:
-                    return None
-                raise MigError(f"GPU {parent_uuid}: reading GPU instance {gpu_instance_id}: {e}") from e
+            where = f"GPU {parent_uuid}: reading GPU instance {gpu_instance_id}"
+            gi = self._gpu_instance(parent_uuid, gpu_instance_id, where)
+            if gi is None:
+                return None
             info = self.api.nvmlGpuInstanceGetInfo(gi)
             return int(info.profileId), int(info.placement.start)
         finally:
@@ -158,25 +158,15 @@ class MigInstances:
     def find_at(self, parent_uuid: str, profile_id: int, start: int) -> Created | None:
         """The instance of `profile_id` at exactly `start`, with its (first) compute instance
         and MIG UUID; None if there is no such GPU instance or it has no compute instance."""
-        self.api.nvmlInit()
-        try:
-            gpu = self._handle(parent_uuid)
-            found = self._instance_at(gpu, profile_id, start)
-            if found is None:
-                return None
-            where = f"GPU {parent_uuid}, GPU instance {found.gpu_instance_id}"
-            try:
-                gi = self.api.nvmlDeviceGetGpuInstanceById(gpu, found.gpu_instance_id)
-                for ci in self._compute_instances(gi):
-                    info = self.api.nvmlComputeInstanceGetInfo(ci)
-                    mig_uuid = _text(self.api.nvmlDeviceGetUUID(info.device))
-                    gi_id = found.gpu_instance_id
-                    return Created(parent_uuid, gi_id, int(info.id), mig_uuid, profile_id, start)
-            except pynvml.NVMLError as e:
-                raise MigError(f"{where}: reading its compute instance failed: {e}") from e
+
+        def created(found: GpuInstanceAt, gi: Any) -> Created | None:
+            for ci in self._compute_instances(gi):
+                info = self.api.nvmlComputeInstanceGetInfo(ci)
+                mig_uuid = _text(self.api.nvmlDeviceGetUUID(info.device))
+                return Created(parent_uuid, found.gpu_instance_id, int(info.id), mig_uuid, profile_id, start)
             return None
-        finally:
-            self.api.nvmlShutdown()
+
+        return self._at(parent_uuid, profile_id, start, "reading its compute instance failed", created)
 
     def destroy(self, parent_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
         """Compute instance, then GPU instance; what is already gone is fine (idempotent).
@@ -184,12 +174,9 @@ class MigInstances:
         where = f"GPU {parent_uuid}, GPU instance {gpu_instance_id}"
         self.api.nvmlInit()
         try:
-            try:
-                gi = self.api.nvmlDeviceGetGpuInstanceById(self._handle(parent_uuid), gpu_instance_id)
-            except pynvml.NVMLError as e:
-                if e.value == pynvml.NVML_ERROR_NOT_FOUND:
-                    return
-                raise MigError(f"{where}: {e}") from e
+            gi = self._gpu_instance(parent_uuid, gpu_instance_id, where)
+            if gi is None:
+                return
             try:
                 ci = self.api.nvmlGpuInstanceGetComputeInstanceById(gi, compute_instance_id)
                 self.api.nvmlComputeInstanceDestroy(ci)
@@ -220,23 +207,41 @@ class MigInstances:
         """Destroy the instance of `profile_id` at exactly `start` (its compute instances
         first), if there is one; returns what was destroyed. For an intent whose create may
         or may not have happened: only an instance of that profile at that start is touched."""
+
+        def destroyed(found: GpuInstanceAt, gi: Any) -> GpuInstanceAt:
+            for ci in list(self._compute_instances(gi)):
+                self.api.nvmlComputeInstanceDestroy(ci)
+            self.api.nvmlGpuInstanceDestroy(gi)
+            return found
+
+        return self._at(parent_uuid, profile_id, start, "destroying it failed", destroyed)
+
+    def _at(self, parent_uuid: str, profile_id: int, start: int, failed: str,
+            act: Callable[[GpuInstanceAt, Any], _T | None]) -> _T | None:
+        """`act` on the GPU instance of `profile_id` at exactly `start` and its NVML handle; None
+        where there is none. An NVML error of `act` is a MigError saying what `failed`."""
         self.api.nvmlInit()
         try:
             gpu = self._handle(parent_uuid)
             found = self._instance_at(gpu, profile_id, start)
             if found is None:
                 return None
-            where = f"GPU {parent_uuid}, GPU instance {found.gpu_instance_id}"
             try:
-                gi = self.api.nvmlDeviceGetGpuInstanceById(gpu, found.gpu_instance_id)
-                for ci in list(self._compute_instances(gi)):
-                    self.api.nvmlComputeInstanceDestroy(ci)
-                self.api.nvmlGpuInstanceDestroy(gi)
+                return act(found, self.api.nvmlDeviceGetGpuInstanceById(gpu, found.gpu_instance_id))
             except pynvml.NVMLError as e:
-                raise MigError(f"{where}: destroying it failed: {e}") from e
-            return found
+                where = f"GPU {parent_uuid}, GPU instance {found.gpu_instance_id}"
+                raise MigError(f"{where}: {failed}: {e}") from e
         finally:
             self.api.nvmlShutdown()
+
+    def _gpu_instance(self, parent_uuid: str, gpu_instance_id: int, where: str) -> Any | None:
+        """The GPU instance's NVML handle; None where NVML has none (already gone)."""
+        try:
+            return self.api.nvmlDeviceGetGpuInstanceById(self._handle(parent_uuid), gpu_instance_id)
+        except pynvml.NVMLError as e:
+            if e.value == pynvml.NVML_ERROR_NOT_FOUND:
+                return None
+            raise MigError(f"{where}: {e}") from e
 
     def _instance_at(self, gpu: Any, profile_id: int, start: int) -> GpuInstanceAt | None:
         at = (profile_id, start)

@@ -2,7 +2,7 @@
 
 `discover(nvml, sysfs)` is the one code path for real and simulated hardware: `nvml` is
 the `pynvml` module (nvidia-ml-py) on a GPU host, or a `FakeNvml` built from a profile
-(dra_driver.gpu.simulated) in CI; both answer the same calls in `NvmlApi` with the same
+(dra_driver.gpu.sim.fake_nvml) in CI; both answer the same calls in `NvmlApi` with the same
 return shapes and raise `pynvml.NVMLError` the same way.
 
 Rules kept here:
@@ -92,7 +92,8 @@ class NvmlApi(Protocol):
     def nvmlDeviceGetGpuFabricInfo(self, handle: Any, info: Any) -> int: ...
 
 
-# Every name in NvmlApi; FakeNvml implements exactly these, and a profile may make any fail.
+# Every name in NvmlApi; FakeNvml answers each (spelled out, or from a profile's `nvml` answers),
+# and a profile may make any fail.
 NVML_FUNCTIONS: tuple[str, ...] = tuple(
     name for name in NvmlApi.__dict__ if name.startswith("nvml") and callable(NvmlApi.__dict__[name])
 )

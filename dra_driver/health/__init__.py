@@ -10,5 +10,5 @@ Layers, pure first:
 - `history`, `notify`: the history file and the Kubernetes Events;
 - `node`: starting and stopping all of it in the node process.
 Nothing here imports the kubelet plugin or the slice publisher: the command wiring joins them.
-The simulated event source is `dra_driver.gpu.simulated_events`, beside the simulated GPU.
+The simulated event source is `dra_driver.gpu.sim.events`, beside the simulated GPU.
 """

@@ -1,7 +1,7 @@
 """The NVML event loop: one thread that waits on an NVML event set for every GPU and
 checks each GPU now and then; it hands what it saw to a callback in batches.
 
-The same code runs on `pynvml` and on `FakeNvml` (dra_driver.gpu.simulated), whose event
+The same code runs on `pynvml` and on `FakeNvml` (dra_driver.gpu.sim.fake_nvml), whose event
 wait is fed by injected events. Rules kept here:
 - register every health event type NVML offers on a GPU (`WANTED`, masked by
   `nvmlDeviceGetSupportedEventTypes`); what a GPU does not offer is said once, at start;

@@ -1,8 +1,8 @@
 """Health monitoring in the node process: the monitor thread feeding the keeper, started and stopped.
 
-`start_node_health` picks the NVML to watch (pynvml, or for `--simulate` a FakeNvml with an
-injected-event source following the control file), starts the monitor thread and hands
-its batches to the keeper on the event loop. `NodeHealth.alive()` says whether the
+`start_node_health` watches the process's NVML (pynvml, or for `--simulate` the FakeNvml with an
+injected-event source following the control file: dra_driver.gpu.backend chose it), starts the
+monitor thread and hands its batches to the keeper on the event loop. `NodeHealth.alive()` says whether the
 monitor's loop turned recently; the health stream vouches for devices only while it does.
 """
 
@@ -12,10 +12,8 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
-import pynvml
 import structlog
 
 from dra_driver.devices import NodeDevice
@@ -48,19 +46,6 @@ class NodeHealth:
 
 def gpu_refs(inventory: Inventory) -> list[GpuRef]:
     return [GpuRef(g.index, g.uuid, tuple(m.uuid for m in g.mig_devices)) for g in inventory.gpus]
-
-
-def nvml_for(simulate: str | None, events_file: Path | None) -> NvmlEventsApi:
-    """pynvml on a GPU host; for a simulated profile, a FakeNvml fed by `events_file`."""
-    if simulate is None:
-        nvml: NvmlEventsApi = pynvml
-        return nvml
-    from dra_driver.gpu.profiles import load_profile  # the simulation only when asked for
-    from dra_driver.gpu.simulated import FakeNvml
-    from dra_driver.gpu.simulated_events import FakeEventSource
-
-    profile = load_profile(simulate)
-    return FakeNvml(profile, FakeEventSource(len(profile.gpus), events_file))
 
 
 async def start_node_health(

@@ -240,14 +240,16 @@ async def _body(response: Response, limit: int, what: str) -> bytearray:
     return data
 
 
-async def _retrying(method: str, deadline: float, attempt: Callable[[], Awaitable[_T]]) -> _T:
+async def _retrying(
+    method: str, deadline: float, attempt: Callable[[], Awaitable[_T]], attempts: int = ATTEMPTS
+) -> _T:
     loop = asyncio.get_running_loop()
-    for n in range(1, ATTEMPTS + 1):
+    for n in range(1, attempts + 1):
         try:
             return await attempt()
         except _RETRIED as e:
             delay = _delay(method, e, n)
-            if delay is None or n == ATTEMPTS or loop.time() + delay >= deadline:
+            if delay is None or n == attempts or loop.time() + delay >= deadline:
                 raise
         await asyncio.sleep(delay)
     raise AssertionError("unreachable: the last attempt returns or raises")
@@ -262,10 +264,14 @@ async def request(
     content_type: str = "application/json",
     timeout: float = 30.0,
     max_bytes: int = MAX_BODY_BYTES,
+    attempts: int = ATTEMPTS,
 ) -> JSON:
     """Send one request; return the decoded JSON body. Raises ApiException on HTTP errors,
     TooLarge for a body over `max_bytes` (not retried), TimeoutError past `timeout`
-    (retries included)."""
+    (retries included). `attempts` 1: no retry here, for a caller that retries itself (a work
+    queue), so that a write has one retry layer."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be at least 1, got {attempts}")
     payload = None if body is None else json.dumps(body).encode()
 
     async def attempt() -> JSON:
@@ -278,7 +284,7 @@ async def request(
 
     deadline = asyncio.get_running_loop().time() + timeout
     async with asyncio.timeout_at(deadline):
-        return await _retrying(method, deadline, attempt)
+        return await _retrying(method, deadline, attempt, attempts)
 
 
 async def list_all(

@@ -28,7 +28,8 @@ import structlog
 from dra_driver import kube, metrics
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.driver_root import scan_driver_files
-from dra_driver.gpu import discover
+from dra_driver.gpu import GpuBackend, choose_backend, read_inventory
+from dra_driver.gpu.compute_mode import ComputeModes
 from dra_driver.gpu.mig import MigInstances
 from dra_driver.gpu.model import Inventory
 from dra_driver.health.effects import DeviceTaint
@@ -37,7 +38,6 @@ from dra_driver.health.node import NodeHealth
 from dra_driver.imex.channels import node_clique
 from dra_driver.imex.daemons import ImexDaemons
 from dra_driver.kube import ApiClient
-from dra_driver.node.nvml import compute_modes, mig_api
 from dra_driver.node.options import NodeOptions
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.channel_gate import ChannelGate
@@ -85,6 +85,7 @@ class PluginNode:
 
     opts: NodeOptions
     api: ApiClient
+    gpus: GpuBackend  # the process's one NVML: discovery, compute modes, MIG, health
     inventory: Inventory
     devices: dict[str, NodeDevice]
     described: Mapping[str, NodeDevice]  # devices, and the MIG instances claims created
@@ -108,7 +109,7 @@ class PluginNode:
             if entry.phase is ckpt.ClaimPhase.COMPLETED:
                 self.claim_status.prepared(ClaimRef(entry.namespace, entry.name, entry.uid), entry.devices)
         self.health = await start_health(self.inventory, self.described, opts.driver_name, opts.health,
-                                         opts.simulate, opts.simulate_health_events)
+                                         self.gpus.nvml)
         if self.health is None:
             board = DeviceHealthBoard(opts.node_name, self.devices, "UNKNOWN", NOT_MONITORED)
             self._task(keep_fresh(board, lambda: True), "health-heartbeat")
@@ -194,7 +195,9 @@ async def build(opts: NodeOptions) -> PluginNode:
     driver's state dir or MPS root before recovery touches anything."""
     raise_open_files_limit()
     metrics.serve_claim_identity(opts.claim_identity_metric)
-    inventory = await asyncio.to_thread(discover, opts.simulate, opts.simulated_mig_state)
+    gpus = choose_backend(opts.simulate, mig_state_file=opts.simulated_mig_state,
+                          events_file=opts.simulate_health_events)
+    inventory = await asyncio.to_thread(read_inventory, gpus)
     api = await kube.load_client(opts.kubeconfig, connections=API_CONNECTIONS)
     claims = ClaimReader(api, timeout=opts.claim_read_timeout)
     allocated = asked_once(lambda: claims.allocated_here(opts.driver_name, opts.node_name))
@@ -224,7 +227,7 @@ async def build(opts: NodeOptions) -> PluginNode:
         opts.mps_root or mps_default_root(opts.driver_name),
         opts.driver_root or Path("/"),
         host_cgroup=opts.mps_host_cgroup,
-        compute=compute_modes(opts) if opts.mps_exclusive_compute_mode else None,
+        compute=ComputeModes(gpus.nvml) if opts.mps_exclusive_compute_mode else None,
     )
     imex = ImexDaemons(
         opts.imex_root or Path("/run") / opts.driver_name / "imex", opts.driver_root or Path("/"),
@@ -239,7 +242,7 @@ async def build(opts: NodeOptions) -> PluginNode:
         cdi_dir=opts.cdi_dir,
         state_dir=opts.state,
         sharing=Sharing(opts.driver_name, opts.node_name, mps),
-        mig=MigInstances(mig_api(opts)) if opts.dynamic_mig else None,
+        mig=MigInstances(gpus.nvml) if opts.dynamic_mig else None,
         placements=placements,
         imex=imex,
         channel_major=driver_files.imex_channels_major,
@@ -257,8 +260,8 @@ async def build(opts: NodeOptions) -> PluginNode:
     claim_status = ClaimStatus(api, opts.driver_name, opts.node_name, described,
                                nvlink_peers(inventory, devices))
     metrics.prepared_claims.set_function(lambda: len(preparer.read_checkpoint().claims))
-    return PluginNode(opts, api, inventory, devices, described, paths, preparer, claim_status, allocated,
-                      Lease(paths.data_dir / PUBLISHER_LEASE))
+    return PluginNode(opts, api, gpus, inventory, devices, described, paths, preparer, claim_status,
+                      allocated, Lease(paths.data_dir / PUBLISHER_LEASE))
 
 
 async def _claim_mps_root(

@@ -20,13 +20,12 @@ latest wanted state wins; a claim is never written by two workers at once), at m
 `QUIET_PERIOD` of the last one's end (for at most `QUIET_MAX_WAIT`: the kubelet's calls
 come in bursts as pods start, and a burst's writes wait for its end; a claim prepared and
 unprepared within it is never written), each failure retried with backoff by this queue
-(ATTEMPTS in all; 404/409/422 end it: the claim is gone, re-created or deallocated). Inside
-each of those attempts `kube.request` retries too, as it does for every caller: a PATCH only
-where it never left (the connection could not be made) or on 429 (after Retry-After), a GET
-also on a 5xx or a broken answer, up to `kube.ATTEMPTS` times within WRITE_TIMEOUT_SECONDS;
-so a write meets the API server at most ATTEMPTS x kube.ATTEMPTS times. An error is logged
-with the claim's identity and counted (`gpu_dra_api_errors{component="claim-status"}`); a 404 is
-not one: a claim made from a template goes with its pod, and its release finds it gone (debug).
+(ATTEMPTS in all; 404/409/422 end it: the claim is gone, re-created or deallocated; a 429's
+Retry-After is waited out). The queue is the one retry layer: it asks `kube.request` for one
+attempt each time (`attempts=1`), so a write meets the API server at most ATTEMPTS times. An
+error is logged with the claim's identity and counted (`gpu_dra_api_errors{component=
+"claim-status"}`); a 404 is not one: a claim made from a template goes with its pod, and its
+release finds it gone (debug).
 
 What an entry says is worked out in device_status.py (pure); this module is the queue and
 its writes. It must NOT fail, delay or hold up a Prepare, raise to its caller, or touch
@@ -82,7 +81,7 @@ CONCURRENCY: Final = 4  # writes in flight at once, for the whole node
 # its status.
 QUIET_PERIOD: Final = 0.2
 QUIET_MAX_WAIT: Final = 1.0
-WRITE_TIMEOUT_SECONDS: Final = 10.0  # one attempt of the queue, kube.request's retries inside it
+WRITE_TIMEOUT_SECONDS: Final = 10.0  # one attempt of the queue: one request
 # At stop (the kubelet sends no call any more) the writes wanted so far get this long; what
 # is left then, a new start writes again from its checkpoint (releases: the API server drops
 # a deallocated claim's entries by itself).
@@ -151,6 +150,7 @@ class ClaimStatus:
         self._queued: set[str] = set()
         self._active: set[str] = set()  # being written now
         self._retries: dict[str, asyncio.TimerHandle] = {}
+        self._retry_after: dict[str, float] = {}  # a 429's Retry-After, for the next retry's delay
         self._workers: set[asyncio.Task[None]] = set()  # started on demand, end when nothing is ready
         self._working = 0
         self._busy = 0
@@ -262,6 +262,7 @@ class ClaimStatus:
     def _forget(self, uid: str) -> None:
         self._wanted.pop(uid, None)
         self._attempts.pop(uid, None)
+        self._retry_after.pop(uid, None)
         timer = self._retries.pop(uid, None)
         if timer is not None:
             timer.cancel()
@@ -337,6 +338,7 @@ class ClaimStatus:
                 self._forget(uid)
             else:
                 delay = self.first_backoff * 2.0 ** (attempt - 2) * random.uniform(0.5, 1.0)
+                delay = max(delay, self._retry_after.pop(uid, 0.0))
                 self._retries[uid] = asyncio.get_running_loop().call_later(delay, self._enqueue, uid)
         elif current is not None:
             self._forget(uid)
@@ -369,6 +371,9 @@ class ClaimStatus:
                     return "final"
                 metrics.api_error(COMPONENT, e)
                 final = status in FINAL_STATUSES
+                retry_after = getattr(e, "retry_after", None)
+                if retry_after is not None:
+                    self._retry_after[ref.uid] = float(retry_after)
                 attempt = self._attempts.get(ref.uid, 1)
                 log.warning("claim device status write failed", error=str(e)[:300], status=status,
                             attempt=attempt, retrying=not final and attempt < ATTEMPTS)
@@ -377,7 +382,7 @@ class ClaimStatus:
     async def _read(self, ref: ClaimRef, devices: tuple[PreparedDevice, ...]) -> ClaimFacts | None:
         """The facts of a claim reported without its object; None: it was re-created."""
         path = CLAIM.format(namespace=ref.namespace, name=ref.name)
-        claim = await kube.request(self.api, "GET", path, timeout=WRITE_TIMEOUT_SECONDS)
+        claim = await kube.request(self.api, "GET", path, timeout=WRITE_TIMEOUT_SECONDS, attempts=1)
         if claim.get("metadata", {}).get("uid") != ref.uid:
             log.info("claim was re-created; its status is not written")
             return None
@@ -391,7 +396,7 @@ class ClaimStatus:
         return kube.request(
             self.api, "PATCH", CLAIM.format(namespace=ref.namespace, name=ref.name) + "/status",
             body=apply_body(ref, entries), query={"fieldManager": self.manager, "force": "true"},
-            content_type="application/apply-patch+yaml", timeout=WRITE_TIMEOUT_SECONDS,
+            content_type="application/apply-patch+yaml", timeout=WRITE_TIMEOUT_SECONDS, attempts=1,
         )
 
     def _entry(self, ref: ClaimRef, facts: ClaimFacts, prepared: PreparedDevice) -> JSON:

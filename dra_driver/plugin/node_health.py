@@ -18,8 +18,8 @@ from dra_driver.devices import NodeDevice
 from dra_driver.gpu.model import Inventory
 from dra_driver.health import history
 from dra_driver.health.classify import HealthPolicy
-from dra_driver.health.monitor import HealthMonitorError
-from dra_driver.health.node import NodeHealth, nvml_for, start_node_health
+from dra_driver.health.monitor import HealthMonitorError, NvmlEventsApi
+from dra_driver.health.node import NodeHealth, start_node_health
 from dra_driver.health.notify import ClaimEvents, ClaimUse
 from dra_driver.kube import ApiClient
 from dra_driver.plugin.health import DeviceHealthBoard, claims_using, keep_fresh, mirror
@@ -33,16 +33,15 @@ async def start_health(
     devices: Mapping[str, NodeDevice],
     driver: str,
     policy: HealthPolicy | None,
-    simulate: str | None,
-    events_file: Path | None,
+    nvml: NvmlEventsApi,
 ) -> NodeHealth | None:
-    """The started monitor; None when not asked for or NVML cannot be used (devices report Unknown).
-    `events_file` only when named: a writer of it can taint every GPU."""
+    """The started monitor on the process's NVML; None when not asked for or NVML cannot be used
+    (devices report Unknown)."""
     if policy is None:
         log.info("device health is not monitored (--no-health-monitor)")
         return None
     try:
-        return await start_node_health(inventory, devices, driver, policy, nvml_for(simulate, events_file),
+        return await start_node_health(inventory, devices, driver, policy, nvml,
                                        count=_count)
     except HealthMonitorError as e:
         log.error("device health monitor not started; devices report Unknown", error=str(e))

@@ -25,10 +25,11 @@ from hwutil import WORKLOAD_PYTHON, Recorder
 from hwworkloads import last_json
 
 from dra_driver.devices import node_devices
+from dra_driver.gpu import choose_backend
 from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.events import HealthEvent, Probe
 from dra_driver.health.monitor import WANTED
-from dra_driver.health.node import nvml_for, start_node_health
+from dra_driver.health.node import start_node_health
 
 pytestmark = pytest.mark.hardware
 
@@ -68,7 +69,7 @@ def test_monitor_on_real_nvml_under_a_cuda_workload_reports_nothing_false_and_st
 
     async def scenario() -> dict[str, Any]:
         health = await start_node_health(
-            inventory, devices, "gpu.dra-driver.dev", HealthPolicy(), nvml_for(simulate, None),
+            inventory, devices, "gpu.dra-driver.dev", HealthPolicy(), choose_backend(simulate).nvml,
             probe_interval=PROBE_INTERVAL,
         )
         apply = health.keeper.apply

@@ -138,7 +138,7 @@ def _real_only(handle: Any) -> dict[str, Any]:
 def _fake_for(name: str, mig_enabled: bool) -> Any:
     """FakeNvml with one GPU of this product in this MIG mode (the h200-single profile's host)."""
     from dra_driver.gpu import load_profile
-    from dra_driver.gpu.simulated import FakeNvml
+    from dra_driver.gpu.sim.fake_nvml import FakeNvml
 
     profile = load_profile("h200-single")
     gpu = dataclasses.replace(profile.gpus[0], name=name, mig_enabled=mig_enabled, mig_devices=())

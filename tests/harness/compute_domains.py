@@ -19,7 +19,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from controller import compute_domains as cd
-from dra_driver.gpu.profiles import resolve_profile_path
+from dra_driver.gpu.sim.profiles import resolve_profile_path
 from dra_driver.imex.channels import CHANNEL_DEVICE
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER

@@ -30,7 +30,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from dra_driver.gpu.profiles import load_profile, resolve_profile_path
+from dra_driver.gpu.sim.profiles import load_profile, resolve_profile_path
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import REPO_ROOT
 from tests.harness.nvidia_reference import nvidia_source

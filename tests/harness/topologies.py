@@ -31,7 +31,7 @@ def random_links(seed: int, gpus: int = GPUS) -> Links:
 
 def random_profile(seed: int, directory: Path) -> Path:
     """The profile file of `random_links(seed)` under `directory` (named random-<seed>.yaml)."""
-    template = resources.files("dra_driver.gpu").joinpath("profiles/ring8-v100.yaml").read_text()
+    template = resources.files("dra_driver.gpu.sim").joinpath("profiles/ring8-v100.yaml").read_text()
     profile = yaml.safe_load(template)
     links = random_links(seed)
     profile["description"] = f"synthetic: 8x V100 SXM2, random NVLink graph, seed {seed}, {len(links)} links"

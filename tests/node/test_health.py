@@ -4,7 +4,7 @@ configured) evicts the pod using it, and recovery clears all of it.
 
 The events go through the plugin's real NVML code path: the simulated NVML of the hgx-h200
 node's driver follows a control file in the plugin's data dir, and its event wait returns
-what the test appends there (dra_driver.gpu.simulated_events). The driver is restarted with a
+what the test appends there (dra_driver.gpu.sim.events). The driver is restarted with a
 short quiet period for the test (and NoExecute for the eviction test) and restarted with
 its original flags afterwards. Timings printed here are for reading, not asserted tightly:
 the figures live in benchmarks/.

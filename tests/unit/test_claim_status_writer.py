@@ -72,10 +72,12 @@ class FakeApi:
 
     async def request(self, api: object, method: str, path: str, body: Any = None,
                       query: dict[str, str] | None = None, content_type: str = "application/json",
-                      timeout: float = 30.0) -> dict[str, Any]:
+                      timeout: float = 30.0, attempts: int = kube.ATTEMPTS) -> dict[str, Any]:
         self.calls.append(f"{method} {path}")
         if method == "GET":
             return self.claim
+        # the queue is the one retry layer of a status write: kube.request must not retry too
+        assert attempts == 1
         assert method == "PATCH" and path.endswith("/status"), path
         if self.refuse_patch is not None:
             raise kube.ApiException(self.refuse_patch, "Forbidden", "resourceclaims/status is forbidden")
@@ -279,6 +281,7 @@ class ScriptedApi:
     def __init__(self, claims: dict[str, dict[str, Any]], errors: Sequence[int] = ()) -> None:
         self.claims = claims
         self.errors = list(errors)
+        self.retry_after: float | None = None  # what a 429 says
         self.calls: list[str] = []
         self.bodies: list[dict[str, Any]] = []
         self.gate: asyncio.Event | None = None
@@ -289,11 +292,12 @@ class ScriptedApi:
 
     async def request(self, api: object, method: str, path: str, body: Any = None,
                       query: dict[str, str] | None = None, content_type: str = "application/json",
-                      timeout: float = 30.0) -> dict[str, Any]:
+                      timeout: float = 30.0, attempts: int = kube.ATTEMPTS) -> dict[str, Any]:
         self.calls.append(f"{method} {path}")
         name = path.split("/resourceclaims/")[1].split("/")[0]
         if method == "GET":
             return self.claims[name]
+        assert attempts == 1  # the queue is the one retry layer of a status write
         if self.status is not None:
             self.busy_seen.append(self.status._busy)
         self.writing += 1
@@ -302,7 +306,8 @@ class ScriptedApi:
             if self.gate is not None:
                 await self.gate.wait()
             if self.errors:
-                raise kube.ApiException(self.errors.pop(0), "scripted", "")
+                code = self.errors.pop(0)
+                raise kube.ApiException(code, "scripted", "", self.retry_after if code == 429 else None)
             self.bodies.append(body)
             return self.claims[name]
         finally:
@@ -461,6 +466,26 @@ def test_failed_write_is_retried_until_it_lands(h200: tuple[Any, dict[str, Any]]
     assert len(patches_of(fake)) == 3 and len(fake.bodies) == 1
     assert fake.bodies[0]["status"]["devices"][0]["device"] == "gpu-6"
     assert api_errors("500") + api_errors("429") - before == 2
+    metrics.device_claim_info.clear()
+
+
+def test_a_429_is_retried_after_its_retry_after(h200: tuple[Any, dict[str, Any]],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The queue is the one retry layer, so it waits what the API server asked for."""
+    fake = ScriptedApi({"train": claim_json(REF, ["p"])}, errors=[429])
+    fake.retry_after = 0.5
+    monkeypatch.setattr(kube, "request", fake.request)
+    status = writer(h200)
+
+    async def scenario() -> float:
+        status.prepared(REF, [PreparedDevice(("gpu",), NODE, "gpu-6", ())], fake.claims["train"])
+        started = time.monotonic()
+        await status.settled()
+        return time.monotonic() - started
+
+    waited = asyncio.run(scenario())
+    assert len(patches_of(fake)) == 2 and len(fake.bodies) == 1
+    assert waited >= 0.45  # the first backoff alone is 0.001 s
     metrics.device_claim_info.clear()
 
 

@@ -24,8 +24,8 @@ from dra_driver.driver_root import simulated_driver_files
 from dra_driver.gpu import discover, load_profile
 from dra_driver.gpu.mig import Created, MigError, MigInstances
 from dra_driver.gpu.mig_profiles import GiProfile, table_for
-from dra_driver.gpu.simulated import FakeNvml
-from dra_driver.gpu.simulated_mig import FakeMig, LiveInstance
+from dra_driver.gpu.sim.fake_nvml import FakeNvml
+from dra_driver.gpu.sim.mig import FakeMig, LiveInstance
 from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.events import EventKind, HealthEvent
 from dra_driver.health.keeper import HealthKeeper

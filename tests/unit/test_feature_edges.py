@@ -25,10 +25,10 @@ import yaml
 from controller.attributes import device_attributes
 from controller.slices import SliceFeatures, desired_slices
 from dra_driver.devices import node_devices
-from dra_driver.gpu import discover
-from dra_driver.gpu.simulated import FakeNvml
+from dra_driver.gpu import choose_backend, discover
+from dra_driver.gpu.sim.fake_nvml import FakeNvml
 from dra_driver.health.classify import HealthPolicy
-from dra_driver.health.node import nvml_for, start_node_health
+from dra_driver.health.node import start_node_health
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.sharing.mps import errors as mps_errors
 from dra_driver.sharing.mps.daemon import MpsControl
@@ -175,7 +175,7 @@ def test_a_fatal_xid_in_a_storm_of_harmless_ones_names_the_taint_and_the_record(
     inventory = discover("hgx-h200")
 
     async def scenario() -> tuple[list[str], str]:
-        nvml = nvml_for("hgx-h200", None)
+        nvml = choose_backend("hgx-h200").nvml
         assert isinstance(nvml, FakeNvml) and nvml.events is not None
         health = await start_node_health(inventory, node_devices(inventory), DRIVER, HealthPolicy(), nvml)
         try:

@@ -14,10 +14,10 @@ import pytest
 from dra_driver.gpu import nvml
 from dra_driver.gpu.errors import GpuDiscoveryError, NvmlUnavailableError
 from dra_driver.gpu.model import Inventory, LinkEndpointKind
-from dra_driver.gpu.profile_model import Profile
-from dra_driver.gpu.profiles import NVML_ERRORS, load_profile
 from dra_driver.gpu.report import connectivity_matrix
-from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.fake_nvml import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.profile_model import Profile
+from dra_driver.gpu.sim.profiles import NVML_ERRORS, load_profile
 from dra_driver.gpu.sysfs import HostSysfs, pcie_root_from_path
 from dra_driver.gpu.topology import LinkVia, nvlink_topology
 
@@ -36,8 +36,9 @@ def run(profile: Profile) -> tuple[Inventory, FakeNvml]:
 
 def test_protocol_and_fake_agree() -> None:
     assert "nvmlInit" in nvml.NVML_FUNCTIONS and "nvmlDeviceGetP2PStatus" in nvml.NVML_FUNCTIONS
+    fake = FakeNvml(load_profile("h200-single"))
     for name in nvml.NVML_FUNCTIONS:
-        assert callable(getattr(FakeNvml, name)), name
+        assert callable(getattr(fake, name)), name
         assert callable(getattr(pynvml, name)), f"pynvml has no {name}"
 
 
@@ -307,3 +308,20 @@ def test_fake_refuses_calls_before_init() -> None:
     fake: Any = FakeNvml(load_profile("l4x4"))
     with pytest.raises(pynvml.NVMLError_Uninitialized):
         fake.nvmlDeviceGetCount()
+
+
+def test_a_query_the_fake_does_not_spell_out_answers_from_the_profile_or_not_supported() -> None:
+    profile = load_profile("h200-single")
+    answers = {"nvmlDeviceGetNumaNodeId": 1, "nvmlDeviceGetMigDeviceHandleByIndex": {0: 7}}
+    gpu = dataclasses.replace(profile.gpus[0], nvml=answers, errors={})
+    fake = FakeNvml(dataclasses.replace(profile, gpus=(gpu,)))
+    fake.nvmlInit()
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    # every query of NvmlApi is spelled out so far: the fallback is called as Python would
+    probe = fake.__getattr__("nvmlDeviceGetNumaNodeId")
+    assert probe(handle) == 1 and fake.__getattr__("nvmlDeviceGetMigDeviceHandleByIndex")(handle, 0) == 7
+    with pytest.raises(pynvml.NVMLError) as missing:
+        fake.__getattr__("nvmlDeviceGetMigDeviceHandleByIndex")(handle, 1)
+    assert missing.value.value == pynvml.NVML_ERROR_NOT_SUPPORTED
+    with pytest.raises(AttributeError):
+        fake.__getattr__("nvmlSomethingElse")

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dra_driver.gpu import ProfileError, discover, profile_names
-from dra_driver.gpu.profiles import _shipped, load_profile
+from dra_driver.gpu.sim.profiles import _shipped, load_profile
 
 
 def base() -> dict[str, Any]:

@@ -17,14 +17,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from dra_driver.devices import node_devices
-from dra_driver.gpu import discover, load_profile
-from dra_driver.gpu.simulated import FakeNvml
-from dra_driver.gpu.simulated_events import WANTED_BY_NAME, BadInjection, FakeEventSource
+from dra_driver.gpu import choose_backend, discover, load_profile
+from dra_driver.gpu.sim.events import WANTED_BY_NAME, BadInjection, FakeEventSource
+from dra_driver.gpu.sim.fake_nvml import FakeNvml
 from dra_driver.health.classify import HealthPolicy
 from dra_driver.health.effects import affected_devices
 from dra_driver.health.events import EventKind, HealthEvent, Probe
 from dra_driver.health.monitor import Batch, NvmlHealthMonitor
-from dra_driver.health.node import gpu_refs, nvml_for, start_node_health
+from dra_driver.health.node import gpu_refs, start_node_health
 from tests.harness.objects import wait_for_async, watch_for_async
 
 PROFILE = "hgx-h200"
@@ -136,7 +136,7 @@ def test_a_fatal_xid_behind_a_backlog_taints_from_the_periodic_check(tmp_path: P
     backlog = 2_000_000
 
     async def scenario() -> tuple[int, list[str]]:
-        nvml = nvml_for(PROFILE, None)
+        nvml = choose_backend(PROFILE).nvml
         assert isinstance(nvml, FakeNvml) and nvml.events is not None
         health = await start_node_health(inventory, node_devices(inventory), "gpu.dra-driver.dev",
                                          HealthPolicy(), nvml)
@@ -291,7 +291,7 @@ def test_the_keeper_taints_and_recovers_a_gpu_through_the_control_file(tmp_path:
     async def scenario() -> tuple[float, float, dict[str, int]]:
         health = await start_node_health(
             inventory, devices, "gpu.dra-driver.dev", HealthPolicy(quiet_period=0.5),
-            nvml_for(PROFILE, control), probe_interval=0.2,
+            choose_backend(PROFILE, events_file=control).nvml, probe_interval=0.2,
         )
         settle = asyncio.create_task(health.keeper.settle_forever(0.1))
         try:

@@ -512,3 +512,16 @@ def test_a_watch_error_410_is_raised_and_the_publisher_lists_again(
     asyncio.run(_closing(_trusting(server, pki), publish))
     kinds = ["watch" if "watch" in s.query else "list" for s in server.seen[:3]]
     assert kinds == ["list", "watch", "list"]
+
+
+def test_one_attempt_is_not_retried_even_on_a_429(pki: Pki, serve: Callable[..., _Server]) -> None:
+    """A caller that retries itself (the claim status queue) asks for one attempt: one retry layer."""
+    server = serve([answer(429, {"code": 429}, {"Retry-After": "1"}), answer(201, {"kind": "Event"})])
+
+    async def run(api: kube.ApiClient) -> None:
+        with pytest.raises(kube.ApiException) as raised:
+            await kube.request(api, "POST", "/api/v1/namespaces/n/events", body={}, timeout=10, attempts=1)
+        assert raised.value.status == 429 and raised.value.retry_after == 1
+
+    asyncio.run(_closing(_trusting(server, pki), run))
+    assert [s.method for s in server.seen] == ["POST"]

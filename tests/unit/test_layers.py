@@ -238,7 +238,7 @@ def test_the_checks_find_a_violation_of_each_rule(tmp_path: Path) -> None:
             "dra_driver/gpu/sub/__init__.py": "from .m import y\n",
             "dra_driver/gpu/sub/m.py": "from ..a import z\nfrom . import n\n",
             "dra_driver/gpu/sub/n.py": "",
-            "dra_driver/gpu/simulated.py": "from dra_driver.health import events\n",
+            "dra_driver/gpu/sim/fake_nvml.py": "from dra_driver.health import events\n",
             "dra_driver/devices.py": "if TYPE_CHECKING:\n    import dra_driver.sharing\n",
             "dra_driver/health/__init__.py": "",
             "dra_driver/health/events.py": "from dra_driver.gpu import model\n",
@@ -268,7 +268,7 @@ def test_the_checks_find_a_violation_of_each_rule(tmp_path: Path) -> None:
     assert climbs(modules) == [
         "dra_driver.commands.run -> dra_driver.cli",
         "dra_driver.devices -> dra_driver.sharing",
-        "dra_driver.gpu.simulated -> dra_driver.health.events",
+        "dra_driver.gpu.sim.fake_nvml -> dra_driver.health.events",
         "dra_driver.sharing.policy -> dra_driver.plugin.state",
     ]
     assert sideways(modules) == [

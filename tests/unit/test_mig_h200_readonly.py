@@ -23,7 +23,7 @@ import pytest
 
 from dra_driver.gpu import load_profile
 from dra_driver.gpu.mig_profiles import H200_141GB
-from dra_driver.gpu.simulated import FakeNvml
+from dra_driver.gpu.sim.fake_nvml import FakeNvml
 
 HARDWARE = Path(__file__).resolve().parents[1] / "hardware"
 RECORDED = HARDWARE / "results" / "mig-h200-ALL.md"

@@ -10,7 +10,7 @@ import pytest
 from dra_driver.gpu import load_profile, nvml
 from dra_driver.gpu.mig import MigError, MigInstances, PlacementTaken
 from dra_driver.gpu.mig_profiles import H200_141GB
-from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.fake_nvml import FakeNvml, FakeSysfs
 
 PROFILE = load_profile("hgx-h200-mig")
 GPU0, GPU1, GPU2 = (g.uuid for g in PROFILE.gpus)

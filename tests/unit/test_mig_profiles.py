@@ -10,7 +10,7 @@ import pytest
 
 from dra_driver.gpu import load_profile, nvml
 from dra_driver.gpu.mig_profiles import A100_40GB, A100_80GB, H100_80GB, H200_141GB, GiProfile, table_for
-from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.fake_nvml import FakeNvml, FakeSysfs
 
 # nvidia-smi mig -lgip / -lgipp as NVIDIA's MIG user guide prints them:
 # name, id, memory GiB, SMs, DEC, ENC, CE, JPEG, OFA, placements (start list), placement size.

@@ -9,7 +9,7 @@ from dra_driver.cdi.builders import device_edits, device_env_name
 from dra_driver.driver_root.device_nodes import mig_cap_minor
 from dra_driver.gpu import discover, load_profile
 from dra_driver.gpu.mig import MigInstances
-from dra_driver.gpu.simulated import FakeNvml
+from dra_driver.gpu.sim.fake_nvml import FakeNvml
 from dra_driver.plugin.mig_steps import created_device, device_to_create
 from tests.unit.test_cdi import h200_files
 

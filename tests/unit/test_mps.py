@@ -26,7 +26,7 @@ from dra_driver.devices import node_devices
 from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import compute_mode, discover, load_profile
 from dra_driver.gpu.compute_mode import ComputeModeError, ComputeModes
-from dra_driver.gpu.simulated import FakeNvml
+from dra_driver.gpu.sim.fake_nvml import FakeNvml
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef
 from dra_driver.plugin.state import NodePreparer

@@ -38,9 +38,9 @@ from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.gpu import ProfileError, discover, profile_names
 from dra_driver.gpu import nvml as gpu_nvml
 from dra_driver.gpu.model import GpuInfo, Inventory
-from dra_driver.gpu.profile_model import Profile
-from dra_driver.gpu.profiles import ADDRESSING_MODES, load_profile, parse_profile
-from dra_driver.gpu.simulated import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.fake_nvml import FakeNvml, FakeSysfs
+from dra_driver.gpu.sim.profile_model import Profile
+from dra_driver.gpu.sim.profiles import ADDRESSING_MODES, load_profile, parse_profile
 
 NODE = "node-1"
 GA = SliceFeatures(list_attributes=False)

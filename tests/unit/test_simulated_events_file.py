@@ -11,7 +11,7 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from dra_driver.gpu.simulated_events import MAX_FILE_BYTES, MAX_LINE_BYTES, FakeEventSource
+from dra_driver.gpu.sim.events import MAX_FILE_BYTES, MAX_LINE_BYTES, FakeEventSource
 
 LOST = json.dumps({"gpu": 1, "lost": True}) + "\n"
 

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes.client import V1ResourceSliceSpec
 
-from controller import attribute_docs
+from controller import attribute_docs, quantities
 from controller import attributes as A
 from controller.slices import (
     MAX_DEVICES_PER_SLICE,
@@ -287,7 +287,7 @@ def test_unparseable_version_is_left_out_not_sent() -> None:
      (1023, "1023"), (1024, "1Ki"), (1500, "1500"), (2**60, "1Ei"), (3 * 2**70, "3072Ei")],
 )
 def test_binary_quantity_is_the_servers_canonical_form(n: int, text: str) -> None:
-    assert A.binary_quantity(n) == text
+    assert quantities.binary_quantity(n) == text
 
 
 def parse_quantity(text: str) -> int:
@@ -300,8 +300,8 @@ def parse_quantity(text: str) -> int:
 
 @given(st.integers(min_value=0, max_value=2**62))
 def test_quantities_keep_their_value(n: int) -> None:
-    assert parse_quantity(A.binary_quantity(n)) == n
-    assert parse_quantity(A.decimal_quantity(n)) == n
+    assert parse_quantity(quantities.binary_quantity(n)) == n
+    assert parse_quantity(quantities.decimal_quantity(n)) == n
 
 
 def test_memory_compares_right_with_cel_quantities() -> None:

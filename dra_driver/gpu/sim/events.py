@@ -1,4 +1,4 @@
-"""The simulated GPUs' health events: what `FakeNvml`'s event wait returns (`dra_driver.gpu.simulated`).
+"""The simulated GPUs' health events: what `FakeNvml`'s event wait returns (`dra_driver.gpu.sim.fake_nvml`).
 
 A `FakeEventSource` holds the simulated condition of each GPU (lost or not, the recovery
 action NVML would report) and a queue of pending NVML events. Tests and people feed it

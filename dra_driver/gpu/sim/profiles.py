@@ -1,15 +1,15 @@
 """Simulated-hardware profiles: YAML files that describe a GPU node as NVML would see it.
 
-`load_profile(name_or_path)` finds a profile shipped in `dra_driver/gpu/profiles/<name>.yaml`
+`load_profile(name_or_path)` finds a profile shipped in `dra_driver/gpu/sim/profiles/<name>.yaml`
 (or reads a file path), checks every field and returns a frozen `Profile`; anything wrong
 raises ONE `ProfileError` that names the file and the field, before any fake hardware
 exists, so nothing half-built is ever used. `list_profiles()` lists the shipped ones.
 
 The profile vocabulary is NVML's (enum names such as `NVIDIA`, `HOPPER`, `NOT_SUPPORTED`,
-NVML function names in `errors`), because `dra_driver.gpu.simulated.FakeNvml` replays
+NVML function names in `errors`), because `dra_driver.gpu.sim.fake_nvml.FakeNvml` replays
 it through the same calls the real NVML answers. The file format is documented in
 `docs/inventory.md` and by the shipped profiles themselves; what a profile holds, once read,
-is `dra_driver.gpu.profile_model`.
+is `dra_driver.gpu.sim.profile_model`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import yaml
 
 from dra_driver.gpu.errors import ProfileError
 from dra_driver.gpu.nvml import NVML_FUNCTIONS, normalize_pci_bus_id
-from dra_driver.gpu.profile_model import (
+from dra_driver.gpu.sim.profile_model import (
     FabricSpec,
     GpuSpec,
     MigInstanceSpec,
@@ -178,6 +178,25 @@ def _errors(f: _Fields, key: str) -> dict[str, int]:
     return result
 
 
+def _answers(f: _Fields, key: str) -> dict[str, Any]:
+    """`nvml`: what the GPU answers to the per-GPU queries FakeNvml does not spell out (a fact
+    discovery reads that the profiles need not all say): a value, or values by the call's argument."""
+    sub = f.sub(key)
+    if sub is None:
+        return {}
+    result: dict[str, Any] = {}
+    for function, value in sub.data.items():
+        if function not in NVML_FUNCTIONS or not str(function).startswith("nvmlDeviceGet"):
+            raise sub.fail(str(function), "not a per-GPU NVML query the discovery makes (nvmlDeviceGet...)")
+        values = value.values() if isinstance(value, dict) else [value]
+        if not all(isinstance(v, int | str) for v in values) or (
+            isinstance(value, dict) and not all(isinstance(k, int) for k in value)
+        ):
+            raise sub.fail(str(function), f"expected a number or string, or such by argument: {_kind(value)}")
+        result[str(function)] = value
+    return result
+
+
 def _int_list(f: _Fields, key: str, items: Sequence[Any], length: int | None = None) -> tuple[int, ...]:
     if length is not None and len(items) != length:
         raise f.fail(key, f"expected {length} integers, got {len(items)}")
@@ -321,6 +340,7 @@ def _gpu(
         fabric=_fabric(f),
         errors=_errors(f, "errors"),
         addressing_mode=f.opt_enum("addressing_mode", ADDRESSING_MODES),
+        nvml=_answers(f, "nvml"),
     )
     f.done()
     return spec
@@ -414,7 +434,7 @@ def _check_unique(path: str, gpus: Sequence[GpuSpec]) -> None:
 
 
 def _shipped() -> Path:
-    return Path(str(resources.files("dra_driver.gpu").joinpath("profiles")))
+    return Path(str(resources.files("dra_driver.gpu.sim").joinpath("profiles")))
 
 
 def profile_names() -> tuple[str, ...]:

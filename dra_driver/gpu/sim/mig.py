@@ -28,7 +28,7 @@ import pynvml
 
 from dra_driver.atomic import write_file_atomic
 from dra_driver.gpu.mig_profiles import NVML_PROFILE_ENUMS, GiProfile, table_for
-from dra_driver.gpu.profile_model import GpuSpec, MigInstanceSpec
+from dra_driver.gpu.sim.profile_model import GpuSpec, MigInstanceSpec
 
 
 @dataclass(frozen=True)

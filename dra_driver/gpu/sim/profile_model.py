@@ -1,14 +1,15 @@
 """What a simulated-hardware profile holds once read and checked: a frozen `Profile` of
 `GpuSpec`s (with their MIG devices, MIG profiles and fabric) as NVML would report them.
 
-Data only: reading and checking a profile file is `dra_driver.gpu.profiles`'; answering NVML
-calls from it is `dra_driver.gpu.simulated`'s. It must not do I/O.
+Data only: reading and checking a profile file is `dra_driver.gpu.sim.profiles`'; answering NVML
+calls from it is `dra_driver.gpu.sim.fake_nvml`'s. It must not do I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class GpuSpec:
     mig_devices: tuple[MigInstanceSpec, ...]
     fabric: FabricSpec | None
     errors: Mapping[str, int] = field(default_factory=dict)
+    # answers to the per-GPU queries FakeNvml does not spell out: call -> value, or -> {argument: value};
+    # a query not here answers NotSupported (so a new fact needs no profile edit)
+    nvml: Mapping[str, Any] = field(default_factory=dict)
     addressing_mode: int | None = None  # NVML_DEVICE_ADDRESSING_MODE_*; None: NotSupported
 
 

@@ -1,9 +1,9 @@
-"""The MIG calls of FakeNvml (`dra_driver.gpu.simulated`): MIG mode, MIG device handles, and
+"""The MIG calls of FakeNvml (`dra_driver.gpu.sim.fake_nvml`): MIG mode, MIG device handles, and
 the GPU and compute instances that dynamic MIG creates and destroys, answered as NVML does.
 
 `MigCalls` is a base class of `FakeNvml`, which supplies the call bookkeeping (`_enter`: the
 call log, injected errors, uninitialized and lost GPUs) and the GPU handles (`_gpu`). The
-live instances are `dra_driver.gpu.simulated_mig.FakeMig`'s; a MIG device configured in the
+live instances are `dra_driver.gpu.sim.mig.FakeMig`'s; a MIG device configured in the
 profile (static MIG) is described by the profile. This module holds no driver logic, and
 must not answer a call that is not a MIG call.
 """
@@ -16,14 +16,14 @@ from typing import Any
 import pynvml
 
 from dra_driver.gpu.mig_profiles import GiProfile
-from dra_driver.gpu.profile_model import GpuSpec, MigProfileSpec
-from dra_driver.gpu.simulated_mig import (
+from dra_driver.gpu.sim.mig import (
     ComputeInstanceInfo,
     ComputeInstanceRef,
     FakeMig,
     GpuInstanceRef,
     LiveInstance,
 )
+from dra_driver.gpu.sim.profile_model import GpuSpec, MigProfileSpec
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class MigCalls:
         info.placement.size = mig.size
         return info
 
-    # -- dynamic MIG (dra_driver.gpu.simulated_mig holds the state) -----------------------
+    # -- dynamic MIG (dra_driver.gpu.sim.mig holds the state) -----------------------
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: Any, profile: int, version: int = 2) -> Any:
         self._enter("nvmlDeviceGetGpuInstanceProfileInfo", handle, profile)

@@ -8,18 +8,21 @@ InvalidArgument past the last NVLink link). So `nvml.discover(FakeNvml(p), FakeS
 runs the very parsing code a GPU host runs with `nvml.discover(pynvml)`.
 
 `FakeSysfs(profile)` answers the sysfs questions (PCIe root, NUMA node) the same way.
-`calls` records every call, so tests can check that each query is made once.
-With a `FakeEventSource` (dra_driver.gpu.simulated_events) it also answers the health
+`calls` records the latest CALLS_KEPT calls, so tests can check that each query is made once.
+With a `FakeEventSource` (dra_driver.gpu.sim.events) it also answers the health
 monitor's event calls: injected XIDs, ECC errors, lost GPUs and recovery actions come out
 of `nvmlEventSetWait_v2` and `nvmlDeviceGetFieldValues` as from the real library.
-The MIG calls are `dra_driver.gpu.simulated_mig_calls.MigCalls`, a base class of FakeNvml.
+The MIG calls are `dra_driver.gpu.sim.mig_calls.MigCalls`, a base class of FakeNvml.
 This module holds no discovery or health logic of its own.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +30,13 @@ from typing import Any
 import pynvml
 
 from dra_driver.gpu.mig_profiles import GiProfile
-from dra_driver.gpu.nvml import normalize_pci_bus_id
-from dra_driver.gpu.profile_model import GpuSpec, Profile
-from dra_driver.gpu.simulated_events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
-from dra_driver.gpu.simulated_mig import FakeMig
-from dra_driver.gpu.simulated_mig_calls import MigCalls, MigHandle
+from dra_driver.gpu.nvml import NVML_FUNCTIONS, normalize_pci_bus_id
+from dra_driver.gpu.sim.events import ALL_EVENTS, POLL_EVERY, EventData, FakeEventSource
+from dra_driver.gpu.sim.mig import FakeMig
+from dra_driver.gpu.sim.mig_calls import MigCalls, MigHandle
+from dra_driver.gpu.sim.profile_model import GpuSpec, Profile
+
+CALLS_KEPT = 100_000
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,13 @@ class FakeNvml(MigCalls):
         mig_state_file: Path | None = None,
     ) -> None:
         self.profile = profile
-        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        # the latest calls (a simulated node's health monitor asks every GPU a few times a second
+        # for as long as it runs): enough for a test to count a discovery's queries
+        self.calls: deque[tuple[str, tuple[Any, ...]]] = deque(maxlen=CALLS_KEPT)
         self._initialized = 0
+        # one FakeNvml serves the whole process (discovery, MIG, compute modes, the health
+        # monitor's thread), as the driver's library does: its init count is counted under a lock
+        self._init_lock = threading.Lock()
         self._links = {g.index: self._link_table(g) for g in profile.gpus}
         self.events = events
         self.supported_events = supported_events
@@ -83,7 +93,7 @@ class FakeNvml(MigCalls):
         self.compute_modes = {g.index: int(pynvml.NVML_COMPUTEMODE_DEFAULT) for g in profile.gpus}
         self.compute_mode_errors: dict[int, int] = {}
         self.contexts: dict[int, set[str]] = {g.index: set() for g in profile.gpus}
-        # MIG instances as NVML keeps them (dra_driver.gpu.simulated_mig); in `mig_state_file`
+        # MIG instances as NVML keeps them (dra_driver.gpu.sim.mig); in `mig_state_file`
         # they outlive this object as they outlive the plugin on a GPU
         self.mig = FakeMig(profile.gpus, mig_state_file)
         self._static_profiles = {m.profile.id: m.profile for g in profile.gpus for m in g.mig_devices}
@@ -97,6 +107,28 @@ class FakeNvml(MigCalls):
         for switch_bus, count in zip(self.profile.nvswitches, gpu.nvswitch_links, strict=True):
             ends += [_LinkEnd(None, switch_bus)] * count
         return tuple(ends)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        """A per-GPU query of NvmlApi not spelled out here (a fact that no profile had to model):
+        answered from the GPU's `nvml` answers in its profile, else NotSupported, which discovery
+        reads as "unknown". So a new fact discovery reads needs no edit here."""
+        if name not in NVML_FUNCTIONS or not name.startswith("nvmlDeviceGet"):
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+        def query(handle: Any, *args: Any) -> Any:
+            self._enter(name, handle, *args)
+            answers = self._gpu(handle).nvml
+            if name not in answers:
+                raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            answer = answers[name]
+            if isinstance(answer, dict):
+                if not args or args[0] not in answer:
+                    raise _fail(pynvml.NVML_ERROR_NOT_SUPPORTED)
+                return answer[args[0]]
+            return answer
+
+        query.__name__ = name
+        return query
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -135,11 +167,13 @@ class FakeNvml(MigCalls):
 
     def nvmlInit(self) -> None:
         self._enter("nvmlInit")
-        self._initialized += 1
+        with self._init_lock:
+            self._initialized += 1
 
     def nvmlShutdown(self) -> None:
         self._enter("nvmlShutdown")
-        self._initialized -= 1
+        with self._init_lock:
+            self._initialized -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._enter("nvmlSystemGetDriverVersion")
