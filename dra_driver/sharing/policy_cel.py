@@ -127,8 +127,26 @@ def values_cel(form: str, parent: str, indent: str) -> str:
     return f"\n{indent[:-2]}".join(value_cel(f, indent) for f in rules.values(form, parent))
 
 
+def validations_cel(indent: str) -> str:
+    """The policy's validations, one per RULES row in its order: the first refusal of each."""
+    first = {
+        rules.Shape.MESSAGES: ("size(variables.{v}) == 0", "string(variables.{v}[0])"),
+        rules.Shape.PER_SLOT: ("variables.{v}.all(l, size(l) == 0)", "string(variables.{v}[0][0])"),
+        rules.Shape.PER_CONFIG: (
+            'variables.{v}.all(e, e == "")', 'string(variables.{v}.filter(e, e != "")[0])'
+        ),
+    }
+    out = []
+    for rule in rules.RULES:
+        check, message = (t.format(v=rule.variable) for t in first[rule.shape])
+        out.append(f"- expression: {check}\n{indent}messageExpression: {message}\n{indent}reason: Invalid")
+    return f"\n{indent[:-2]}".join(out)
+
+
 def _fill(match: re.Match[str], indent: str) -> str:
     what, form, parent = match.groups()
+    if what == "validations":
+        return validations_cel(indent)
     if what == "unknown":
         return unknown_cel(form, parent, indent)
     if what == "values":

@@ -6,7 +6,9 @@ it belongs to, its name, the check its value gets and the refusal's reason. The 
 (config.py, nvidia_config.py) take each object's allowed fields from here and run each
 row's check (`dra_driver.sharing.config.check_value`); the chart's claim-config admission policy
 is generated from the same rows (`dra_driver.sharing.policy_cel`, `make policy`), so a new
-config field is one row here (plus what it does on the node).
+config field is one row here (plus what it does on the node). RULES lists the policy's
+validations, the claim-wide ones (over all requests and configs of a claim, or a class with
+its config) among them, each with where the node enforces it.
 
 Data only: no parsing, no I/O, no imports from the parsers (they import this).
 """
@@ -111,6 +113,48 @@ FIELDS: Final = (
           PER_DEVICE_REASON),
     Field(NVIDIA, "sharing.mpsConfig", "multiUser", Check.FALSE, BOOL_REASON, true_reason=MULTI_USER_REASON),
     Field(NVIDIA, "sharing.timeSlicingConfig", "interval", Check.DEFAULT, INTERVAL_REASON),
+)
+
+
+class Shape(enum.Enum):
+    """How a rule's CEL variable lists its refusals."""
+
+    MESSAGES = "messages"  # a list of refusals
+    PER_SLOT = "per-slot"  # a list per request (its slots' refusals)
+    PER_CONFIG = "per-config"  # one string per config entry, "" where it is valid
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validation of the claim-config policy, in the order they are checked: `variable`
+    names the CEL variable (policy_skeleton.yaml, or made from FIELDS) that lists its
+    refusals; `node`, where the plugin refuses the same on the node ("" : a rule of the
+    policy's own, for a claim the node would run, not as asked)."""
+
+    variable: str
+    shape: Shape
+    refuses: str
+    node: str
+
+
+RULES: Final = (
+    Rule("vfioErrors", Shape.MESSAGES, "a request for NVIDIA's VFIO class under this driver's domain "
+         "(no such class: the claim would wait for ever)", ""),
+    Rule("nvidiaDriverErrors", Shape.MESSAGES, "an entry for NVIDIA's driver on requests of this driver's "
+         "classes only (the claim would run without its sharing)", ""),
+    Rule("kindErrors", Shape.PER_SLOT, "NVIDIA's kind against the class of each request or alternative",
+         "nvidia_config.per_device"),
+    Rule("nvidiaErrors", Shape.PER_CONFIG, "NVIDIA's form, field by field (the FIELDS rows)",
+         "nvidia_config.parse_nvidia_config"),
+    Rule("ourErrors", Shape.PER_CONFIG, "our form, field by field (the FIELDS rows)",
+         "config.parse_gpu_config"),
+    Rule("shareLimitErrors", Shape.PER_SLOT, "a pinned limit above a share's memory", "policy._share_mps"),
+    Rule("shareStrategyErrors", Shape.PER_SLOT, "a config other than MPS for a share", "policy._share_mps"),
+    Rule("adminErrors", Shape.PER_SLOT, "adminAccess on a dynamic MIG slice", "claim_steps.ClaimSteps.plan"),
+    Rule("perDeviceErrors", Shape.PER_SLOT, "an index key of NVIDIA's per-device limits beyond the devices "
+         "its config applies to", "nvidia_config.per_device"),
+    Rule("percentageErrors", Shape.PER_SLOT, "two MPS thread percentages in one claim",
+         "policy._share_thread_percentage"),
 )
 
 

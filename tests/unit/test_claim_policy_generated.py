@@ -53,3 +53,12 @@ def test_the_parser_runs_each_row(field: rules.Field) -> None:
         nvidia_config.parse_claim_config(params)
     assert f"{field.parent}.{field.name}" in str(refused.value)
     assert field.reason in str(refused.value)
+
+
+def test_every_rule_of_the_table_is_a_validation_of_a_defined_variable() -> None:
+    text = policy_cel.render()
+    validations = text.split("  validations:\n", 1)[1].split("\n---\n", 1)[0]
+    for rule in rules.RULES:
+        assert f"    - name: {rule.variable}\n" in text, rule.variable
+        assert f"variables.{rule.variable}" in validations, rule.variable
+    assert validations.count("- expression:") == len(rules.RULES)
