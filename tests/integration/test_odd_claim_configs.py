@@ -316,3 +316,20 @@ def test_an_odd_config_is_refused_with_its_fix_or_runs_as_meant(
             assert got == wanted, f"{name}: {plan}"
         if meant.shm is not ANY:
             assert plan.shm_size == meant.shm, f"{name}: {plan}"
+
+
+def test_the_largest_claim_is_within_the_policys_cost(bench: PolicyBench) -> None:
+    """32 requests of 8 alternatives each and 32 config entries (the API's limits), NVIDIA MPS
+    configs with per-device limits: the claim-wide rules stay within CEL's cost limit (a cost
+    error would refuse every large claim) and refuse it for its one fault, named."""
+    alternatives = [_req(s, cls) for s, cls in zip("stuvwxyz", [WHOLE, SHARE, MIG, MIG_DYN] * 2, strict=True)]
+    requests = [_alts(f"r{i}", *alternatives) for i in range(32)]
+    mps = {"defaultActiveThreadPercentage": 50, "defaultPerDevicePinnedMemoryLimit": {"0": "1Gi"}}
+    config = [_entry(nvidia(strategy="MPS", mpsConfig=mps), f"r{i}/s") for i in range(31)]
+    case = claim(*requests, config=(*config, _entry(nvidia(strategy="MPS", mpsConfig={
+        "defaultActiveThreadPercentage": 60}), "r31/s")))
+    verdict = policy_verdict(bench.clients[0], bench.namespace, case)
+    assert not verdict.admitted, verdict
+    assert "must have the same defaultActiveThreadPercentage" in verdict.message, verdict
+    same = claim(*requests, config=tuple(config))
+    assert policy_verdict(bench.clients[0], bench.namespace, same).admitted
