@@ -26,7 +26,7 @@ from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.sharing.config import DEFAULT_SHM_SIZE
 from tests.harness.admission import PolicyBench
 from tests.harness.cluster import ControlPlane
-from tests.harness.objects import create_namespace, sync_request
+from tests.harness.objects import RESOURCE_API, create_namespace, sync_request
 from tests.integration.test_claim_agreement_multi import (
     DRIVER,
     MIG,
@@ -37,6 +37,7 @@ from tests.integration.test_claim_agreement_multi import (
     WHOLE,
     Case,
     _choices,
+    _dry_run,
     allocated,
     bench,
     node,
@@ -333,3 +334,19 @@ def test_the_largest_claim_is_within_the_policys_cost(bench: PolicyBench) -> Non
     assert "must have the same defaultActiveThreadPercentage" in verdict.message, verdict
     same = claim(*requests, config=tuple(config))
     assert policy_verdict(bench.clients[0], bench.namespace, same).admitted
+
+
+def _claim_only(case: Case, meant: Refused | Runs) -> bool:
+    return isinstance(meant, Refused) and not case.classes and "adminAccess" not in str(case.devices)
+
+
+@pytest.mark.parametrize("name", [n for n, (case, meant) in ODD.items() if _claim_only(case, meant)])
+def test_a_template_of_an_odd_claim_is_refused_alike(bench: PolicyBench, name: str) -> None:
+    """A ResourceClaimTemplate is checked as the claims made from it."""
+    case, meant = ODD[name]
+    assert isinstance(meant, Refused)
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "odd"},
+            "spec": {"spec": {"devices": case.devices}}}
+    path = f"{RESOURCE_API}/namespaces/{bench.namespace}/resourceclaimtemplates"
+    verdict = _dry_run(bench.clients[0], path, body)
+    assert verdict is not None and meant.fix in verdict.message, f"{name}: {verdict}"
