@@ -46,16 +46,7 @@ from dra_driver.sharing.config import (
     check_values,
     parse_gpu_config,
 )
-from dra_driver.sharing.rules import (
-    BOOL_REASON,
-    INTERVAL_REASON,
-    LIMIT_REASON,
-    MULTI_USER_REASON,
-    NVIDIA,
-    PER_DEVICE_REASON,
-    PERCENTAGE_REASON,
-    ZERO_PERCENTAGE_REASON,
-)
+from dra_driver.sharing.rules import NVIDIA
 
 if TYPE_CHECKING:
     from dra_driver.devices import NodeDevice
@@ -83,25 +74,19 @@ TIME_SLICING_ONLY_REASON: Final = "is only allowed with strategy TimeSlicing (an
 MIG_CLASS_HINT: Final = " (or ask for a whole GPU with class gpu.<driver> to keep GpuConfig)"
 GPU_CLASS_HINT: Final = " (or ask for a MIG device with class mig.<driver> to keep MigDeviceConfig)"
 
-_ALL_REASONS: Final = (
+# the refusals of the parser's own code; each row's reason is in the rules table
+_OWN_REASONS: Final = (
     KIND_REASON,
     NO_COUNTERPART_REASON,
     STRATEGY_REASON,
     MPS_ONLY_REASON,
     TIME_SLICING_ONLY_REASON,
-    INTERVAL_REASON,
-    PERCENTAGE_REASON,
-    ZERO_PERCENTAGE_REASON,
-    LIMIT_REASON,
-    PER_DEVICE_REASON,
-    MULTI_USER_REASON,
-    BOOL_REASON,
 )
 
 
 def reasons() -> tuple[str, ...]:
     """Every refusal's text (the admission policy must carry each of them verbatim)."""
-    return _ALL_REASONS
+    return _OWN_REASONS + rules.reasons(NVIDIA)
 
 
 def _refuse(where: str, reason: str) -> ConfigError:

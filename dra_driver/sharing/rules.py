@@ -177,6 +177,7 @@ def values(form: str, parent: str) -> tuple[Field, ...]:
     return tuple(f for f in fields(form, parent) if f.check is not Check.STRUCTURE)
 
 
-def reasons() -> tuple[str, ...]:
-    """Every row's refusal (the generated policy carries each of them verbatim)."""
-    return tuple(dict.fromkeys(r for f in FIELDS for r in (f.reason, f.zero_reason, f.true_reason) if r))
+def reasons(form: str | None = None) -> tuple[str, ...]:
+    """Every row's refusal, of one form or both (the generated policy carries each verbatim)."""
+    rows = (f for f in FIELDS if form is None or f.form == form)
+    return tuple(dict.fromkeys(r for f in rows for r in (f.reason, f.zero_reason, f.true_reason) if r))
