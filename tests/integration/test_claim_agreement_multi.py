@@ -37,8 +37,10 @@ share's memory that is not whole Gi, an entry for NVIDIA's driver on this driver
 The model knows them; such a claim must be refused.
 
 Known node-only, not generated: per-device limit keys that are device UUIDs (which device a
-UUID names depends on the allocation); `allocationMode: All`; `adminAccess` (it needs a
-labelled namespace); counts that the simulated node cannot hold.
+UUID names depends on the allocation); `allocationMode: All`; counts that the simulated node
+cannot hold. `adminAccess` is generated on about one `exactly` request in 25 (the bench's
+namespace carries the label the API server wants for it); on the MIG class it is a rule of the
+policies' own (the scheduler may give such a request a dynamic slice, this model never does).
 
 A class whose config the policies refuse when it is written is judged on the class alone: the
 node must refuse a claim of one device of the class (its smallest share for the share class)
@@ -239,7 +241,10 @@ def cases(draw: Any) -> Case:
     requests: list[dict[str, Any]] = []
     for name in "abcd"[: draw(st.integers(1, 4))]:
         if draw(st.integers(0, 3)) < 3:
-            requests.append({"name": name, "exactly": draw(device_request())})
+            exactly = draw(device_request())
+            if draw(_rarely(25)):  # a monitor's request (the bench's namespace allows it)
+                exactly["adminAccess"] = True
+            requests.append({"name": name, "exactly": exactly})
         else:
             subs = [{"name": s, **draw(device_request())} for s in "xyz"[: draw(st.integers(1, 3))]]
             requests.append({"name": name, "firstAvailable": subs})
@@ -341,6 +346,8 @@ def allocated(case: Case, choice: tuple[int, ...], uid: str) -> dict[str, Any]:
         cls = sub["deviceClassName"]
         for _ in range(sub.get("count", 1)):
             result: dict[str, Any] = {"request": name, "driver": DRIVER, "pool": POOL}
+            if sub.get("adminAccess"):
+                result["adminAccess"] = True
             if cls == WHOLE:
                 result["device"] = gpus.pop(0)
             elif cls == SHARE:
@@ -404,6 +411,7 @@ _NODE_PHRASES = (
     ("defaultPerDevicePinnedMemoryLimit: key", "per-device-key"),
     ("MPS must be configured for all devices of a request", "mps-all-or-none"),
     ("holds two shares of", "two-shares"),
+    ("is a dynamic MIG slice, made for one claim", "admin-slice"),
 )
 
 
@@ -469,6 +477,12 @@ def node_verdict(case: Case) -> NodeVerdict:
             {c: [e for e in es if id(e) not in bad] for c, es in case.classes.items()},
         )
         rules |= set(_plan_keys(fixed))
+    if "admin-slice" in rules:  # the node stops there first: what it would say without adminAccess
+        def plain(r: dict[str, Any]) -> dict[str, Any]:
+            return {**r, "exactly": {k: v for k, v in r["exactly"].items() if k != "adminAccess"}}
+
+        requests = [plain(r) if "exactly" in r else r for r in case.devices["requests"]]
+        rules |= node_verdict(Case({**case.devices, "requests": requests}, case.classes)).rules
     return NodeVerdict(refused, rules)
 
 
@@ -490,6 +504,9 @@ def policy_only(case: Case) -> str | None:
                 return "memory-on-whole"
             if memory not in SHARE_MEMORY:
                 return "share-memory-gi"
+    if any(r["exactly"]["deviceClassName"] == MIG and r["exactly"].get("adminAccess") for r in requests
+           if "exactly" in r):
+        return "admin-mig"  # the scheduler may give it a dynamic slice; this model gives static ones first
     main = {r["name"] for r in requests}
     for entry in case.devices.get("config", []):
         named = entry.get("requests")
@@ -513,6 +530,8 @@ _POLICY_PHRASES = (
     ("cannot apply to", "kind"),
     ("is more than the share", "share-limit"),
     ("names none of the devices this config applies to", "per-device-key"),
+    ("a slice is made for one claim and cannot be given with adminAccess", "admin-slice"),
+    ("which cannot be given with adminAccess: add the selector", "admin-mig"),
     ("asks for a memory share, which is always served by MPS", "share-strategy"),
     ("must have the same", "thread-percentage"),
     ("devices.config: an entry with opaque.driver gpu.nvidia.com", "nvidia-driver"),
@@ -667,7 +686,8 @@ def bench(
 
     policies = rendered_policies(tmp_path_factory.mktemp("helm"))
     node()  # discovered once, before the threads
-    with policy_bench(control_plane, api, policies, "multi", refused, THREADS) as bench:
+    admin = {"resource.kubernetes.io/admin-access": "true"}
+    with policy_bench(control_plane, api, policies, "multi", refused, THREADS, admin) as bench:
         yield bench
 
 

@@ -172,6 +172,12 @@ ODD: dict[str, tuple[Case, Refused | Runs]] = {
     "adminAccess on a dynamic MIG slice": (
         claim(_req("a", MIG_DYN, adminAccess=True)),
         Refused("ask for a static MIG device")),
+    "adminAccess on the MIG class, which offers slices too": (
+        claim(_req("a", MIG, adminAccess=True)), Refused("add the selector")),
+    "adminAccess on the MIG class, MIG devices already made": (
+        claim(_req("a", MIG, adminAccess=True, selectors=[
+            {"cel": {"expression": f'"uuid" in device.attributes["{DRIVER}"]'}}])),
+        Runs(mps=False)),
     "firstAvailable of both kinds, one NVIDIA kind for the request": (
         claim(_alts("a", _req("x", WHOLE), _req("y", MIG)), config=(_entry(nvidia("MigDeviceConfig"), "a"),)),
         Refused("a firstAvailable alternative can have a config entry of its own (requests: [a/x])")),
