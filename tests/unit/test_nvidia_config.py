@@ -349,3 +349,17 @@ def test_mps_and_time_slicing_in_one_request_are_refused(h200: dict[str, NodeDev
     )
     with pytest.raises(ConfigError, match=r"request gpus has MPS for gpu-1 only"):
         Sharing(DRIVER, POOL, MpsControl(tmp_path, "/driver")).plan("u1", claim, [a, b])
+
+
+def test_two_thread_percentages_in_one_claim_are_refused_with_the_fix(
+    h200: dict[str, NodeDevice], tmp_path: Path
+) -> None:
+    a, b = h200["gpu-0"], h200["gpu-1"]
+    claim = _claim(
+        [("a", a.name), ("b", b.name)],
+        [(["a"], nvidia(sharing=mps(defaultActiveThreadPercentage=25))),
+         (["b"], nvidia(sharing=mps(defaultActiveThreadPercentage=50)))],
+    )
+    with pytest.raises(ConfigError, match=r"\(got 25, 50\): give every MPS config of the claim and of its "
+                                          r"DeviceClasses the same one"):
+        Sharing(DRIVER, POOL, MpsControl(tmp_path, "/driver")).plan("u1", claim, [a, b])
