@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: setup cluster-build node-setup node-build image-build helm-build cluster-up cluster-down demo test test-versions test-unit test-integration test-node test-hardware h200-carry lint bench protos
+.PHONY: policy setup cluster-build node-setup node-build image-build helm-build cluster-up cluster-down demo test test-versions test-unit test-integration test-node test-hardware h200-carry lint bench protos
 
 $(STAMP): pyproject.toml
 	@echo "[setup] creating $(VENV) and installing the driver with its test extras"
@@ -43,6 +43,11 @@ cluster-down: setup
 
 demo: setup cluster-build node-build
 	@$(PY) -m demo.run $(DEMO_ARGS)
+
+# The chart's claim-config admission policy, generated from the rules table the node's parser
+# runs (dra_driver/sharing/rules.py); tests/unit/test_claim_policy_generated.py checks it is current.
+policy: setup
+	@$(PY) -m dra_driver.sharing.policy_cel --write
 
 lint: setup
 	@$(VENV)/bin/ruff check dra_driver controller tests hack benchmarks demo

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Final
 
+from dra_driver.sharing import rules
+from dra_driver.sharing.rules import LIMIT_REASON, MAX_MEMORY, MIN_MEMORY, OURS, Check, Field
+
 API_VERSION: Final = "v1alpha1"
 KIND: Final = "GpuConfig"
 DEFAULT_GROUP: Final = "gpu.dra-driver.dev"
@@ -51,25 +54,14 @@ _QUANTITY = re.compile(
     r"([+-]?(?:[0-9]*\.?[0-9]+|[0-9]+\.))"  # the number
     r"(?:(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])|[eE]([+-]?[0-9]+))?"  # a binary or decimal suffix, or an exponent
 )
+_INDEX_KEY = re.compile(r"[0-9]+")
+_UUID_KEY = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
 _SUFFIX: Final = {
     **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
     **{s: Decimal(1000) ** (i + 1) for i, s in enumerate("kMGTPE")},
     **{s: Decimal(1000) ** -(i + 1) for i, s in enumerate("mun")},
 }
-# The bounds of every memory quantity a claim config sets (a pinned-memory limit, the
-# /dev/shm size): the admission policy checks the same numbers. 1Ti is more memory than
-# any GPU has, so a larger limit could never limit anything (MPS would take 1Ei as
-# "1073741824G" and run without one); the plugin also refuses a limit above the allocated
-# GPU's own memory (dra_driver.sharing.policy).
-MIN_MEMORY: Final = 2**20
-MAX_MEMORY: Final = 2**40
-LIMIT_REASON: Final = (
-    "must be a quantity from 1Mi to 1Ti, e.g. 10Gi (an MPS limit is counted in whole MiB, "
-    "and no GPU has more than 1Ti of memory for it to limit)"
-)
-SHM_REASON: Final = "must be a quantity from 1Mi to 1Ti, e.g. 1Gi: the size of the claim's /dev/shm tmpfs"
-
-
+# The plugin also refuses a limit above the allocated GPU's own memory (dra_driver.sharing.policy).
 ParametersParser = Callable[[object, str, str], "GpuConfig"]  # (parameters, driver, where)
 
 
@@ -180,22 +172,49 @@ def _mapping(value: object, where: str) -> Mapping[str, Any]:
     return value
 
 
+def check_value(field: Field, value: object, where: str) -> Any:
+    """Runs one row of the rules table on a field's value (None: left out or null, which every
+    row takes as unset): the value as the config keeps it, or ConfigError with the row's reason."""
+    if value is None or field.check is Check.STRUCTURE:
+        return value
+    if field.check is Check.PERCENTAGE:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100:
+            zero = field.zero_reason and type(value) is int and value == 0
+            reason = field.zero_reason if zero else field.reason
+            raise ConfigError(f"{where}: {value!r} {reason}" if field.echo else f"{where}: {reason}")
+        return value
+    if field.check is Check.MEMORY:
+        return memory_quantity(value, where, field.reason)
+    if field.check is Check.MEMORY_MAP:
+        if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and (_INDEX_KEY.fullmatch(k) or _UUID_KEY.fullmatch(k)) for k in value
+        ):
+            raise ConfigError(f"{where}: {field.reason}")
+        return tuple(sorted((k, memory_quantity(v, where, field.reason)) for k, v in value.items()))
+    if field.check is Check.FALSE:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {field.reason}")
+        if value:
+            raise ConfigError(f"{where}: {field.true_reason}")
+        return value
+    if value != "Default":  # Check.DEFAULT
+        raise ConfigError(f"{where}: {field.reason}")
+    return value
+
+
+def check_values(obj: Mapping[str, Any], form: str, parent: str, where: str) -> dict[str, Any]:
+    """Every row of one object run on it, by field name."""
+    return {f.name: check_value(f, obj.get(f.name), f"{where}.{f.name}") for f in rules.values(form, parent)}
+
+
 def _parse_mps(value: object, where: str) -> MpsConfig:
     obj = _mapping(value, where)
-    check_fields(obj, ("defaultActiveThreadPercentage", "defaultPinnedDeviceMemoryLimit", "shmSize"), where)
-    pct = obj.get("defaultActiveThreadPercentage")
-    if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100):
-        raise ConfigError(
-            f"{where}.defaultActiveThreadPercentage: {pct!r} must be a whole number from 1 to 100"
-        )
-    limit = obj.get("defaultPinnedDeviceMemoryLimit")
-    limit_bytes = None if limit is None else memory_quantity(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
-    shm = obj.get("shmSize")
-    shm_size = None if shm is None else memory_quantity(shm, f"{where}.shmSize", SHM_REASON)
+    check_fields(obj, rules.allowed(OURS, "sharing.mps"), where)
+    got = check_values(obj, OURS, "sharing.mps", where)
     return MpsConfig(
-        default_active_thread_percentage=pct,
-        default_pinned_device_memory_limit=limit_bytes,
-        shm_size=shm_size,
+        default_active_thread_percentage=got["defaultActiveThreadPercentage"],
+        default_pinned_device_memory_limit=got["defaultPinnedDeviceMemoryLimit"],
+        shm_size=got["shmSize"],
     )
 
 
@@ -209,7 +228,7 @@ def _parse_sharing(value: object, where: str) -> SharingConfig:
             f"the GPU); remove {interval}: a GPU shared by several pods is time-sliced with the "
             "driver's default interval, or use strategy MPS for limits"
         )
-    check_fields(obj, ("strategy", "mps"), where)
+    check_fields(obj, rules.allowed(OURS, "sharing"), where)
     raw = obj.get("strategy")
     choices = ", ".join(s.value for s in SharingStrategy)
     if raw is None:
@@ -231,7 +250,7 @@ def _parse_sharing(value: object, where: str) -> SharingConfig:
 def parse_gpu_config(parameters: object, driver: str = DEFAULT_GROUP, where: str = "parameters") -> GpuConfig:
     """Validate one `opaque.parameters` object of this driver."""
     obj = _mapping(parameters, where)
-    check_fields(obj, ("apiVersion", "kind", "sharing"), where)
+    check_fields(obj, rules.allowed(OURS, ""), where)
     accepted = [*sorted({f"{driver}/{API_VERSION}", f"{DEFAULT_GROUP}/{API_VERSION}"}), NVIDIA_API_VERSION]
     if obj.get("apiVersion") not in accepted:
         raise ConfigError(

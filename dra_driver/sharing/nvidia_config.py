@@ -29,14 +29,13 @@ Pure functions only: nothing here does I/O, and it knows nothing of MPS daemons 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final
 
+from dra_driver.sharing import rules
 from dra_driver.sharing.config import (
     DEFAULT_GROUP,
-    LIMIT_REASON,
     NVIDIA_API_VERSION,
     ConfigError,
     GpuConfig,
@@ -44,9 +43,10 @@ from dra_driver.sharing.config import (
     SharingConfig,
     SharingStrategy,
     check_fields,
-    memory_quantity,
+    check_values,
     parse_gpu_config,
 )
+from dra_driver.sharing.rules import NVIDIA
 
 if TYPE_CHECKING:
     from dra_driver.devices import NodeDevice
@@ -70,51 +70,23 @@ NVIDIA_ONLY_KINDS: Final = ("VfioDeviceConfig", "ComputeDomainChannelConfig", "C
 STRATEGY_REASON: Final = "must be TimeSlicing or MPS"
 MPS_ONLY_REASON: Final = "is only allowed with strategy MPS"
 TIME_SLICING_ONLY_REASON: Final = "is only allowed with strategy TimeSlicing (and only in a GpuConfig)"
-INTERVAL_REASON: Final = (
-    "only Default can be honoured: a GPU's time slice is set with nvidia-smi compute-policy for "
-    "the whole GPU, outside any one claim, so this driver leaves every GPU at its default; remove "
-    "interval or write Default"
-)
-PERCENTAGE_REASON: Final = "must be a whole number from 1 to 100"
-ZERO_PERCENTAGE_REASON: Final = (
-    "must be a whole number from 1 to 100 (0, which NVIDIA's driver accepts, would leave the "
-    "claim's MPS clients no streaming multiprocessors)"
-)
-PER_DEVICE_REASON: Final = (
-    "keys must be a device index (0, 1, ...) among the devices this config applies to, or a "
-    'device UUID (GPU-... or MIG-...); values a quantity from 1Mi to 1Ti, e.g. 10Gi'
-)
-MULTI_USER_REASON: Final = (
-    "true is not supported: this driver's MPS daemon runs in single-user mode, where a client "
-    "of a second user waits until the first user's clients are gone; run the claim's "
-    "containers as one user and remove multiUser (or set it to false)"
-)
-BOOL_REASON: Final = "must be true or false"
 # What to change besides the kind, when the kind does not fit the device allocated.
 MIG_CLASS_HINT: Final = " (or ask for a whole GPU with class gpu.<driver> to keep GpuConfig)"
 GPU_CLASS_HINT: Final = " (or ask for a MIG device with class mig.<driver> to keep MigDeviceConfig)"
 
-_ALL_REASONS: Final = (
+# the refusals of the parser's own code; each row's reason is in the rules table
+_OWN_REASONS: Final = (
     KIND_REASON,
     NO_COUNTERPART_REASON,
     STRATEGY_REASON,
     MPS_ONLY_REASON,
     TIME_SLICING_ONLY_REASON,
-    INTERVAL_REASON,
-    PERCENTAGE_REASON,
-    ZERO_PERCENTAGE_REASON,
-    LIMIT_REASON,
-    PER_DEVICE_REASON,
-    MULTI_USER_REASON,
-    BOOL_REASON,
 )
-_UUID_KEY = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
-_INDEX_KEY = re.compile(r"[0-9]+")
 
 
 def reasons() -> tuple[str, ...]:
     """Every refusal's text (the admission policy must carry each of them verbatim)."""
-    return _ALL_REASONS
+    return _OWN_REASONS + rules.reasons(NVIDIA)
 
 
 def _refuse(where: str, reason: str) -> ConfigError:
@@ -127,60 +99,20 @@ def _mapping(value: object, where: str) -> Mapping[str, Any]:
     return value
 
 
-def _limit(value: object, where: str, reason: str = LIMIT_REASON) -> int:
-    """Bytes of a quantity from 1Mi to 1Ti (NVIDIA's driver refuses less than 1Mi: it counts
-    whole MiB; more than 1Ti is more than any GPU has, and MPS would run it as no limit)."""
-    try:
-        return memory_quantity(value, where, reason)
-    except ConfigError:
-        raise _refuse(where, reason) from None
-
-
 def _parse_mps(value: object, where: str) -> MpsConfig:
     obj = _mapping(value, where)
-    check_fields(
-        obj,
-        (
-            "defaultActiveThreadPercentage",
-            "defaultPinnedDeviceMemoryLimit",
-            "defaultPerDevicePinnedMemoryLimit",
-            "multiUser",
-        ),
-        where,
-    )
-    pct = obj.get("defaultActiveThreadPercentage")
-    if pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100):
-        reason = ZERO_PERCENTAGE_REASON if type(pct) is int and pct == 0 else PERCENTAGE_REASON
-        raise _refuse(f"{where}.defaultActiveThreadPercentage", reason)
-    limit = obj.get("defaultPinnedDeviceMemoryLimit")
-    default = None if limit is None else _limit(limit, f"{where}.defaultPinnedDeviceMemoryLimit")
-    per_device: list[tuple[str, int]] = []
-    raw = obj.get("defaultPerDevicePinnedMemoryLimit")
-    if raw is not None:
-        at = f"{where}.defaultPerDevicePinnedMemoryLimit"
-        if not isinstance(raw, Mapping):
-            raise _refuse(at, PER_DEVICE_REASON)
-        for key, v in raw.items():
-            if not isinstance(key, str) or not (_INDEX_KEY.fullmatch(key) or _UUID_KEY.fullmatch(key)):
-                raise _refuse(at, PER_DEVICE_REASON)
-            per_device.append((key, _limit(v, at, PER_DEVICE_REASON)))
-    multi_user = obj.get("multiUser")
-    if multi_user is not None and not isinstance(multi_user, bool):
-        raise _refuse(f"{where}.multiUser", BOOL_REASON)
-    if multi_user:
-        raise _refuse(f"{where}.multiUser", MULTI_USER_REASON)
+    check_fields(obj, rules.allowed(NVIDIA, "sharing.mpsConfig"), where)
+    got = check_values(obj, NVIDIA, "sharing.mpsConfig", where)
     return MpsConfig(
-        default_active_thread_percentage=pct,
-        default_pinned_device_memory_limit=default,
-        per_device_pinned_memory_limits=tuple(sorted(per_device)),
+        default_active_thread_percentage=got["defaultActiveThreadPercentage"],
+        default_pinned_device_memory_limit=got["defaultPinnedDeviceMemoryLimit"],
+        per_device_pinned_memory_limits=got["defaultPerDevicePinnedMemoryLimit"] or (),
     )
 
 
 def _parse_sharing(value: object, kind: str, where: str) -> SharingConfig:
     obj = _mapping(value, where)
-    allowed = (
-        ("strategy", "timeSlicingConfig", "mpsConfig") if kind == GPU_KIND else ("strategy", "mpsConfig")
-    )
+    allowed = rules.allowed(NVIDIA, "sharing", kind)
     # A MigDeviceConfig has no timeSlicingConfig field at all: NVIDIA's strict decoder refuses
     # the key whatever its value, null included.
     if kind == MIG_KIND and "timeSlicingConfig" in obj:
@@ -203,9 +135,8 @@ def _parse_sharing(value: object, kind: str, where: str) -> SharingConfig:
         raise _refuse(f"{where}.mpsConfig", MPS_ONLY_REASON)
     if time_slicing is not None:
         ts = _mapping(time_slicing, f"{where}.timeSlicingConfig")
-        check_fields(ts, ("interval",), f"{where}.timeSlicingConfig")
-        if ts.get("interval") not in (None, "Default"):
-            raise _refuse(f"{where}.timeSlicingConfig.interval", INTERVAL_REASON)
+        check_fields(ts, rules.allowed(NVIDIA, "sharing.timeSlicingConfig"), f"{where}.timeSlicingConfig")
+        check_values(ts, NVIDIA, "sharing.timeSlicingConfig", f"{where}.timeSlicingConfig")
     return SharingConfig(strategy)
 
 
@@ -218,7 +149,7 @@ def parse_nvidia_config(obj: Mapping[str, Any], where: str) -> GpuConfig:
     kind = obj.get("kind")
     if kind in NVIDIA_ONLY_KINDS:
         raise _refuse(f"{where}.kind", f"{kind} {NO_COUNTERPART_REASON}")
-    check_fields(obj, ("apiVersion", "kind", "sharing"), where)
+    check_fields(obj, rules.allowed(NVIDIA, ""), where)
     if kind is None:
         raise ConfigError(f"{where}.kind is missing; {KIND_REASON.replace('must be', 'set it to')}")
     if kind not in KINDS:

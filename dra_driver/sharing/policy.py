@@ -194,7 +194,8 @@ def _share_thread_percentage(shares: Mapping[str, Share], configs: Mapping[str, 
     if len(configured) > 1:
         raise ConfigError(
             "all MPS devices of one claim share one daemon and must have the same "
-            f"mps.defaultActiveThreadPercentage (got {', '.join(map(str, sorted(configured)))})"
+            f"mps.defaultActiveThreadPercentage (got {', '.join(map(str, sorted(configured)))}): give every "
+            "MPS config of the claim and of its DeviceClasses the same one, or set it in one config only"
         )
     if not shares:
         return None

@@ -34,15 +34,17 @@ class PolicyBench:
 
 @contextlib.contextmanager
 def policies_in_force(
-    api: client.ApiClient, docs: Sequence[dict[str, Any]], prefix: str, refuses: Callable[[str], bool]
+    api: client.ApiClient, docs: Sequence[dict[str, Any]], prefix: str, refuses: Callable[[str], bool],
+    labels: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Install `docs` (rendered ValidatingAdmissionPolicies and their bindings) and a namespace
     `<prefix>-<random>`, and yield its name once `refuses(namespace)` holds (a policy takes
-    effect a moment after it is written); the namespace and the policies go after."""
+    effect a moment after it is written; `labels`: the namespace's); the namespace and the
+    policies go after."""
     for doc in docs:
         create_object(api, doc)
     namespace = f"{prefix}-{random.randrange(16**6):06x}"
-    create_namespace(api, namespace)
+    create_namespace(api, namespace, labels)
     try:
         wait_for("the policies to take effect", lambda: refuses(namespace), timeout=60)
         yield namespace
@@ -55,8 +57,8 @@ def policies_in_force(
 @contextlib.contextmanager
 def policy_bench(
     control_plane: ControlPlane, api: client.ApiClient, docs: Sequence[dict[str, Any]], prefix: str,
-    refuses: Callable[[str], bool], threads: int,
+    refuses: Callable[[str], bool], threads: int, labels: dict[str, str] | None = None,
 ) -> Iterator[PolicyBench]:
     """`policies_in_force`, with `threads` clients of their own for concurrent checks."""
-    with policies_in_force(api, docs, prefix, refuses) as namespace:
+    with policies_in_force(api, docs, prefix, refuses, labels) as namespace:
         yield PolicyBench([sync_client(str(control_plane.kubeconfig)) for _ in range(threads)], namespace)

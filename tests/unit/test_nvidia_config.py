@@ -13,6 +13,7 @@ from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu import discover
 from dra_driver.sharing import nvidia_config as nv
+from dra_driver.sharing import rules
 from dra_driver.sharing.config import (
     ConfigError,
     GpuConfig,
@@ -148,24 +149,24 @@ def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
         (
             nvidia(sharing=mps(defaultActiveThreadPercentage=1000)),
             "sharing.mpsConfig.defaultActiveThreadPercentage",
-            nv.PERCENTAGE_REASON,
+            rules.PERCENTAGE_REASON,
         ),
         (
             nvidia(sharing=mps(defaultPinnedDeviceMemoryLimit="1Ei")),
             "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
-            nv.LIMIT_REASON,
+            rules.LIMIT_REASON,
         ),
         (nvidia(sharing={"strategy": "Fabric"}), "sharing.strategy", nv.STRATEGY_REASON),
         (nvidia(sharing={}), "sharing.strategy", nv.STRATEGY_REASON),
         (
             nvidia(sharing={"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}),
             "sharing.timeSlicingConfig.interval",
-            nv.INTERVAL_REASON,
+            rules.INTERVAL_REASON,
         ),
         (
             nvidia(sharing={"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Forever"}}),
             "sharing.timeSlicingConfig.interval",
-            nv.INTERVAL_REASON,
+            rules.INTERVAL_REASON,
         ),
         (
             nvidia(sharing={"strategy": "TimeSlicing", "mpsConfig": {}}),
@@ -185,35 +186,35 @@ def test_multi_user_false_and_an_integer_limit_are_accepted() -> None:
         (
             nvidia(sharing=mps(defaultActiveThreadPercentage=0)),
             "sharing.mpsConfig.defaultActiveThreadPercentage",
-            nv.ZERO_PERCENTAGE_REASON,
+            rules.ZERO_PERCENTAGE_REASON,
         ),
         (
             nvidia(sharing=mps(defaultActiveThreadPercentage=101)),
             "sharing.mpsConfig.defaultActiveThreadPercentage",
-            nv.PERCENTAGE_REASON,
+            rules.PERCENTAGE_REASON,
         ),
         (
             nvidia(sharing=mps(defaultPinnedDeviceMemoryLimit="512Ki")),
             "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
-            nv.LIMIT_REASON,
+            rules.LIMIT_REASON,
         ),
         (
             nvidia(sharing=mps(defaultPinnedDeviceMemoryLimit="lots")),
             "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit",
-            nv.LIMIT_REASON,
+            rules.LIMIT_REASON,
         ),
         (
             nvidia(sharing=mps(defaultPerDevicePinnedMemoryLimit={"first": "1Gi"})),
             "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit",
-            nv.PER_DEVICE_REASON,
+            rules.PER_DEVICE_REASON,
         ),
         (
             nvidia(sharing=mps(defaultPerDevicePinnedMemoryLimit={"0": "1Ki"})),
             "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit",
-            nv.PER_DEVICE_REASON,
+            rules.PER_DEVICE_REASON,
         ),
-        (nvidia(sharing=mps(multiUser=True)), "sharing.mpsConfig.multiUser", nv.MULTI_USER_REASON),
-        (nvidia(sharing=mps(multiUser="yes")), "sharing.mpsConfig.multiUser", nv.BOOL_REASON),
+        (nvidia(sharing=mps(multiUser=True)), "sharing.mpsConfig.multiUser", rules.MULTI_USER_REASON),
+        (nvidia(sharing=mps(multiUser="yes")), "sharing.mpsConfig.multiUser", rules.BOOL_REASON),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_with_the_reason(parameters: Any, where: str, reason: str) -> None:
@@ -347,4 +348,18 @@ def test_mps_and_time_slicing_in_one_request_are_refused(h200: dict[str, NodeDev
         [(["gpus/one"], nvidia(sharing={"strategy": "TimeSlicing"})), (["gpus/two"], nvidia(sharing=mps()))],
     )
     with pytest.raises(ConfigError, match=r"request gpus has MPS for gpu-1 only"):
+        Sharing(DRIVER, POOL, MpsControl(tmp_path, "/driver")).plan("u1", claim, [a, b])
+
+
+def test_two_thread_percentages_in_one_claim_are_refused_with_the_fix(
+    h200: dict[str, NodeDevice], tmp_path: Path
+) -> None:
+    a, b = h200["gpu-0"], h200["gpu-1"]
+    claim = _claim(
+        [("a", a.name), ("b", b.name)],
+        [(["a"], nvidia(sharing=mps(defaultActiveThreadPercentage=25))),
+         (["b"], nvidia(sharing=mps(defaultActiveThreadPercentage=50)))],
+    )
+    with pytest.raises(ConfigError, match=r"\(got 25, 50\): give every MPS config of the claim and of its "
+                                          r"DeviceClasses the same one"):
         Sharing(DRIVER, POOL, MpsControl(tmp_path, "/driver")).plan("u1", claim, [a, b])
