@@ -195,6 +195,10 @@ async def build(opts: NodeOptions) -> PluginNode:
     driver's state dir or MPS root before recovery touches anything."""
     raise_open_files_limit()
     metrics.serve_claim_identity(opts.claim_identity_metric)
+    # made first: a simulated node's injected health events live in the data dir
+    paths = plugin_paths(opts.kubelet_dir, opts.driver_name, opts.rolling_update_uid)
+    paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    opts.state.mkdir(parents=True, exist_ok=True, mode=0o700)
     gpus = choose_backend(opts.simulate, mig_state_file=opts.simulated_mig_state,
                           events_file=opts.simulate_health_events)
     inventory = await asyncio.to_thread(read_inventory, gpus)
@@ -220,9 +224,6 @@ async def build(opts: NodeOptions) -> PluginNode:
     log.info(
         "hardware discovered", gpus=len(inventory.gpus), devices=sorted(devices), source=inventory.source
     )
-    paths = plugin_paths(opts.kubelet_dir, opts.driver_name, opts.rolling_update_uid)
-    paths.data_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
-    opts.state.mkdir(parents=True, exist_ok=True, mode=0o700)
     mps = MpsControl(
         opts.mps_root or mps_default_root(opts.driver_name),
         opts.driver_root or Path("/"),
