@@ -22,7 +22,7 @@ seeds 0..N-1 (not hand-picked); `profiles`: every shipped simulated profile with
 `issue`: the topologies issue 52 reported. Pure computation: no cluster (the real scheduler's
 check of this model is `python -m benchmarks.scheduler --shape packing...`, docs/performance.md).
 
-    python -m benchmarks.packing [--trials 12] [--out benchmarks/results/packing.json]
+    python -m benchmarks.packing [--trials 12] [--out packing]
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ import argparse
 import contextlib
 import functools
 import itertools
-import json
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from controller import slices
 from controller.claim_fit import fit_linked_claim
 from controller.slices import SliceFeatures, desired_slices
@@ -52,7 +51,6 @@ from tests.harness.topologies import Links, graph_inventory
 SIZES = (2, 3, 4)
 SINGLE_SHARE = 0.25  # of the claims of a fill phase, one-GPU claims
 DENSITIES = (3, 5, 7, 9)
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def links(n: int, density: int, seed: int) -> Links:
@@ -250,11 +248,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trials", type=int, default=12)
     parser.add_argument("--graphs-8", type=int, default=15, help="seeds per density, 8 GPUs")
     parser.add_argument("--graphs-16", type=int, default=6, help="seeds per density, 16 GPUs")
-    parser.add_argument("--out", type=Path, default=RESULTS / "packing.json")
+    parser.add_argument("--out", default="packing", help="results file name under benchmarks/results")
     args = parser.parse_args(argv)
     log.configure("warning")
     results = run(args.trials, args.graphs_8, args.graphs_16)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    report(args.out, results)
 
 
 if __name__ == "__main__":
