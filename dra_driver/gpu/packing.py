@@ -1,4 +1,4 @@
-"""The order in which a node's slices list its GPUs, so that the scheduler's first find packs well.
+"""The order of a node's GPUs in its slices, and of its clique layers, so the first find packs well.
 
 The scheduler's allocator gives a claim the first set of devices it finds in slice order (for a
 linked claim: the first k free GPUs, in that order, that share a clique value; for a one-GPU
@@ -14,8 +14,11 @@ the least use to linked sets, and last those that most sets need:
 
 A one-GPU claim then takes a GPU no linked set needs before one that linked sets share, and a
 linked claim takes, within a group, first the members that no other set needs (a bridge GPU is
-used by the set across the bridge, not stranded by a quad's lowest pair). The order changes only
-which set is found first: a set is still found whenever one is free (the search is exhaustive).
+used by the set across the bridge, not stranded by a quad's lowest pair). `packing_layers`
+renumbers the clique layers (the groups stay as `cliques.clique_layers` coloured them) so that
+the GA form, which tries layer 0 first, packs best with that order; a tie keeps the numbering.
+Both change only which set is found first: a set is still found whenever one is free (the search
+is exhaustive and the layers hold the same groups).
 
 Pure functions on plain graphs (GPU index -> frozenset of linked indexes). Must NOT know
 attribute names, Kubernetes or inventories, and must not do I/O.
