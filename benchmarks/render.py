@@ -453,6 +453,32 @@ def _why_cpu(d: Any) -> list[str]:
             f"`why`, every run within it: {fmt(get(d, 'within_limit'))}.", ""]
 
 
+def _packing(d: Any) -> list[str]:
+    rows: list[Row] = []
+    for family, variants in d["families"].items():
+        cells: list[str] = [family, fmt(variants["after-list"]["graphs"])]
+        for form in ("list", "ga"):
+            before, after = variants[f"before-{form}"], variants[f"after-{form}"]
+            worst = after["worst"]
+            cells += [
+                f"{fmt(before['efficiency'])} ({before['bound']}/{before['best']})",
+                f"{fmt(after['efficiency'])} ({after['bound']}/{after['best']})",
+                f"{worst['graph']}: {worst['bound']}/{worst['best']}" if worst else "-",
+            ]
+        rows.append(tuple(cells))
+    header = ("family", "graphs", "list form, before", "list form, after", "worst graph after (list)",
+              "GA layers, before", "GA layers, after", "worst graph after (GA)")
+    return table(header, rows)
+
+
+def _scheduler_model(d: Any) -> list[str]:
+    rows: list[Row] = [(c["profile"], s["shape"], f"{s['bound']}/{s['pods']}", fmt(s.get("model_bound")),
+                        fmt(s.get("cpu_vs_reference")))
+                       for c in d["cases"] for s in c["shapes"]]
+    header = ("profile", "shape", "bound/asked (real scheduler)", "the model's bound", "CPU/pod x reference")
+    return [*_scheduler(d), "", "The allocator model beside the real scheduler:", "", *table(header, rows)]
+
+
 def _flat(d: Any) -> list[str]:
     rows: list[Row] = []
 
@@ -636,6 +662,25 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
             "--no-defaults --pprof-seconds 10`."
         ),
         _scheduler,
+    ),
+    "packing": (
+        "NVLink packing: linked sets bound against the most that fit",
+        (
+            "`python -m benchmarks.packing`: efficiency = linked sets bound / the most disjoint linked "
+            "sets (brute force), per graph family, through the allocator model on the published slices and "
+            "the generated claim, before (GPUs by index, layers as coloured) and after "
+            "dra_driver.gpu.packing; GA: a server without list-type attributes."
+        ),
+        _packing,
+    ),
+    "scheduler_i52_100": (
+        "Scheduler, 100 random-topology nodes filled with linked claims: the packing model checked",
+        (
+            "`python -m benchmarks.scheduler --size 100:400 --profile random-2 --profile random-21 ...`: "
+            "every node filled to its most disjoint linked sets, the real kube-scheduler's bound beside the "
+            "allocator model's."
+        ),
+        _scheduler_model,
     ),
     "start": (
         "Kubelet plugin start",

@@ -58,8 +58,12 @@ nvlinkPeerCount, nvlinkIsland published, no nvlinkCliqueSize);
 `--topology-detail-attributes`: all our slices as the plugin publishes them with that flag
 (nvlinkPeers, nvlinkPeerCount, nvlinkIsland: the default before they became opt-in), for a
 before/after of those three on one machine state.
-For the linked shapes the pod count is capped at what a first-found packing leaves room for
-(per node, disjoint k-cliques taken lowest GPUs first), so that none stays pending for lack of GPUs.
+For the linked shapes the pod count is capped at the most disjoint k-cliques each node holds
+(brute force over its links, benchmarks/packing.py), not at what the scheduler's first finds
+leave room for: a set the first finds strand shows as a pod left pending. `model_bound` is what
+the allocator model (tests/harness/first_found.py, the first find in slice order) says will
+bind: per node, the shape's claim filled one pod at a time on the node's published slices; the
+real scheduler's `bound` checks the model.
 Profiles: hgx-h200, dgx1-v100, mixed (the two alternating), and `random-<seed>`: every node an
 8-GPU NVLink graph drawn from the seed (tests/harness/topologies.py: a density from the seed,
 then each pair linked with it), not hand-picked.
@@ -100,6 +104,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import fresh_control_plane, report
+from benchmarks.packing import cliques, max_disjoint, raw_links
 from controller.attributes import NVLINK_CLIQUE_SIZE
 from controller.claim_fit import fit_linked_claim
 from controller.claim_shapes import fleet_layers, linked_class, linked_gpus_ga
@@ -111,6 +116,7 @@ from dra_driver.gpu import discover
 from dra_driver.gpu.model import Inventory
 from dra_driver.jsontypes import JSON
 from tests.harness.cluster import ADMIN_TOKEN, ControlPlane
+from tests.harness.first_found import FastModel, class_devices
 from tests.harness.objects import (
     RESOURCE_API,
     create_namespace,
@@ -540,13 +546,13 @@ def _pod(shape: Shape, i: int) -> JSON:
 
 def capacity(shape: Shape, fleet: dict[str, Inventory]) -> int:
     """How many pods of `shape` the fleet holds (whole GPUs per node // GPUs per pod, or shares;
-    for linked GPUs the disjoint k-cliques a first-found packing leaves room for)."""
+    for linked GPUs the most disjoint k-cliques of each node)."""
     if shape.build.startswith("impossible") or shape.build == "never":
         return IMPOSSIBLE_PODS
     total = 0
     for inv in fleet.values():
         if shape.gpus >= 2 and shape.slices != "reference":
-            total += first_found_packing(inv, shape.gpus)
+            total += most_linked_sets(inv, shape.gpus)
         elif shape.gpus:
             total += len(inv.gpus) // shape.gpus
         else:
@@ -564,17 +570,30 @@ def pods_for(shape: Shape, fleet: dict[str, Inventory], pods: int, fill: float |
 
 
 @functools.cache
-def first_found_packing(inventory: Inventory, k: int) -> int:
-    """Disjoint sets of k mutually linked GPUs, each the lowest-numbered free one first."""
-    adjacency = published_topology(inventory).adjacency
-    free, taken = set(adjacency), 0
-    while True:
-        found = next((c for c in itertools.combinations(sorted(free), k)
-                      if all(b in adjacency[a] for a, b in itertools.combinations(c, 2))), None)
-        if found is None:
-            return taken
-        free -= set(found)
-        taken += 1
+def most_linked_sets(inventory: Inventory, k: int) -> int:
+    """The most disjoint sets of k mutually linked GPUs the node holds (brute force)."""
+    n = len(inventory.gpus)
+    return max_disjoint(cliques(n, raw_links(inventory), k), (1 << n) - 1)
+
+
+def model_bound(shape: Shape, fleet: dict[str, Inventory], pods: int) -> int | None:
+    """How many of `pods` pods of a linked shape the allocator model binds on an empty fleet: per
+    node, the shape's claim found one pod at a time on the node's published slices."""
+    if shape.gpus < 2 or shape.slices != "ours" or shape.build.startswith("impossible"):
+        return None
+    return min(pods, sum(_node_fill(inv, json.dumps(shape.claim, sort_keys=True)) for inv in fleet.values()))
+
+
+@functools.cache
+def _node_fill(inventory: Inventory, claim: str) -> int:
+    devices = class_devices(list(node_specs("ours", inventory, "n0")))
+    model = FastModel.build(devices, json.loads(claim), list_semantics=True)
+    busy: frozenset[int] = frozenset()
+    bound = 0
+    while (got := model.allocate(busy)) is not None:
+        busy |= frozenset(got[1])
+        bound += 1
+    return bound
 
 
 def largest_clique(fleet: dict[str, Inventory]) -> int:
@@ -638,6 +657,7 @@ def run_shape(cp: ControlPlane, api: Any, shape: Shape, fleet: dict[str, Invento
         "attempts": tries,
         "cpu_s": {c: round(cpu1[c] - cpu0[c], 1) for c in COMPONENTS},
         "scheduler_cpu_ms_per_bound_pod": round(1000 * sched_cpu / bound, 1) if bound else None,
+        "model_bound": model_bound(shape, fleet, count),
         "scheduler_cpu_ms_per_unschedulable_attempt": round(1000 * sched_cpu / tries["unschedulable"], 1)
         if not bound and tries.get("unschedulable") else None,
         # below 1.0 the scheduler was waiting (on the API server, or for a core: 2 are shared here)

@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controller.attributes import NVLINK_CLIQUES, NVLINK_LAYER_PREFIX, TYPE
+from controller.attributes import NVLINK_CLIQUE_SIZE, NVLINK_CLIQUES, NVLINK_LAYER_PREFIX, TYPE
 from controller.claim_shapes import REQUEST, layers_for, linked_class, linked_gpus_ga, linked_gpus_list
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.jsontypes import JSON
@@ -77,10 +77,16 @@ def _value(attributes: JSON, name: str) -> object:
     return next(iter(entry.values()))
 
 
+def _linked(attributes: JSON) -> bool:
+    size = _value(attributes, NVLINK_CLIQUE_SIZE)
+    return isinstance(size, int) and size >= 2
+
+
 def node_cliques(slices: Sequence[JSON], driver: str) -> dict[str, NodeCliques]:
     """Per pool (a node's pool is its name): the clique layers its whole GPUs publish."""
     members: dict[str, dict[tuple[int, str], int]] = {}
     cliques: dict[str, set[str] | None] = {}
+    lacking: set[str] = set()
     for s in slices:
         spec = s.get("spec", s)
         if spec.get("driver") != driver:
@@ -95,6 +101,10 @@ def node_cliques(slices: Sequence[JSON], driver: str) -> dict[str, NodeCliques]:
             listed = _value(attrs, NVLINK_CLIQUES)
             if isinstance(listed, list):
                 cliques[pool] = (cliques[pool] or set()) | {str(v) for v in listed}
+            elif _linked(attrs):
+                # a linked GPU whose list did not fit the device's limits: the list form
+                # cannot give its sets, so the node counts as one without list attributes
+                lacking.add(pool)
             for name in attrs:
                 m = _LAYER.match(name)
                 value = _value(attrs, name)
@@ -108,7 +118,7 @@ def node_cliques(slices: Sequence[JSON], driver: str) -> dict[str, NodeCliques]:
         layers: dict[int, list[int]] = {}
         for (layer, _), size in sorted(groups.items()):
             layers.setdefault(layer, []).append(size)
-        listed = cliques[pool]
+        listed = None if pool in lacking else cliques[pool]
         out[pool] = NodeCliques(layers, frozenset(listed) if listed is not None else None,
                                 frozenset(v for _, v in groups))
     return out

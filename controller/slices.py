@@ -9,14 +9,14 @@ plugin resolves allocations with the same names) and described by
 here does I/O.
 
 Every API limit is respected here rather than discovered as a rejected write: devices
-are split over several slices (sorted by GPU index, then MIG placement, so the split is
-deterministic) and each device stays within the per-device limits.
+are split over several slices (in the packing order of `packing_rank`, then MIG placement, so the
+split is deterministic) and each device stays within the per-device limits.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -27,6 +27,7 @@ from controller.consumable import with_consumable_shares
 from controller.device_entries import device_json, dynamic_mig_entries
 from dra_driver.devices import NodeDevice, node_devices
 from dra_driver.gpu.model import Inventory
+from dra_driver.gpu.packing import packing_order
 from dra_driver.gpu.topology import NvlinkTopology, nvlink_topology
 from dra_driver.health.effects import DeviceTaint
 from dra_driver.imex.channels import channel_device_json, node_clique
@@ -69,8 +70,11 @@ class SliceFeatures:
     compute_domains: bool = False
 
 
-def _device_order(device: NodeDevice) -> tuple[int, int]:
-    return device.gpu.index, device.mig.placement_start if device.mig else -1
+def _device_order(rank: Mapping[int, int]) -> Callable[[NodeDevice], tuple[int, int, int]]:
+    """MIG-mode GPUs' devices first (no whole-GPU claim takes them), then the whole GPUs in the
+    packing order (dra_driver.gpu.packing: the scheduler takes the first free set in slice
+    order); MIG devices by placement within their GPU."""
+    return lambda d: (rank.get(d.gpu.index, -1), d.gpu.index, d.mig.placement_start if d.mig else -1)
 
 
 # Kept per inventory (both are immutable): a fleet controller builds thousands of pools from
@@ -79,6 +83,13 @@ def _device_order(device: NodeDevice) -> tuple[int, int]:
 def published_topology(inventory: Inventory) -> NvlinkTopology:
     """The NVLink topology as the slices publish it: with as many clique layers as they hold."""
     return nvlink_topology(inventory, max_layers=NVLINK_LAYERS)
+
+
+@functools.lru_cache(maxsize=32)
+def packing_rank(inventory: Inventory) -> dict[int, int]:
+    """Each whole GPU's place in the slices (dra_driver.gpu.packing.packing_order)."""
+    topology = published_topology(inventory)
+    return {n: r for r, n in enumerate(packing_order(topology.adjacency, topology.clique_layers))}
 
 
 def nvlink_facts(inventory: Inventory) -> dict[int, NvlinkFacts]:
@@ -179,7 +190,7 @@ def _described(
     facts = nvlink_facts(inventory)
     carved = {g.index for g in inventory.gpus if features.dynamic_mig and partitions.dynamic(g)}
     kept = (d for d in node_devices(inventory).values() if d.gpu.index not in carved)
-    devices = tuple(sorted(kept, key=_device_order))
+    devices = tuple(sorted(kept, key=_device_order(packing_rank(inventory))))
     for d in devices:
         if not is_dns_label(d.name, MAX_DEVICE_NAME_LENGTH):
             raise ValueError(f"device name {d.name!r} is not a DNS label")

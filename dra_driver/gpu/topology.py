@@ -46,6 +46,7 @@ from dra_driver.gpu.cliques import (
     maximal_cliques,
 )
 from dra_driver.gpu.model import GpuInfo, Inventory, LinkEndpointKind
+from dra_driver.gpu.packing import packing_layers
 
 
 class LinkVia(StrEnum):
@@ -215,7 +216,7 @@ def compute_topology(
     cliques = tuple(c for c in maximal_cliques(induced) if len(c) >= 2)
     sizes = group_sizes(len(members))
     groups = {size: assign_groups(cliques, size) for size in sizes}
-    layered = clique_layers(cliques, max_layers)
+    layered = packing_layers(induced, clique_layers(cliques, max_layers))
     domains = tuple(
         whole
         for island in islands

@@ -94,12 +94,14 @@ def test_fill_gives_every_shape_the_same_fraction_of_what_the_fleet_holds() -> N
     assert pods_for(for_fleet(SHAPE["impossible"], fleet), fleet, 400, 0.1) == 100  # never capped by fill
 
 
-def test_linked_shapes_are_built_for_the_fleet_and_sized_to_a_first_found_packing() -> None:
-    from benchmarks.scheduler import first_found_packing, for_fleet, largest_clique, node_specs
+def test_linked_shapes_are_built_for_the_fleet_and_sized_to_the_most_linked_sets() -> None:
+    from benchmarks.scheduler import for_fleet, largest_clique, model_bound, most_linked_sets, node_specs
     from controller.attributes import LEGACY_ATTRIBUTES, NVLINK_CLIQUE_SIZE, TOPOLOGY_DETAIL_ATTRIBUTES
 
     dgx1 = fleet_of("dgx1-v100", 3)
-    assert largest_clique(dgx1) == 4 and first_found_packing(discover("dgx1-v100"), 4) == 2
+    assert largest_clique(dgx1) == 4 and most_linked_sets(discover("dgx1-v100"), 4) == 2
+    quads = for_fleet(SHAPE["linked4"], dgx1)
+    assert capacity(quads, dgx1) == 6 and model_bound(quads, dgx1, 6) == 6  # 2 quads a node, both found
     impossible = for_fleet(SHAPE["impossible"], dgx1)
     assert impossible.gpus == 5 and capacity(impossible, dgx1) == 100
     (sub,) = impossible.claim["requests"][0]["firstAvailable"]

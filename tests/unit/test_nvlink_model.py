@@ -38,8 +38,6 @@ import yaml
 from controller import attributes as A
 from controller.claim_fit import fit_linked_claim
 from controller.claim_shapes import (
-    fits_selector,
-    linked_class,
     linked_gpus_ga,
     linked_gpus_list,
 )
@@ -48,8 +46,10 @@ from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.gpu import discover, profile_names
 from dra_driver.gpu.cliques import MAX_LAYERS, clique_layers, coverage, maximal_cliques
-from dra_driver.gpu.model import GpuInfo, Inventory, LinkEndpointKind, NvLink
+from dra_driver.gpu.model import Inventory, LinkEndpointKind
 from dra_driver.gpu.report import inventory_document, render_table
+from tests.harness.first_found import FastModel, allocate_brute, class_devices
+from tests.harness.topologies import graph_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 OFF = SliceFeatures(list_attributes=False)
@@ -57,26 +57,6 @@ ON = SliceFeatures(list_attributes=True)
 Edges = frozenset[frozenset[int]]
 
 # ------------------------------------------------------------------ graphs
-
-
-def bus(index: int) -> str:
-    return f"0000:{0x10 + index:02x}:00.0"
-
-
-def gpu(index: int, peers: Iterable[int]) -> GpuInfo:
-    return GpuInfo(
-        index=index, minor=index, uuid=f"GPU-{index:08x}-0000-4000-8000-000000000000",
-        product_name="NVIDIA H100 80GB HBM3", brand="Nvidia", architecture="Hopper",
-        cuda_compute_capability="9.0", memory_bytes=81559 * 2**20, pci_bus_id=bus(index),
-        pcie_root=f"pci0000:{index:02x}", numa_node=index // 4, mig_enabled=False,
-        nvlinks=tuple(NvLink(n, True, LinkEndpointKind.GPU, bus(p)) for n, p in enumerate(sorted(peers))),
-        multiprocessors=132,
-    )  # fmt: skip
-
-
-def graph_inventory(n: int, edges: Edges) -> Inventory:
-    peers = {i: [j for j in range(n) if frozenset((i, j)) in edges] for i in range(n)}
-    return Inventory("570.195.03", "12.8", tuple(gpu(i, peers[i]) for i in range(n)), source="graph")
 
 
 def E(*pairs: tuple[int, int]) -> Edges:
@@ -162,116 +142,6 @@ def raw_edges(inv: Inventory) -> Edges:
 
 def is_clique(members: Iterable[int], edges: Edges) -> bool:
     return all(frozenset(p) in edges for p in itertools.combinations(sorted(members), 2))
-
-
-# ------------------------------------------------------------------ the model of the scheduler
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    index: int
-    attributes: dict[str, Any]
-
-
-def class_devices(specs: tuple[dict[str, Any], ...]) -> list[Device]:
-    """The devices the class `gpu.dra-driver.dev` selects (whole GPUs), in slice order."""
-    out = []
-    for spec in specs:
-        for d in spec.get("devices", []):
-            attrs = d.get("attributes", {})
-            if attrs.get("type") == {"string": "gpu"}:
-                out.append(Device(d["name"], attrs["index"]["int"], attrs))
-    return out
-
-
-def value_set(device: Device, qualified: str, list_semantics: bool) -> frozenset[Any] | None:
-    domain, _, name = qualified.rpartition("/")
-    assert domain == DRIVER, qualified
-    value = device.attributes.get(name)
-    if value is None:
-        return None  # a device without the attribute never satisfies the constraint
-    ((kind, inner),) = value.items()
-    if kind in ("ints", "strings", "bools", "versions"):
-        assert list_semantics, f"{name} is a list but the model's server has no list attributes"
-        return frozenset(inner)
-    return frozenset([inner])
-
-
-def fits(device: Device, sub: dict[str, Any]) -> bool:
-    """The subrequest's selectors on the device: the documented shapes carry fits_selector alone,
-    evaluated as CEL's `.?nvlinkCliqueSize.orValue(k) >= k` does; the gpu-linked class has no
-    selector (claim_shapes.linked_class): its constraint alone picks."""
-    for selector in sub.get("selectors", []):
-        assert selector["cel"]["expression"] == fits_selector(sub["count"], DRIVER), selector
-    tests = [sub["count"] for _ in sub.get("selectors", [])]
-    assert sub["deviceClassName"] in (DRIVER, linked_class(DRIVER)), sub
-    size = device.attributes.get(A.NVLINK_CLIQUE_SIZE, {})
-    return all(size.get("int", k) >= k for k in tests)
-
-
-def alternatives(claim: dict[str, Any]) -> list[tuple[str, int, list[str], dict[str, Any]]]:
-    """(full request name, count, matchAttribute names that apply, the subrequest), in the order the
-    allocator tries them."""
-    (request,) = claim["requests"]
-    subs = ([(f"{request['name']}/{s['name']}", s) for s in request["firstAvailable"]]
-            if "firstAvailable" in request else [(request["name"], request["exactly"])])
-    out = []
-    for full, sub in subs:
-        assert sub.get("allocationMode", "ExactCount") == "ExactCount"
-        names = [c["matchAttribute"] for c in claim.get("constraints", [])
-                 if request["name"] in c["requests"] or full in c["requests"]]
-        out.append((full, sub["count"], names, sub))
-    return out
-
-
-def allocate_brute(devices: list[Device], busy: frozenset[int], claim: dict[str, Any],
-                   list_semantics: bool) -> tuple[str, tuple[int, ...]] | None:
-    """The allocator by exhaustion: first k-subset in device order whose value sets intersect."""
-    free = [d for d in devices if d.index not in busy]
-    for full, count, names, sub in alternatives(claim):
-        for chosen in itertools.combinations([d for d in free if fits(d, sub)], count):
-            ok = True
-            for name in names:
-                sets = [value_set(d, name, list_semantics) for d in chosen]
-                if any(s is None for s in sets) or not frozenset.intersection(*(s for s in sets if s)):
-                    ok = False
-                    break
-            if ok:
-                return full, tuple(d.index for d in chosen)
-    return None
-
-
-@dataclass(frozen=True)
-class FastModel:
-    """The same allocator, fast: per alternative, the value groups of its one matchAttribute."""
-
-    alternatives: tuple[tuple[str, int, tuple[tuple[int, ...], ...]], ...]
-
-    @classmethod
-    def build(cls, devices: list[Device], claim: dict[str, Any], list_semantics: bool) -> FastModel:
-        alts = []
-        for full, count, names, sub in alternatives(claim):
-            assert len(names) == 1, "the documented shapes have one constraint per alternative"
-            groups: dict[Any, list[int]] = {}
-            for d in (d for d in devices if fits(d, sub)):
-                for v in sorted(value_set(d, names[0], list_semantics) or (), key=str):
-                    groups.setdefault(v, []).append(d.index)
-            alts.append((full, count, tuple(tuple(g) for g in groups.values())))
-        return cls(tuple(alts))
-
-    def allocate(self, busy: frozenset[int]) -> tuple[str, tuple[int, ...]] | None:
-        for full, count, groups in self.alternatives:
-            # The first k-subset in device order with a common value: among the groups
-            # that still have k free members, the one whose k-th free member comes first.
-            best: tuple[int, ...] | None = None
-            for group in groups:
-                free = [i for i in group if i not in busy][:count]
-                if len(free) == count and (best is None or free < list(best)):
-                    best = tuple(free)
-            if best is not None:
-                return full, best
-        return None
 
 
 def busy_sets(indexes: list[int]) -> Iterator[frozenset[int]]:
@@ -376,7 +246,8 @@ def test_the_issues_cases() -> None:
     """The three reports of the issue, on the published slices (GA) through the documented shape."""
     def allocate(inv: Inventory, busy: set[int], k: int) -> tuple[str, tuple[int, ...]] | None:
         devices = class_devices(desired_slices(inv, "node-1", DRIVER, OFF))
-        return FastModel.build(devices, ga(k), False).allocate(frozenset(busy))
+        got = FastModel.build(devices, ga(k), False).allocate(frozenset(busy))
+        return None if got is None else (got[0], tuple(sorted(got[1])))  # the set, whatever the slice order
 
     ring8 = graph_inventory(*GENERATED["ring-8"])
     assert allocate(ring8, {0, 3}, 2) == ("gpus/layer0", (4, 5))
