@@ -18,9 +18,10 @@ Failures, in the terms `dra_driver.kube` retries by: a request whose stream neve
 or that the server refused unprocessed (a GOAWAY's last stream id below it, RST_STREAM
 REFUSED_STREAM), raises `CouldNotConnect` (any method may repeat it); a stream reset
 otherwise, or a connection that broke or ended (GOAWAY) before the answer did, raises
-ConnectionError. After a GOAWAY, a broken connection or a request given up on before its
-answer came (a connection that may be dead), no new stream goes on this connection: the
-pool opens another; the streams under way finish on it.
+ConnectionError (only a GET is repeated). h2 takes no frame after a GOAWAY, so the streams
+up to its last stream id end there too, as on a broken connection, rather than finishing.
+After a request was given up on before its answer came (the connection may be dead), no
+new stream goes on this connection: the pool opens another; the streams under way finish.
 
 Why h2: the HTTP/2 state machine (framing, HPACK, flow-control accounting, stream states)
 with no I/O of its own, as h11 is for HTTP/1.1. It must NOT parse frames itself (h2 does),
@@ -234,17 +235,25 @@ class Http2Connection:
             self._wake()
 
     def _on_goaway(self, event: h2.events.ConnectionTerminated) -> None:
+        """Streams past the GOAWAY's last stream id were not processed: CouldNotConnect. Those
+        up to it may have been, and would complete (RFC 9113 6.8), but h2 ends its connection
+        state at a GOAWAY and takes no frame after it (python-hyper/h2#1181): they fail as
+        when a connection breaks mid-answer."""
         self._retired = True
         last = event.last_stream_id or 0
         for stream in list(self._streams.values()):
-            if stream.id > last:  # never processed: the server says so
+            if stream.id > last:
                 stream.fail(CouldNotConnect(
                     f"the API server ended the connection (GOAWAY {event.error_code!r}) "
                     "before taking the request"
                 ))
-                self._off_the_wire(stream)
-        if not self._streams:
-            self._close_transport()
+            else:
+                stream.fail(ConnectionError(
+                    f"the API server ended the connection (GOAWAY {event.error_code!r}) "
+                    "before the answer ended"
+                ))
+            self._off_the_wire(stream)
+        self._close_transport()
         self._wake()
 
     def _off_the_wire(self, stream: _Stream) -> None:
