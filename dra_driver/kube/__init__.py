@@ -5,8 +5,9 @@ account, send JSON to any path and get plain dicts back, follow a watch as a str
 (type, object) events. The driver works on plain JSON (what the API server sends) rather
 than generated models, so that fields from a newer server are never dropped on the way.
 
-Who we are to the API server and where it is: `dra_driver.kube.credentials`; the HTTP/1.1
-connections (h11 over asyncio streams): `dra_driver.kube.transport`.
+Who we are to the API server and where it is: `dra_driver.kube.credentials`; the
+connections (asyncio streams; HTTP/2 streams of one connection where TLS chooses "h2", else
+HTTP/1.1): `dra_driver.kube.transport` and `dra_driver.kube.http2`.
 
 Resilience, in `request` and `watch` alone, every attempt inside the caller's deadline:
 a 429 is retried for any method after its Retry-After (API Priority and Fairness rejects a
@@ -128,7 +129,8 @@ class ApiClient:
         self._prefix = url.path  # a server URL may carry a path (behind a proxy)
         port = url.port or (443 if url.scheme == "https" else 80)
         tls = self._ssl if url.scheme == "https" else None
-        # At most `connections` open: a request past them waits for a free one.
+        # HTTP/1.1: at most `connections` open, a request past them waits for a free one;
+        # HTTP/2 (the server chose it): requests are streams of one connection.
         self._pool = Pool(url.hostname, port, tls, credentials.server_hostname, connections)
 
     @property
