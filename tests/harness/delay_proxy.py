@@ -30,6 +30,7 @@ class DelayProxy:
     _thread: threading.Thread | None = None
     _server: asyncio.Server | None = None
     _relays: set[asyncio.Task[None]] = field(default_factory=set)
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
     def start(self) -> DelayProxy:
         ready = threading.Event()
@@ -61,17 +62,21 @@ class DelayProxy:
         task = asyncio.current_task()
         assert task is not None
         self._relays.add(task)
+        self._writers.add(writer)
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
         except OSError:
             writer.close()
+            self._writers.discard(writer)
             self._relays.discard(task)
             return
+        self._writers.add(up_writer)
         try:
             await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
         finally:
             for w in (writer, up_writer):
                 w.close()
+                self._writers.discard(w)
             self._relays.discard(task)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -113,9 +118,12 @@ class DelayProxy:
         async def shutdown() -> None:
             if self._server is not None:
                 self._server.close()
-            for task in list(self._relays):
-                task.cancel()
-            await asyncio.gather(*self._relays, return_exceptions=True)
+            for writer in list(self._writers):  # ends both pipes of each relay
+                writer.transport.abort()
+            if self._relays:
+                _, late = await asyncio.wait(list(self._relays), timeout=5)
+                for task in late:
+                    task.cancel()
 
         asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
