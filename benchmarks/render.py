@@ -219,6 +219,30 @@ def _prepare_three(d: Any) -> list[str]:
     return [*lines, "The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
 
 
+_FAR_SIDES = (("the example's", "baseline"), ("ours, HTTP/1.1", "http1"), ("ours, HTTP/2", "current"))
+
+
+def _far_api(d: Any) -> list[str]:
+    """Each side a column: Prepare one and 16 at once, Go's own GETs beside, connections."""
+    rows: list[Row] = []
+    for label, key in (
+        ("Prepare, one at a time", "prepare_sequential"),
+        ("Prepare, 16 at once", "prepare_16_concurrent"),
+        ("Unprepare, 16 at once", "unprepare_16_concurrent"),
+        ("kubelet-client's GET of a claim (Go)", "get_go"),
+        ("... 16 at once", "get_go_16_concurrent"),
+    ):
+        rows.append((label, *(f"{fmt(get(d, f'{side}.{key}.p50_ms'))} / {fmt(get(d, f'{side}.{key}.p99_ms'))}"
+                              for _, side in _FAR_SIDES)))
+    rows.append(("TCP connections the plugin opened",
+                 *(fmt(get(d, f"{side}.tcp_connections")) for _, side in _FAR_SIDES)))
+    lines = table(("p50 / p99 (ms)", *(name for name, _ in _FAR_SIDES)), rows)
+    ratios = get(d, "ratios")
+    return [*lines, *table(("ratio of 16 at once, p50", "measured"),
+                           ((k.removesuffix("_16_concurrent_p50").replace("_", " "), fmt(v))
+                            for k, v in ratios.items() if k.endswith("_16_concurrent_p50")))]
+
+
 def _node(d: Any) -> list[str]:
     ops = "kubelet_dra_grpc_operations"
     return values(
@@ -490,6 +514,15 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
             "v0.2.0 on 16 simulated GPUs, in one interleaved run with the same kubelet-side client."
         ),
         _prepare_three,
+    ),
+    "far_api": (
+        "16 Prepares at once with the API server 200 ms away",
+        (
+            "`python -m benchmarks.far_api`: every byte to and from the API server 200 ms later each "
+            "way (a TCP relay); dra-example-driver v0.2.0, this plugin before HTTP/2 (841d822: 8 "
+            "HTTP/1.1 connections) and now, interleaved in one run."
+        ),
+        _far_api,
     ),
     "node": (
         "Pods through a real kubelet",
