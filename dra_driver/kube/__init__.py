@@ -114,7 +114,9 @@ __all__ = [
 class ApiClient:
     """Keep-alive connections to one API server, and who we are to it."""
 
-    def __init__(self, credentials: Credentials, connections: int = CONNECTIONS) -> None:
+    def __init__(
+        self, credentials: Credentials, connections: int = CONNECTIONS, http2: bool | None = None
+    ) -> None:
         self.server = credentials.server.rstrip("/")
         url = urlsplit(self.server)
         if url.scheme not in ("https", "http") or not url.hostname:
@@ -130,8 +132,8 @@ class ApiClient:
         port = url.port or (443 if url.scheme == "https" else 80)
         tls = self._ssl if url.scheme == "https" else None
         # HTTP/1.1: at most `connections` open, a request past them waits for a free one;
-        # HTTP/2 (the server chose it): requests are streams of one connection.
-        self._pool = Pool(url.hostname, port, tls, credentials.server_hostname, connections)
+        # HTTP/2 (the server offers it and, unless `http2`, is far): streams of one connection.
+        self._pool = Pool(url.hostname, port, tls, credentials.server_hostname, connections, http2)
 
     @property
     def address(self) -> tuple[str, int]:

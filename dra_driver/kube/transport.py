@@ -5,13 +5,18 @@ the caller reads the body chunk by chunk (`Response.chunks`) and leaves `async w
 response`, which releases what the answer held.
 
 Which protocol: a TLS connection offers "h2" and "http/1.1" in ALPN. When the server chooses
-"h2" (kube-apiserver does), every request is a stream of one shared connection
+"h2" (kube-apiserver does) and is far (its first connection, TCP and TLS, took
+FAR_HANDSHAKE_SECONDS or more), every request is a stream of one shared connection
 (`dra_driver.kube.http2`, imported only then): a burst of claim reads goes out at once, one
-round trip to a far server. Otherwise (plain HTTP, or a server without HTTP/2) requests go
-on keep-alive HTTP/1.1 connections, at most `size` open at once (a request past them waits
-for a free one); a connection is put back when the answer was read to its end and both sides
-may go on, and closed otherwise. Until the first TLS handshake has said which, one
-connection is opened and the requests of a burst wait for it rather than each opening one.
+round trip, where HTTP/1.1 connections made the requests past them wait a round trip each. A
+near server gets HTTP/1.1 (that first connection is closed, and later ones offer only
+"http/1.1"): a round trip there costs less than h2's pure-Python framing and HPACK add to
+every request's CPU. `http2=True` takes HTTP/2 wherever it is offered, False never. Plain
+HTTP, or a server without HTTP/2, is HTTP/1.1 too: keep-alive connections, at most `size`
+open at once (a request past them waits for a free one); a connection is put back when the
+answer was read to its end and both sides may go on, and closed otherwise. Until the first
+TLS handshake has said which, one connection is opened and the requests of a burst wait for
+it rather than each opening one.
 
 Why h11 (and h2) and not aiohttp: each is a protocol state machine (framing, bodies,
 keep-alive or stream rules) with no I/O of its own, next to nothing in memory once
@@ -44,6 +49,8 @@ MAX_HEAD_BYTES: Final = 64 * 2**10  # a response's status line and headers
 READ_CHUNK: Final = 2**16
 IDLE_SECONDS: Final = 30.0  # an idle connection older than this is closed, not reused
 ALPN: Final = ("h2", "http/1.1")
+# A first connection (TCP and TLS) that took less than this is a near API server: HTTP/1.1.
+FAR_HANDSHAKE_SECONDS: Final = 0.01
 
 
 class CouldNotConnect(ConnectionError):
@@ -153,20 +160,27 @@ class Pool:
     HTTP/1.1 connections."""
 
     def __init__(
-        self, host: str, port: int, tls: ssl.SSLContext | None, server_hostname: str | None, size: int
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext | None,
+        server_hostname: str | None,
+        size: int,
+        http2: bool | None = None,
     ) -> None:
         self.host_header = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self.address = (host, port)
         self._tls = tls
+        self._http2 = http2  # None: when the server is far; True: whenever offered; False: never
         if tls is not None:
-            tls.set_alpn_protocols(list(ALPN))
+            tls.set_alpn_protocols(list(ALPN) if http2 is not False else ["http/1.1"])
         self._server_hostname = (server_hostname or host) if tls is not None else None
         self._size = size
         self._idle: list[_Connection] = []
         self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._protocol = ""  # what the last TLS handshake chose: "h2", "http/1.1", or "" (none yet)
-        self._http2: Http2Connection | None = None
+        self._shared_connection: Http2Connection | None = None
         self._opening: asyncio.Task[Http2Connection | None] | None = None
         self._retired: set[Http2Connection] = set()  # replaced, still finishing their streams
 
@@ -177,7 +191,7 @@ class Pool:
             for connection in self._idle:
                 connection.close()
             self._idle, self._slots, self._loop = [], asyncio.Semaphore(self._size), loop
-            self._http2, self._opening, self._retired = None, None, set()
+            self._shared_connection, self._opening, self._retired = None, None, set()
         return self._slots
 
     @property
@@ -203,12 +217,13 @@ class Pool:
     async def _shared(self) -> Http2Connection | None:
         """The HTTP/2 connection, opened once for all who wait for it; None when the server
         chose HTTP/1.1 (its connection is then idle in the pool)."""
-        if self._http2 is not None and self._http2.usable():
-            return self._http2
-        if self._http2 is not None:
+        shared = self._shared_connection
+        if shared is not None and shared.usable():
+            return shared
+        if shared is not None:
             self._retired = {c for c in self._retired if not c.closed}
-            self._retired.add(self._http2)  # closes itself once its streams have ended
-            self._http2 = None
+            self._retired.add(shared)  # closes itself once its streams have ended
+            self._shared_connection = None
         if self._opening is None:
             self._opening = asyncio.get_running_loop().create_task(self._open_shared())
             self._opening.add_done_callback(self._opened)
@@ -222,16 +237,26 @@ class Pool:
             task.exception()  # retrieved here too: every waiter may have given up
 
     async def _open_shared(self) -> Http2Connection | None:
-        reader, writer = await self._open()
-        connection = self._adopt(reader, writer)
-        if connection is None:
+        reader, writer, took = await self._open()
+        connection = self._adopt(reader, writer, took)
+        if connection is None and not writer.is_closing():
             self._idle.append(_Connection(reader, writer))
         return connection
 
-    def _adopt(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Http2Connection | None:
-        """An HTTP/2 connection of a new TLS connection whose server chose "h2", else None."""
+    def _adopt(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, took: float
+    ) -> Http2Connection | None:
+        """The shared HTTP/2 connection, made of a new TLS connection whose server chose "h2";
+        else None: HTTP/1.1 was chosen (the connection is one), or the server is near, which
+        closes the connection and offers only HTTP/1.1 from then on."""
         ssl_object = writer.get_extra_info("ssl_object")
         chosen = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+        if chosen == "h2" and self._http2 is None and self._protocol == "" and took < FAR_HANDSHAKE_SECONDS:
+            # Near, a round trip is cheap and h2's Python costs more CPU per request than h11.
+            writer.close()
+            if self._tls is not None:
+                self._tls.set_alpn_protocols(["http/1.1"])
+            chosen = None
         self._protocol = "h2" if chosen == "h2" else "http/1.1"
         if chosen != "h2":
             return None
@@ -239,7 +264,7 @@ class Pool:
 
         connection = Http2Connection(reader, writer, self.host_header)
         connection.start()
-        self._http2 = connection
+        self._shared_connection = connection
         return connection
 
     async def _send_http11(
@@ -283,17 +308,26 @@ class Pool:
             if connection.reusable():
                 return connection
             connection.close()
-        reader, writer = await self._open()
-        if self._tls is not None and self._adopt(reader, writer) is not None:
-            return None
-        return _Connection(reader, writer)
+        while True:
+            reader, writer, took = await self._open()
+            if self._tls is None:
+                return _Connection(reader, writer)
+            if self._adopt(reader, writer, took) is not None:
+                return None
+            if not writer.is_closing():
+                return _Connection(reader, writer)
+            # near: closed for a connection that offers only HTTP/1.1
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, float]:
+        """A new connection, and the seconds it took to open (TCP and TLS)."""
         host, port = self.address
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            return await asyncio.open_connection(
+            reader, writer = await asyncio.open_connection(
                 host, port, ssl=self._tls, server_hostname=self._server_hostname, limit=READ_CHUNK
             )
+            return reader, writer, loop.time() - started
         except ssl.SSLCertVerificationError:
             raise  # a certificate that failed will fail again: not a connection to retry
         except OSError as e:
@@ -316,8 +350,8 @@ class Pool:
         for connection in idle:
             with contextlib.suppress(OSError, RuntimeError):
                 await connection.writer.wait_closed()
-        shared = [c for c in (self._http2, *self._retired) if c is not None]
-        self._http2, self._retired = None, set()
+        shared = [c for c in (self._shared_connection, *self._retired) if c is not None]
+        self._shared_connection, self._retired = None, set()
         if self._opening is not None and not self._opening.done():
             self._opening.cancel()
         self._opening = None

@@ -1,5 +1,6 @@
-"""dra_driver.kube over HTTP/2 against a real kube-apiserver: its TLS offers "h2", and the
-client's requests go as streams of one connection, request and answer bodies past both
+"""dra_driver.kube over HTTP/2 against a real kube-apiserver: its TLS offers "h2"; near (on
+loopback) the client keeps to HTTP/1.1 unless asked, and asked, its requests go as streams of
+one connection, request and answer bodies past both
 sides' flow-control windows included, a watch beside other requests on it; and, with the
 API server 200 ms away each way (tests/harness/delay_proxy.py), sixteen claim reads at once
 (a Prepare burst, with the plugin's own connection bound) go out together on one connection
@@ -19,6 +20,7 @@ import pytest
 from kubernetes import client
 
 from dra_driver import kube
+from dra_driver.kube import transport
 from dra_driver.kube.credentials import Credentials, static
 from dra_driver.node.daemon import API_CONNECTIONS
 from tests.harness.claims import allocated_claim
@@ -29,11 +31,14 @@ DELAY = 0.2  # seconds each way: a far API server
 BURST = 16
 
 
-def _client(cp: ControlPlane, port: int, connections: int = kube.CONNECTIONS) -> kube.ApiClient:
+def _client(
+    cp: ControlPlane, port: int, connections: int = kube.CONNECTIONS, http2: bool | None = None
+) -> kube.ApiClient:
     context = ssl.create_default_context(cafile=str(cp.ca_file))
-    return kube.ApiClient(
-        Credentials(f"https://127.0.0.1:{port}", context, static(f"Bearer {ADMIN_TOKEN}")), connections
-    )
+    credentials = Credentials(f"https://127.0.0.1:{port}", context, static(f"Bearer {ADMIN_TOKEN}"))
+    if http2 is None:  # the default, as the plugin has it (and as a client before HTTP/2 was made)
+        return kube.ApiClient(credentials, connections)
+    return kube.ApiClient(credentials, connections, http2)
 
 
 @pytest.fixture
@@ -51,7 +56,7 @@ def test_kube_apiserver_is_spoken_to_in_http2_with_bodies_past_the_windows_and_a
     path = f"/api/v1/namespaces/{namespace}/configmaps"
 
     async def run() -> None:
-        api = _client(control_plane, control_plane.api_port)
+        api = _client(control_plane, control_plane.api_port, http2=True)  # near: only when asked
         try:
             listed = await kube.request(api, "GET", path)
             assert api._pool.protocol == "h2"
@@ -99,3 +104,22 @@ def test_sixteen_claim_reads_from_a_far_api_server_take_one_round_trip_on_one_co
     assert one >= 2 * DELAY, f"one GET took {one:.3f} s: the proxy did not delay it"
     assert far.connections == 1, f"{far.connections} TCP connections for {BURST} reads: not multiplexed"
     assert burst < 1.6 * one, f"{BURST} reads at once took {burst:.3f} s, one took {one:.3f} s"
+
+
+def test_kube_apiserver_near_is_spoken_to_in_http_1_1(
+    control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On loopback the first connection takes a few ms (the bound made long here, so that a
+    loaded machine's slow handshake does not count as far): HTTP/1.1, whose requests cost
+    less CPU."""
+    monkeypatch.setattr(transport, "FAR_HANDSHAKE_SECONDS", 0.2)
+
+    async def run() -> str:
+        api = _client(control_plane, control_plane.api_port)
+        try:
+            await kube.request(api, "GET", "/version")
+            return api._pool.protocol
+        finally:
+            await api.close()
+
+    assert asyncio.run(run()) == "http/1.1"

@@ -29,7 +29,7 @@ import hyperframe.frame
 import pytest
 
 from dra_driver import kube
-from dra_driver.kube import http2
+from dra_driver.kube import http2, transport
 from dra_driver.kube.credentials import Credentials, static
 from tests.harness.objects import wait_for_async
 
@@ -137,6 +137,7 @@ async def _serving(
     run: Callable[[kube.ApiClient], Awaitable[None]],
     alpn: tuple[str, ...] = ("h2",),
     serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]] | None = None,
+    http2: bool | None = True,  # the server is near: HTTP/2 only when asked for
 ) -> None:
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_context.load_cert_chain(*certificate)
@@ -144,7 +145,7 @@ async def _serving(
     listener = await asyncio.start_server(serve or h2server.serve, "127.0.0.1", 0, ssl=server_context)
     port = listener.sockets[0].getsockname()[1]
     context = ssl.create_default_context(cafile=str(certificate[0]))
-    api = kube.ApiClient(Credentials(f"https://127.0.0.1:{port}", context, static(None)))
+    api = kube.ApiClient(Credentials(f"https://127.0.0.1:{port}", context, static(None)), http2=http2)
     try:
         await run(api)
     finally:
@@ -309,7 +310,7 @@ def test_answers_refused_past_max_bytes_give_their_window_back(certificate: tupl
             with pytest.raises(kube.TooLarge):
                 await kube.request(api, "GET", "/large", timeout=10, max_bytes=1)
         assert await kube.request(api, "GET", "/ok", timeout=10) == {"n": 1}
-        shared = api._pool._http2
+        shared = api._pool._shared_connection
         assert shared is not None
         window = shared._h2.inbound_flow_control_window  # what the server may still send
         assert window >= http2.MAX_STREAMS * http2.STREAM_WINDOW // 2, window
@@ -334,3 +335,36 @@ def test_a_tls_server_that_chooses_http_1_1_is_spoken_to_in_http_1_1(certificate
         assert api._pool.protocol == "http/1.1"
 
     asyncio.run(_serving(certificate, H2Server(unused), run, alpn=("http/1.1",), serve=http11))
+
+
+def test_a_near_server_that_offers_http2_is_spoken_to_in_http_1_1_unless_asked(
+    certificate: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its first connection opened in under FAR_HANDSHAKE_SECONDS (made long here, so that a
+    loaded machine's slow handshake does not count as far): that connection is closed unused
+    and the next ones offer only HTTP/1.1, which the server then speaks."""
+    monkeypatch.setattr(transport, "FAR_HANDSHAKE_SECONDS", 5.0)
+    opened: list[str | None] = []
+
+    async def either(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ssl_object = writer.get_extra_info("ssl_object")
+        opened.append(ssl_object.selected_alpn_protocol())
+        if opened[-1] == "h2":
+            writer.close()
+            return
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\n{\"n\": 4}")
+        await writer.drain()
+
+    async def unused(peer: Peer, stream: int, method: str, path: str, body: bytes) -> None:
+        raise AssertionError("not an HTTP/2 server")
+
+    async def run(api: kube.ApiClient) -> None:
+        reads = (kube.request(api, "GET", "/api/v1/nodes/a", timeout=10) for _ in range(3))
+        got = await asyncio.gather(*reads)
+        assert got == [{"n": 4}] * 3
+        assert api._pool.protocol == "http/1.1"
+
+    server = H2Server(unused)
+    asyncio.run(_serving(certificate, server, run, alpn=("h2", "http/1.1"), serve=either, http2=None))
+    assert opened[0] == "h2" and set(opened[1:]) == {"http/1.1"}, opened
