@@ -13,8 +13,8 @@ working tree's (`current`). Per start: ROUNDS sequential Prepare/Unprepare calls
 CONCURRENT_ROUNDS rounds of 16 at once, timed by kubelet-client, which also GETs the same
 claims through a relay of its own with the same delay (`get_go`, `get_go_16_concurrent`:
 what Go's client takes for the reads alone); `tcp_connections` is how many connections the
-plugin opened through its relay from its start to the end of the calls (the median over
-its starts).
+plugin opened through its relay from its start to the end of the calls, and
+`rss_kib_after_calls` its VmRSS then (the medians over its starts).
 
 Run alone: `python -m benchmarks.far_api [--delay-ms 200] [--starts 2] [--http1-ref REF]`
 (prints JSON; writes benchmarks/results/far_api.json). About five minutes on 2 cores.
@@ -41,6 +41,7 @@ from benchmarks.prepare import (
     _free_port,
     _percentiles,
     _profile,
+    _rss_kib,
     _run_root,
     check_imports,
     commit_side,
@@ -94,7 +95,7 @@ def _block(
             run_root=run_root,
         )
     try:
-        start_s, _, _ = start_timed(plugin)
+        start_s, pid, _ = start_timed(plugin)
         kubelet = KubeletSide(plugin.registration_socket())
         token_file = work / "bench.token"
         token_file.write_text(ADMIN_TOKEN)
@@ -104,6 +105,7 @@ def _block(
             ROUNDS, CONCURRENT_ROUNDS, api=api_server,
         )
         plugin_connections = proxy.connections
+        rss_kib = _rss_kib(pid)
         kubelet.close()
     finally:
         plugin.stop()
@@ -112,7 +114,7 @@ def _block(
     p50 = statistics.median(phases["prepare_concurrent"]) * 1000
     print(f"start {index + 1} {side.label}: 16 at once p50 {p50:.1f} ms, {plugin_connections} connections "
           f"(registered in {start_s:.2f} s)", file=sys.stderr, flush=True)
-    return {"phases": phases, "tcp_connections": plugin_connections}
+    return {"phases": phases, "tcp_connections": plugin_connections, "rss_kib": rss_kib}
 
 
 def run(delay: float = DELAY_S, starts: int = STARTS, http1_ref: str = HTTP1_REF) -> dict[str, Any]:
@@ -145,6 +147,7 @@ def run(delay: float = DELAY_S, starts: int = STARTS, http1_ref: str = HTTP1_REF
             "get_go": pooled("get_sequential"),
             "get_go_16_concurrent": pooled("get_concurrent"),
             "tcp_connections": statistics.median(b["tcp_connections"] for b in blocks[side.label]),
+            "rss_kib_after_calls": statistics.median(b["rss_kib"] for b in blocks[side.label]),
         }
 
     def ratio(a: str, b: str, phase: str) -> float:

@@ -236,6 +236,9 @@ def _far_api(d: Any) -> list[str]:
                               for _, side in _FAR_SIDES)))
     rows.append(("TCP connections the plugin opened",
                  *(fmt(get(d, f"{side}.tcp_connections")) for _, side in _FAR_SIDES)))
+    if "rss_kib_after_calls" in d["current"]:
+        rows.append(("the plugin's RSS after the calls (KiB)",
+                     *(fmt(get(d, f"{side}.rss_kib_after_calls")) for _, side in _FAR_SIDES)))
     lines = table(("p50 / p99 (ms)", *(name for name, _ in _FAR_SIDES)), rows)
     ratios = get(d, "ratios")
     return [*lines, *table(("ratio of 16 at once, p50", "measured"),
