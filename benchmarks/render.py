@@ -125,6 +125,9 @@ def _has(data: Any, path: str) -> bool:
 
 def _prepare(d: Any) -> list[str]:
     rows: list[Row] = []
+    cycles = next((k for k in d["current"] if k.startswith("rss_kib_after_") and k.endswith("_cycles")),
+                  "rss_kib_after_1000_cycles")
+    n = int(cycles.removeprefix("rss_kib_after_").removesuffix("_cycles"))
     for label, key in (
         ("Prepare, one at a time", "prepare_sequential"),
         ("Unprepare, one at a time", "unprepare_sequential"),
@@ -151,7 +154,7 @@ def _prepare(d: Any) -> list[str]:
         ("CPU per cycle of a pod that lives 1 s, status writes included (ms)", "cpu_ms_per_paced_cycle"),
         ("CPU when idle (ms per s)", "idle_cpu_ms_per_second"),
         ("RSS after warm-up (KiB)", "rss_kib_after_warmup"),
-        ("RSS after 1,000 more cycles (KiB)", "rss_kib_after_1000_cycles"),
+        (f"RSS after {n:,} more cycles (KiB)", cycles),
     ):
         if key.startswith(("start_cpu", "cpu_", "idle_")) and key not in d["current"]:
             continue  # results from before these were measured
@@ -517,6 +520,15 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
             "v0.2.0 on 16 simulated GPUs, in one interleaved run with the same kubelet-side client."
         ),
         _prepare_three,
+    ),
+    "prepare_http2_near": (
+        "Prepare and Unprepare beside the plugin before HTTP/2, API server near",
+        (
+            "`python -m benchmarks.prepare --baseline-ref 841d822 --starts 4`: the baseline is the last "
+            "commit that spoke only HTTP/1.1 to the API server; the current plugin, on loopback, finds "
+            "the API server near and keeps to HTTP/1.1 (dra_driver.kube.transport)."
+        ),
+        _prepare,
     ),
     "far_api": (
         "16 Prepares at once with the API server 200 ms away",
