@@ -6,8 +6,8 @@ account, send JSON to any path and get plain dicts back, follow a watch as a str
 than generated models, so that fields from a newer server are never dropped on the way.
 
 Who we are to the API server and where it is: `dra_driver.kube.credentials`; the
-connections (asyncio streams; HTTP/2 streams of one connection where TLS chooses "h2", else
-HTTP/1.1): `dra_driver.kube.transport` and `dra_driver.kube.http2`.
+connections (asyncio streams; HTTP/2 streams of one connection to a far server whose TLS
+chooses "h2", else HTTP/1.1): `dra_driver.kube.transport` and `dra_driver.kube.http2`.
 
 Resilience, in `request` and `watch` alone, every attempt inside the caller's deadline:
 a 429 is retried for any method after its Retry-After (API Priority and Fairness rejects a
