@@ -179,7 +179,7 @@ class Pool:
         self._idle: list[_Connection] = []
         self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._protocol = ""  # what the last TLS handshake chose: "h2", "http/1.1", or "" (none yet)
+        self._protocol = ""  # in use: "h2", "http/1.1", or "" (no TLS connection made yet)
         self._shared_connection: Http2Connection | None = None
         self._opening: asyncio.Task[Http2Connection | None] | None = None
         self._retired: set[Http2Connection] = set()  # replaced, still finishing their streams
@@ -196,7 +196,7 @@ class Pool:
 
     @property
     def protocol(self) -> str:
-        """What the last TLS handshake chose ("h2" or "http/1.1"); "" before the first."""
+        """The protocol in use over TLS ("h2" or "http/1.1"); "" before the first connection."""
         return self._protocol
 
     async def send(
@@ -207,7 +207,7 @@ class Pool:
         while self._tls is not None and self._protocol != "http/1.1":
             connection = await self._shared()
             if connection is None:
-                break  # the server chose HTTP/1.1
+                break  # HTTP/1.1: the server chose it, or is near
             response = await connection.send(method, target, headers, body)
             if response is not None:
                 return response
@@ -216,7 +216,7 @@ class Pool:
 
     async def _shared(self) -> Http2Connection | None:
         """The HTTP/2 connection, opened once for all who wait for it; None when the server
-        chose HTTP/1.1 (its connection is then idle in the pool)."""
+        chose HTTP/1.1 (its connection is then idle in the pool) or is near (see `_adopt`)."""
         shared = self._shared_connection
         if shared is not None and shared.usable():
             return shared
