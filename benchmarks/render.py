@@ -125,6 +125,9 @@ def _has(data: Any, path: str) -> bool:
 
 def _prepare(d: Any) -> list[str]:
     rows: list[Row] = []
+    cycles = next((k for k in d["current"] if k.startswith("rss_kib_after_") and k.endswith("_cycles")),
+                  "rss_kib_after_1000_cycles")
+    n = int(cycles.removeprefix("rss_kib_after_").removesuffix("_cycles"))
     for label, key in (
         ("Prepare, one at a time", "prepare_sequential"),
         ("Unprepare, one at a time", "unprepare_sequential"),
@@ -151,7 +154,7 @@ def _prepare(d: Any) -> list[str]:
         ("CPU per cycle of a pod that lives 1 s, status writes included (ms)", "cpu_ms_per_paced_cycle"),
         ("CPU when idle (ms per s)", "idle_cpu_ms_per_second"),
         ("RSS after warm-up (KiB)", "rss_kib_after_warmup"),
-        ("RSS after 1,000 more cycles (KiB)", "rss_kib_after_1000_cycles"),
+        (f"RSS after {n:,} more cycles (KiB)", cycles),
     ):
         if key.startswith(("start_cpu", "cpu_", "idle_")) and key not in d["current"]:
             continue  # results from before these were measured
@@ -217,6 +220,33 @@ def _prepare_three(d: Any) -> list[str]:
         for name in get(d, "floor")
     ]
     return [*lines, "The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
+
+
+_FAR_SIDES = (("the example's", "baseline"), ("ours, HTTP/1.1", "http1"), ("ours, HTTP/2", "current"))
+
+
+def _far_api(d: Any) -> list[str]:
+    """Each side a column: Prepare one and 16 at once, Go's own GETs beside, connections."""
+    rows: list[Row] = []
+    for label, key in (
+        ("Prepare, one at a time", "prepare_sequential"),
+        ("Prepare, 16 at once", "prepare_16_concurrent"),
+        ("Unprepare, 16 at once", "unprepare_16_concurrent"),
+        ("kubelet-client's GET of a claim (Go)", "get_go"),
+        ("... 16 at once", "get_go_16_concurrent"),
+    ):
+        rows.append((label, *(f"{fmt(get(d, f'{side}.{key}.p50_ms'))} / {fmt(get(d, f'{side}.{key}.p99_ms'))}"
+                              for _, side in _FAR_SIDES)))
+    rows.append(("TCP connections the plugin opened",
+                 *(fmt(get(d, f"{side}.tcp_connections")) for _, side in _FAR_SIDES)))
+    if "rss_kib_after_calls" in d["current"]:
+        rows.append(("the plugin's RSS after the calls (KiB)",
+                     *(fmt(get(d, f"{side}.rss_kib_after_calls")) for _, side in _FAR_SIDES)))
+    lines = table(("p50 / p99 (ms)", *(name for name, _ in _FAR_SIDES)), rows)
+    ratios = get(d, "ratios")
+    return [*lines, *table(("ratio of 16 at once, p50", "measured"),
+                           ((k.removesuffix("_16_concurrent_p50").replace("_", " "), fmt(v))
+                            for k, v in ratios.items() if k.endswith("_16_concurrent_p50")))]
 
 
 def _node(d: Any) -> list[str]:
@@ -516,6 +546,24 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
             "v0.2.0 on 16 simulated GPUs, in one interleaved run with the same kubelet-side client."
         ),
         _prepare_three,
+    ),
+    "prepare_http2_near": (
+        "Prepare and Unprepare beside the plugin before HTTP/2, API server near",
+        (
+            "`python -m benchmarks.prepare --baseline-ref 841d822 --starts 4`: the baseline is the last "
+            "commit that spoke only HTTP/1.1 to the API server; the current plugin, on loopback, finds "
+            "the API server near and keeps to HTTP/1.1 (dra_driver.kube.transport)."
+        ),
+        _prepare,
+    ),
+    "far_api": (
+        "16 Prepares at once with the API server 200 ms away",
+        (
+            "`python -m benchmarks.far_api`: every byte to and from the API server 200 ms later each "
+            "way (a TCP relay); dra-example-driver v0.2.0, this plugin before HTTP/2 (841d822: 8 "
+            "HTTP/1.1 connections) and now, interleaved in one run."
+        ),
+        _far_api,
     ),
     "node": (
         "Pods through a real kubelet",

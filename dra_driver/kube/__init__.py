@@ -5,8 +5,9 @@ account, send JSON to any path and get plain dicts back, follow a watch as a str
 (type, object) events. The driver works on plain JSON (what the API server sends) rather
 than generated models, so that fields from a newer server are never dropped on the way.
 
-Who we are to the API server and where it is: `dra_driver.kube.credentials`; the HTTP/1.1
-connections (h11 over asyncio streams): `dra_driver.kube.transport`.
+Who we are to the API server and where it is: `dra_driver.kube.credentials`; the
+connections (asyncio streams; HTTP/2 streams of one connection to a far server whose TLS
+chooses "h2", else HTTP/1.1): `dra_driver.kube.transport` and `dra_driver.kube.http2`.
 
 Resilience, in `request` and `watch` alone, every attempt inside the caller's deadline:
 a 429 is retried for any method after its Retry-After (API Priority and Fairness rejects a
@@ -113,7 +114,9 @@ __all__ = [
 class ApiClient:
     """Keep-alive connections to one API server, and who we are to it."""
 
-    def __init__(self, credentials: Credentials, connections: int = CONNECTIONS) -> None:
+    def __init__(
+        self, credentials: Credentials, connections: int = CONNECTIONS, http2: bool | None = None
+    ) -> None:
         self.server = credentials.server.rstrip("/")
         url = urlsplit(self.server)
         if url.scheme not in ("https", "http") or not url.hostname:
@@ -128,8 +131,9 @@ class ApiClient:
         self._prefix = url.path  # a server URL may carry a path (behind a proxy)
         port = url.port or (443 if url.scheme == "https" else 80)
         tls = self._ssl if url.scheme == "https" else None
-        # At most `connections` open: a request past them waits for a free one.
-        self._pool = Pool(url.hostname, port, tls, credentials.server_hostname, connections)
+        # HTTP/1.1: at most `connections` open, a request past them waits for a free one;
+        # HTTP/2 (the server offers it and, unless `http2`, is far): streams of one connection.
+        self._pool = Pool(url.hostname, port, tls, credentials.server_hostname, connections, http2)
 
     @property
     def address(self) -> tuple[str, int]:

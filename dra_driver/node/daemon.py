@@ -70,10 +70,12 @@ log = structlog.get_logger(__name__)
 PUBLISHER_LEASE: Final = "publisher.lock"
 # A reconcile pass of one node's slices takes well under a second; minutes mean a hung call.
 PUBLISHER_STUCK_SECONDS: Final = 180.0
-# The node's API connections: the claim reads of a Prepare burst, the claim status writes and
-# the slice publisher's watch share them. Each TLS connection holds asyncio's 256 KiB SSL read
-# buffer and OpenSSL's state while it is kept alive: 8 instead of the client's 64 lowered the
-# RSS after 16 Prepares at once, without slowing that burst (benchmarks.prepare --baseline-ref).
+# The node's API connections over HTTP/1.1 (a near API server, or one without HTTP/2; to a far
+# one all requests are streams of one HTTP/2 connection): the claim reads of a Prepare burst,
+# the claim status writes and the slice publisher's watch share them. Each TLS connection holds
+# asyncio's 256 KiB SSL read buffer and OpenSSL's state while it is kept alive: 8 instead of the
+# client's 64 lowered the RSS after 16 Prepares at once, without slowing that burst
+# (benchmarks.prepare --baseline-ref).
 API_CONNECTIONS: Final = 8
 # What refuses a start (another driver's state dir or MPS root): said once, no traceback.
 REFUSALS: Final = (ckpt.CheckpointRefused, MpsRootRefused)

@@ -35,7 +35,7 @@ runc_version=v1.5.2
 debs=(containernetworking-plugins catatonit busybox-static libc6 libgcc-s1 libstdc++6
       iproute2 libbpf1 libelf1 libmnl0 libbsd0 libcap2 zlib1g libmd0 openssl)
 # name==version as in the project's own .venv (tested there), for CPython 3.12 on x86-64.
-# The driver (h11 for the API server and the probes), the harness (the kubernetes client) and
+# The driver (h11 and h2 for the API server, h11 for the probes), the harness (the kubernetes client) and
 # the benchmarks (aiohttp as a client) import these;
 # the host has protobuf, PyYAML, requests and certifi in versions that do. nvidia-ml-py is
 # carried too: the host's pynvml (a torch environment's) imports 16 MiB of RSS where ours
@@ -45,7 +45,7 @@ wheels=(grpcio==1.85.3 kubernetes==37.0.2 pydantic==2.14.4 pydantic-core==2.50.5
         requests-oauthlib==2.0.0 websocket-client==1.9.2 structlog==26.1.0 urllib3==2.8.0
         python-dateutil==4.0.0 idna==3.20 click==8.5.1 aiohttp==3.14.5 aiohappyeyeballs==2.7.1
         aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1
-        nvidia-ml-py==13.615.71 h11==0.16.0)
+        nvidia-ml-py==13.615.71 h11==0.16.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0)
 cache_root=${DRA_H200_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra-driver/h200}
 recipe="kube $k8s_version; containerd $containerd_version; runc $runc_version seccomp static; -trimpath -s -w; xz -9e; debs ${debs[*]}"
 key=$( (echo "$recipe"; cat "$here"/kube/go.mod "$here"/kube/go.sum "$here"/kube/main.go \

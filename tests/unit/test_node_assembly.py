@@ -72,11 +72,13 @@ print(json.dumps(sorted(sys.modules)))
 
 def test_the_daemon_never_imports_aiohttp() -> None:
     """aiohttp is installed (the kubernetes package depends on it) but the daemon's HTTP is
-    h11's: imported, aiohttp and its helpers held 11 MiB of every node's memory."""
+    h11's: imported, aiohttp and its helpers held 11 MiB of every node's memory. h2 is
+    imported only once an API server chose HTTP/2 (dra_driver.kube.transport), not at start."""
     done = subprocess.run([sys.executable, "-c", _IMPORTED_BY_THE_DAEMON], capture_output=True, text=True,
                           check=True, env={**os.environ, "PYTHONSAFEPATH": "1"})
     modules = set(json.loads(done.stdout))
     assert "h11" in modules and "dra_driver.kube.transport" in modules
+    assert not {"h2", "hpack", "hyperframe", "dra_driver.kube.http2"} & modules, "h2 imported at start"
     heavy = {m for m in modules if m.split(".")[0] in ("aiohttp", "yarl", "multidict", "kubernetes")}
     assert not heavy, f"the daemon imports {sorted(heavy)}"
 
