@@ -46,7 +46,8 @@ from urllib.parse import urlencode, urlsplit
 
 from dra_driver.jsontypes import JSON
 from dra_driver.kube.credentials import SERVICE_ACCOUNT, Credentials, from_kubeconfig, in_cluster, unverified
-from dra_driver.kube.transport import CouldNotConnect, Pool, Response
+from dra_driver.kube.response import CouldNotConnect, Response
+from dra_driver.kube.transport import Pool
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -182,7 +183,7 @@ async def load_client(kubeconfig: str | None = None, connections: int = CONNECTI
 
 # --- requests ----------------------------------------------------------------------------
 
-# A connection that broke or never opened (transport.CouldNotConnect), or its TLS failed.
+# A connection that broke or never opened (response.CouldNotConnect), or its TLS failed.
 # Not OSError as a whole: TimeoutError is one, and the caller's deadline is not a broken connection.
 _BROKEN: tuple[type[Exception], ...] = (ConnectionError, ssl.SSLError)
 _RETRIED: tuple[type[Exception], ...] = (ApiException, *_BROKEN)

@@ -46,7 +46,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from dra_driver.kube.transport import IDLE_SECONDS, READ_CHUNK, CouldNotConnect, Response
+from dra_driver.kube.response import IDLE_SECONDS, READ_CHUNK, CouldNotConnect, Response
 
 MAX_STREAMS: Final = 64  # requests at once on one connection, whatever the server allows
 STREAM_WINDOW: Final = 256 * 2**10  # what one stream may hold unread

@@ -31,30 +31,24 @@ Kubernetes object is.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
-from types import TracebackType
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Final
 
 import h11
+
+from dra_driver.kube.response import IDLE_SECONDS, READ_CHUNK, CouldNotConnect, Response
 
 if TYPE_CHECKING:
     from dra_driver.kube.http2 import Http2Connection
 
 MAX_HEAD_BYTES: Final = 64 * 2**10  # a response's status line and headers
-READ_CHUNK: Final = 2**16
-IDLE_SECONDS: Final = 30.0  # an idle connection older than this is closed, not reused
 ALPN: Final = ("h2", "http/1.1")
 # A first connection (TCP and TLS) that took less than this is a near API server: HTTP/1.1.
 FAR_HANDSHAKE_SECONDS: Final = 0.01
-
-
-class CouldNotConnect(ConnectionError):
-    """The connection could not be opened: the request never left, so any method may repeat it."""
 
 
 class _Connection:
@@ -91,38 +85,6 @@ class _Connection:
                 raise ConnectionError("the API server closed the connection before the answer ended")
             assert isinstance(event, h11.Event)
             return event
-
-
-class Response(abc.ABC):
-    """An answer whose head has arrived; the body is read with `chunks`, and the caller
-    releases it (`async with`)."""
-
-    def __init__(self, status: int, reason: str, headers: Iterable[tuple[bytes, bytes]]) -> None:
-        self.status = status
-        self.reason = reason
-        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
-        length = self.headers.get("content-length", "")
-        self.content_length = int(length) if length.isdigit() else None
-
-    @abc.abstractmethod
-    def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, in pieces of at most READ_CHUNK bytes."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Do not read the rest: it is given up when the response is released."""
-
-    @abc.abstractmethod
-    def release(self) -> None:
-        """Done with the answer: what it held goes back (or is closed)."""
-
-    async def __aenter__(self) -> Response:
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
 
 class _Http11Response(Response):
