@@ -156,7 +156,6 @@ def _cdicheck(control_plane: ControlPlane, cdi_dir: Path, *ids: str) -> dict[str
     return result
 
 
-@pytest.mark.parametrize("service", ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
 def test_prepare_and_unprepare_through_the_kubelet_protocol(
     control_plane: ControlPlane,
     api: client.ApiClient,
@@ -164,12 +163,12 @@ def test_prepare_and_unprepare_through_the_kubelet_protocol(
     node: str,
     device_class: str,
     namespace: str,
-    service: str,
 ) -> None:
     _wait_slices(api, node)
-    kubelet = KubeletSide(plugin.registration_socket(), prefer=service)
+    kubelet = KubeletSide(plugin.registration_socket())
     assert kubelet.info.name == DRIVER
-    assert list(kubelet.info.supported_versions)[:2] == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert kubelet.service == "v1.DRAPlugin"
+    assert list(kubelet.info.supported_versions)[:1] == ["v1.DRAPlugin"]
     claim = _pod_with_claim(api, namespace, "two-gpus", device_class, count=2)
     allocated = sorted(r["device"] for r in claim["status"]["allocation"]["devices"]["results"])
 
