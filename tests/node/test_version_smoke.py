@@ -31,21 +31,20 @@ from kubernetes.client.exceptions import ApiException
 from dra_driver.health.node import SIMULATED_EVENTS_FILE
 from tests.harness.cluster import ControlPlane, gate_mode
 from tests.harness.driver import DRIVER
-from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
+from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage
 from tests.harness.fake_mps import install_fake_mps_control
 from tests.harness.helm import Helm
-from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
+from tests.harness.node import Node, NodeSpec
 from tests.harness.objects import (
     RESOURCE_API,
     create_namespace,
     get_pod,
     scheduler_reason,
-    sync_client,
     sync_request,
     wait_for,
 )
-from tests.harness.service_proxy import ServiceProxy
 from tests.node import pods
+from tests.node.daemonset_cluster import daemonset_cluster
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("DRA_K8S_VERSION"), reason="make test-versions sets DRA_K8S_VERSION"
@@ -83,63 +82,28 @@ def carries(cp: ControlPlane) -> bool:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if os.geteuid() != 0:
-        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    image = build_driver_image()
-    helm_binary = build_helm()
-    work = tmp_path_factory.mktemp("version-smoke")
-    cp = ControlPlane.start(work_dir=work / "cp", node_lifecycle=True, extra_tokens=node_tokens([NODE.name]))
-    nodes: Nodes | None = None
-    proxy: ServiceProxy | None = None
-    helm = Helm(helm_binary, cp.kubeconfig, work / "helm")
-    try:
-        nodes = Nodes.start(cp, (NODE,), daemonset=True, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
-        api = sync_client(str(cp.kubeconfig))
-        node = nodes[NODE.name]
-        node.import_images({image.name: image.archive})
-        wait_for("the GPU label on the node", lambda: _label_gpu_node(api), timeout=30)
+    with daemonset_cluster(tmp_path_factory, "version-smoke", (NODE,)) as base:
+        cp, api, image, helm = base.cp, base.api, base.image, base.helm()
+        node = base.nodes[NODE.name]
         install_fake_mps_control(node.host_path(FAKE_ROOT), python=IMAGE_PYTHON)
-        service = wait_for(
-            "the kubernetes Service",
-            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
-        )
-        port = int(service["spec"]["ports"][0]["port"])
-        target = ("127.0.0.1", cp.api_port)
-        proxy = ServiceProxy(service["spec"]["clusterIP"], port, target, node.link).start()
-        helm.run(
-            "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-            "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
-            "--set", f"image.tag={image.tag}", "--set", "memoryShares.enabled=true",
-            # 1.34's and 1.35's schedulers give a GPU out whole and as a share: the chart asks `only`
-            *(("--set", "memoryShares.only=true") if cp.version[1] <= 35 else ()),
-            "--set", "dynamicMig.enabled=true", "--set", f"kubernetesFeatureGates={GATES}",
-            "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}", '
-            f'"--simulate-health-events={EVENTS}"]', "--set", f"health.quietPeriodSeconds={QUIET}",
-            "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
-        )
-        wait_for("the node's whole pool published", lambda: _pool_complete(api), timeout=180, interval=0.5)
-        create_namespace(api, PODS_NS)
-        yield Cluster(cp, api, node, helm, image)
-    finally:
-        helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
-        if proxy is not None:
-            proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
-
-
-def _label_gpu_node(api: client.ApiClient) -> bool | None:
-    """True once labelled; None when the kubelet's status update came between GET and PUT (409)."""
-    found = sync_request(api, "GET", f"/api/v1/nodes/{NODE.name}")
-    found["metadata"].setdefault("labels", {})["nvidia.com/gpu.present"] = "true"
-    try:
-        sync_request(api, "PUT", f"/api/v1/nodes/{NODE.name}", found)
-    except ApiException as e:
-        if e.status == 409:
-            return None
-        raise
-    return True
+        try:
+            helm.run(
+                "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
+                "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
+                "--set", f"image.tag={image.tag}", "--set", "memoryShares.enabled=true",
+                # 1.34's and 1.35's schedulers give a GPU out whole and as a share: the chart asks `only`
+                *(("--set", "memoryShares.only=true") if cp.version[1] <= 35 else ()),
+                "--set", "dynamicMig.enabled=true", "--set", f"kubernetesFeatureGates={GATES}",
+                "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}", '
+                f'"--simulate-health-events={EVENTS}"]', "--set", f"health.quietPeriodSeconds={QUIET}",
+                "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
+            )
+            wait_for("the node's whole pool published", lambda: _pool_complete(api), timeout=180,
+                     interval=0.5)
+            create_namespace(api, PODS_NS)
+            yield Cluster(cp, api, node, helm, image)
+        finally:
+            helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
 
 
 def _record(env: Cluster, feature: str, outcome: str) -> None:
