@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import DriverImage, build_driver_image, build_helm
 from tests.harness.helm import Helm
-from tests.harness.node import Nodes, NodeSpec, node_tokens
+from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
 from tests.harness.objects import sync_client, sync_request, wait_for
 from tests.harness.service_proxy import ServiceProxy
 
@@ -44,6 +44,17 @@ class DaemonSetCluster:
     def helm(self) -> Helm:
         """A helm client of this cluster."""
         return Helm(build_helm(), self.cp.kubeconfig, self.work / "helm")
+
+
+@dataclass(frozen=True)
+class OneNodeRelease:
+    """A one-node DaemonSetCluster with its helm client: what a one-node chart test holds."""
+
+    cp: ControlPlane
+    api: client.ApiClient
+    node: Node
+    helm: Helm
+    image: DriverImage
 
 
 def label_gpu_node(api: client.ApiClient, name: str) -> bool | None:
