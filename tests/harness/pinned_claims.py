@@ -18,6 +18,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from dra_driver.jsontypes import JSON
+from tests.harness.bodies import claim_body, claim_pod
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
@@ -40,27 +41,6 @@ class Bench:
     plugin: DriverProcess
     kubelet: KubeletSide
     node: str
-
-
-def claim_body(name: str, devices: JSON) -> JSON:
-    """A standalone ResourceClaim of `devices` (its spec.devices)."""
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-            "spec": {"devices": devices}}
-
-
-def pinned_pod(name: str, node: str, claim: JSON, requests: Sequence[str] = ()) -> JSON:
-    """A sleeping pod pinned to `node` that uses `claim` (resourceClaimName or
-    resourceClaimTemplateName) as "gpu": one container per request named in `requests`, or one
-    container with the whole claim."""
-    uses: list[JSON] = [{"request": r} for r in requests] or [{}]
-    containers = [
-        {"name": f"c{i}", "image": "busybox:1.37", "command": ["sleep", "3600"],
-         "resources": {"claims": [{"name": "gpu", **use}]}}
-        for i, use in enumerate(uses)
-    ]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"nodeSelector": {"kubernetes.io/hostname": node}, "automountServiceAccountToken": False,
-                     "resourceClaims": [{"name": "gpu", **claim}], "containers": containers}}
 
 
 def cdi_edits(bench: Bench, cdi_ids: Sequence[str]) -> dict[str, Any]:
@@ -95,7 +75,7 @@ class PinnedClaims:
         name = f"c{next(self.counter)}"
         sync_request(self.api, "POST", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims",
                      claim_body(name, devices))
-        pod = pinned_pod(name, self.node, {"resourceClaimName": name})
+        pod = claim_pod(name, {"resourceClaimName": name}, self.node)
         sync_request(self.api, "POST", f"/api/v1/namespaces/{self.ns}/pods", pod)
         return name
 

@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 from dra_driver.jsontypes import JSON
 from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import NVIDIA_ONLY_KINDS, parse_claim_config
+from tests.harness.bodies import claim_body, claim_pod
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import render_chart
@@ -56,7 +57,7 @@ from tests.harness.objects import (
 )
 from tests.harness.pinned_claims import Bench as PinnedBench
 from tests.harness.pinned_claims import Case as PinnedCase
-from tests.harness.pinned_claims import cdi_edits, claim_body, oci_env, pinned_pod
+from tests.harness.pinned_claims import cdi_edits, oci_env
 from tests.harness.plugin_node import plugin_node
 
 ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
@@ -151,7 +152,7 @@ class Case(PinnedCase):
 
     def pod(self, name: str, claim: JSON, requests: list[str]) -> None:
         """A pod with one container per request, pinned to the node."""
-        pod = pinned_pod(name, NODE, claim, requests)
+        pod = claim_pod(name, claim, NODE, requests)
         sync_request(self.api, "POST", f"/api/v1/namespaces/{self.ns}/pods", pod)
 
     def create(self, devices: JSON) -> str:

@@ -21,6 +21,7 @@ import pytest
 from kubernetes import client
 
 from dra_driver.plugin.checkpoint import checkpoint_path, load, read_boot_id
+from tests.harness.bodies import claim_pod, claim_template
 from tests.harness.claims import CLAIMS, allocated_claim
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
@@ -93,42 +94,12 @@ def _pod_with_claim(
     api: client.ApiClient, namespace: str, pod: str, device_class: str, count: int = 1
 ) -> dict[str, Any]:
     """A pod whose claim comes from a template; returns the claim once the scheduler allocated it."""
-    sync_request(
-        api,
-        "POST",
-        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaimTemplate",
-            "metadata": {"name": pod},
-            "spec": {
-                "spec": {
-                    "devices": {
-                        "requests": [
-                            {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count}}
-                        ]
-                    }
-                }
-            },
-        },
-    )
-    sync_request(
-        api,
-        "POST",
-        f"/api/v1/namespaces/{namespace}/pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": pod},
-            "spec": {
-                "automountServiceAccountToken": False,
-                # Other tests' nodes may still offer devices of this driver.
-                "nodeSelector": {"kubernetes.io/hostname": PLUGIN_NODE},
-                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": pod}],
-                "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
-            },
-        },
-    )
+    request = {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count}}
+    templates = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
+    sync_request(api, "POST", templates, claim_template(pod, {"requests": [request]}))
+    # Pinned: other tests' nodes may still offer devices of this driver.
+    body = claim_pod(pod, {"resourceClaimTemplateName": pod}, PLUGIN_NODE)
+    sync_request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body)
 
     def allocated() -> dict[str, Any] | None:
         for claim in sync_request(api, "GET", CLAIMS.format(ns=namespace))["items"]:
