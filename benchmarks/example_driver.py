@@ -18,22 +18,16 @@ and must not download anything itself (the script does, once, through the Go mod
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import grpc
+from typing import ClassVar
 
 from benchmarks.kubelet_client import REPO
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
 from tests.harness.driver import with_parent_death_signal
-from tests.harness.kubelet import find_registration_socket
+from tests.harness.plugin_process import PluginProcess
 
 EXAMPLE_VERSION = "v0.2.0"
 EXAMPLE_DRIVER = "gpu.example.com"
@@ -60,7 +54,7 @@ def build() -> Path:
 
 
 @dataclass
-class ExampleProcess:
+class ExampleProcess(PluginProcess):
     """One dra-example-kubeletplugin for `node`, its plugin and CDI dirs under `run_root`."""
 
     binary: Path
@@ -70,18 +64,12 @@ class ExampleProcess:
     run_root: Path
     gpus: int
     proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def kubelet_dir(self) -> Path:
-        return self.root / "kubelet"
+    registered_driver: ClassVar[str] = EXAMPLE_DRIVER
+    kind: ClassVar[str] = "example plugin"
 
     @property
     def data_dir(self) -> Path:
         return self.run_root / "plugins" / EXAMPLE_DRIVER
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / "plugin.log"
 
     def start(self, wait: bool = True) -> ExampleProcess:
         registry = self.kubelet_dir / "plugins_registry"
@@ -106,41 +94,3 @@ class ExampleProcess:
         if wait:
             self.wait_serving()
         return self
-
-    def registration_socket(self, timeout: float = 30.0) -> Path:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"example plugin exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(TimeoutError):
-                return find_registration_socket(self.kubelet_dir, EXAMPLE_DRIVER, timeout=0.2)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"example plugin did not register:\n{self.log_tail()}")
-
-    def wait_serving(self, timeout: float = 60.0) -> Path:
-        deadline = time.monotonic() + timeout
-        while True:
-            socket = self.registration_socket(timeout=max(deadline - time.monotonic(), 0.1))
-            with grpc.insecure_channel(f"unix://{socket}") as channel:
-                try:
-                    RegistrationStub(channel).GetInfo(InfoRequest(), timeout=1)
-                    return socket
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"example plugin does not answer:\n{self.log_tail()}") from None
-                    time.sleep(0.02)  # the poll interval
-
-    def log_tail(self, size: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-size:] if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None

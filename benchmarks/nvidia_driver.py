@@ -51,26 +51,20 @@ driver, and must not download anything itself (the script does, once, through th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import grpc
+from typing import Any, ClassVar
 
 from benchmarks.kubelet_client import REPO
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
 from tests.harness.driver import with_parent_death_signal
-from tests.harness.kubelet import find_registration_socket
 from tests.harness.objects import sync_request
+from tests.harness.plugin_process import PluginProcess
 
 NVIDIA_VERSION = "v0.5.0"
 NVIDIA_DRIVER = "gpu.nvidia.com"
@@ -157,7 +151,7 @@ def claim_devices(api: Any, node: str, timeout: float = 60.0) -> list[str]:
 
 
 @dataclass
-class NvidiaProcess:
+class NvidiaProcess(PluginProcess):
     """One gpu-kubelet-plugin for `node`, its plugin and CDI dirs under `run_root`."""
 
     binary: Path
@@ -166,18 +160,12 @@ class NvidiaProcess:
     root: Path
     run_root: Path
     proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def kubelet_dir(self) -> Path:
-        return self.root / "kubelet"
+    registered_driver: ClassVar[str] = NVIDIA_DRIVER
+    kind: ClassVar[str] = "NVIDIA's plugin"
 
     @property
     def data_dir(self) -> Path:
         return self.run_root / "plugins" / NVIDIA_DRIVER
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / "plugin.log"
 
     def start(self, wait: bool = True) -> NvidiaProcess:
         registry = self.kubelet_dir / "plugins_registry"
@@ -224,41 +212,3 @@ class NvidiaProcess:
             if entry.name != "dev" and not (shadow / entry.name).is_symlink():
                 (shadow / entry.name).symlink_to(entry)
         return shadow
-
-    def registration_socket(self, timeout: float = 30.0) -> Path:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"NVIDIA's plugin exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(TimeoutError):
-                return find_registration_socket(self.kubelet_dir, NVIDIA_DRIVER, timeout=0.2)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"NVIDIA's plugin did not register:\n{self.log_tail()}")
-
-    def wait_serving(self, timeout: float = 60.0) -> Path:
-        deadline = time.monotonic() + timeout
-        while True:
-            socket_path = self.registration_socket(timeout=max(deadline - time.monotonic(), 0.1))
-            with grpc.insecure_channel(f"unix://{socket_path}") as channel:
-                try:
-                    RegistrationStub(channel).GetInfo(InfoRequest(), timeout=1)
-                    return socket_path
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"NVIDIA's plugin does not answer:\n{self.log_tail()}") from None
-                    time.sleep(0.02)  # the poll interval
-
-    def log_tail(self, size: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-size:] if self.log_path.exists() else ""
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None

@@ -3,7 +3,6 @@
 The kubelet wire contracts (plugin registration, DRA, DRA health) as Python stubs:
 
 - ``dra_driver.kubeletapi.dra.v1``: api_pb2, api_pb2_grpc <- proto/dra/v1/api.proto
-- ``dra_driver.kubeletapi.dra.v1beta1``: api_pb2, api_pb2_grpc <- proto/dra/v1beta1/api.proto
 - ``dra_driver.kubeletapi.drahealth.v1``: api_pb2, api_pb2_grpc <- proto/drahealth/v1/api.proto
 - ``dra_driver.kubeletapi.drahealth.v1alpha1``: api_pb2, api_pb2_grpc <- proto/drahealth/v1alpha1/api.proto
 - ``dra_driver.kubeletapi.pluginregistration.v1``: api_pb2, api_pb2_grpc <- proto/pluginregistration/v1/api.proto

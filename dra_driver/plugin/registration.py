@@ -19,11 +19,11 @@ from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 log = structlog.get_logger(__name__)
 
-# The kubelet uses the first entry it knows, so v1 must come first. The health services
-# are advertised so that a 1.37 kubelet opens the health stream (preferring v1).
+# DRAPlugin v1 alone: every kubelet this driver runs under (1.34 and later, which it needs
+# for resource.k8s.io/v1) speaks it and picks it. The health services are advertised so that
+# a 1.37 kubelet opens the health stream (preferring v1); 1.34 and 1.35 speak v1alpha1 only.
 SUPPORTED_SERVICES = (
     "v1.DRAPlugin",
-    "v1beta1.DRAPlugin",
     "v1.DRAResourceHealth",
     "v1alpha1.DRAResourceHealth",
 )

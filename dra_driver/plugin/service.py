@@ -1,4 +1,8 @@
-"""The kubelet-facing gRPC services: DRA v1 and v1beta1, health v1 and v1alpha1.
+"""The kubelet-facing gRPC services: DRA v1, health v1 and v1alpha1.
+
+DRA v1 only: every kubelet this driver runs under (1.34 and later; it needs
+resource.k8s.io/v1) picks v1 when the plugin offers it, so a v1beta1 service would never
+be called.
 
 Translation only: protobuf in, domain calls, protobuf out; grpcio serves them
 (dra_driver.plugin.server). Each claim of a request is answered on its own (one bad claim
@@ -24,8 +28,6 @@ from dra_driver import metrics
 from dra_driver.jsontypes import JSON
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
-from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
-from dra_driver.kubeletapi.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as health_v1
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
@@ -64,20 +66,16 @@ class StatusQueue(Protocol):
 
 
 class _DraService:
-    """NodePrepareResources/NodeUnprepareResources for one API version's messages."""
+    """NodePrepareResources/NodeUnprepareResources."""
 
-    def __init__(
-        self, preparer: ClaimPreparer, pb: ModuleType, with_share_id: bool, status: StatusQueue | None = None
-    ) -> None:
+    def __init__(self, preparer: ClaimPreparer, status: StatusQueue | None = None) -> None:
         self._preparer = preparer
-        self._pb = pb
-        self._with_share_id = with_share_id
         self._status = status
 
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         refs = await self._refs(request, context, "NodePrepareResources")
         if not refs:  # the liveness probe's call; the kubelet never sends an empty one
-            return self._pb.NodePrepareResourcesResponse()
+            return dra_v1.NodePrepareResourcesResponse()
         with metrics.timed_request("prepare") as outcomes:
             try:
                 results = await self._preparer.prepare(refs)
@@ -85,12 +83,12 @@ class _DraService:
                 log.exception("preparing claims failed", claims=len(refs))
                 results = _failed(refs, "preparing", describe(e))
             outcomes.extend(_outcomes(refs, results))
-        return self._pb.NodePrepareResourcesResponse(claims=self._answers(refs, results, "prepare"))
+        return dra_v1.NodePrepareResourcesResponse(claims=self._answers(refs, results, "prepare"))
 
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         refs = await self._refs(request, context, "NodeUnprepareResources")
         if not refs:
-            return self._pb.NodeUnprepareResourcesResponse()
+            return dra_v1.NodeUnprepareResourcesResponse()
         with metrics.timed_request("unprepare") as outcomes:
             try:
                 results = await self._preparer.unprepare(refs)
@@ -98,7 +96,7 @@ class _DraService:
                 log.exception("unpreparing claims failed", claims=len(refs))
                 results = _failed(refs, "unpreparing", describe(e))
             outcomes.extend(_outcomes(refs, results))
-        return self._pb.NodeUnprepareResourcesResponse(claims=self._answers(refs, results, "unprepare"))
+        return dra_v1.NodeUnprepareResourcesResponse(claims=self._answers(refs, results, "unprepare"))
 
     async def _refs(self, request: Any, context: grpc.aio.ServicerContext, call: str) -> list[ClaimRef]:
         """The request's claims; a call naming more than MAX_CLAIMS is refused whole (one log
@@ -128,19 +126,19 @@ class _DraService:
             if result.error is not None:
                 log.warning(f"{verb} refused", error=result.error, **ref.log_fields())
                 error = _bounded(result.error)
-                answers[ref.uid] = (self._pb.NodePrepareResourceResponse(error=error) if verb == "prepare"
-                                    else self._pb.NodeUnprepareResourceResponse(error=error))
+                answers[ref.uid] = (dra_v1.NodePrepareResourceResponse(error=error) if verb == "prepare"
+                                    else dra_v1.NodeUnprepareResourceResponse(error=error))
             elif verb == "prepare":
                 log.info("prepared", devices=[d.device for d in result.devices], **ref.log_fields())
                 if self._status is not None:
                     self._status.prepared(ref, result.devices, result.claim)
                 devices = [self._device(d) for d in result.devices]
-                answers[ref.uid] = self._pb.NodePrepareResourceResponse(devices=devices)
+                answers[ref.uid] = dra_v1.NodePrepareResourceResponse(devices=devices)
             else:
                 log.info("unprepared", **ref.log_fields())
                 if self._status is not None:
                     self._status.unprepared(ref)
-                answers[ref.uid] = self._pb.NodeUnprepareResourceResponse()
+                answers[ref.uid] = dra_v1.NodeUnprepareResourceResponse()
         return answers
 
     def _device(self, d: PreparedDevice) -> Any:
@@ -150,9 +148,9 @@ class _DraService:
             "device_name": d.device,
             "cdi_device_ids": list(d.cdi_device_ids),
         }
-        if self._with_share_id and d.share_id is not None:
+        if d.share_id is not None:
             fields["share_id"] = d.share_id
-        return self._pb.Device(**fields)
+        return dra_v1.Device(**fields)
 
 
 def _bounded(error: str) -> str:
@@ -197,10 +195,8 @@ def add_dra_services(
     board: DeviceHealthBoard,
     status: StatusQueue | None = None,
 ) -> None:
-    """The DRA socket's services: DRAPlugin v1 and v1beta1, DRAResourceHealth v1 and v1alpha1."""
-    dra_v1_grpc.add_DRAPluginServicer_to_server(_DraService(preparer, dra_v1, True, status), server)
-    v1beta1 = _DraService(preparer, dra_v1beta1, False, status)
-    dra_v1beta1_grpc.add_DRAPluginServicer_to_server(v1beta1, server)
+    """The DRA socket's services: DRAPlugin v1, DRAResourceHealth v1 and v1alpha1."""
+    dra_v1_grpc.add_DRAPluginServicer_to_server(_DraService(preparer, status), server)
     health_v1_grpc.add_DRAResourceHealthServicer_to_server(_HealthService(board, health_v1), server)
     health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(
         _HealthService(board, health_v1alpha1), server

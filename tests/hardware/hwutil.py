@@ -163,14 +163,20 @@ def mps_processes() -> list[str]:
 
 
 def make_preparer(
-    tmp: Path, inventory: Any, driver_files: Any, *claims: dict[str, Any], mps: MpsControl | None = None
+    tmp: Path,
+    inventory: Any,
+    driver_files: Any,
+    *claims: dict[str, Any],
+    mps: MpsControl | None = None,
+    devices: Any = None,
 ) -> NodePreparer:
-    """The driver's own preparer for this host, serving `claims`."""
+    """The driver's own preparer for this host, serving `claims`: the host's devices unless
+    `devices` names others (e.g. with share views)."""
     (tmp / "state").mkdir(parents=True, exist_ok=True)
     return NodePreparer(
         driver=DRIVER,
         pool=NODE,
-        devices=node_devices(inventory),
+        devices=node_devices(inventory) if devices is None else devices,
         claims=ClaimsInMemory(*claims),
         driver_files=driver_files,
         cdi_dir=tmp / "cdi",

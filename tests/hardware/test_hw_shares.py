@@ -22,18 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, Recorder, mps_processes, run, smi
+from hwutil import DRIVER, NODE, WORKLOAD_PYTHON, Recorder, make_preparer, mps_processes, run, smi
 from hwworkloads import last_json
 
 from dra_driver.devices import node_devices
 from dra_driver.plugin.claims import ClaimRef
-from dra_driver.plugin.state import NodePreparer
 from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.mps.layout import default_root
-from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import share_views
 from tests.harness import container as ctr
-from tests.harness.claims_in_memory import ClaimsInMemory
 
 pytestmark = [pytest.mark.hardware, pytest.mark.container]
 
@@ -125,18 +122,8 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
     mps = MpsControl(os.environ.get("HW_MPS_ROOT") or default_root(DRIVER), driver_root)
     devices = node_devices(inventory)
     devices.update(share_views(devices))
-    claims = {ref.uid: share_claim(ref, gib) for ref, gib, _, _ in PLAN}
-    preparer = NodePreparer(
-        driver=DRIVER,
-        pool=NODE,
-        devices=devices,
-        claims=ClaimsInMemory(*claims.values()),
-        driver_files=driver_files,
-        cdi_dir=tmp_path / "cdi",
-        state_dir=tmp_path / "state",
-        sharing=Sharing(DRIVER, NODE, mps),
-    )
-    (tmp_path / "state").mkdir()
+    claims = [share_claim(ref, gib) for ref, gib, _, _ in PLAN]
+    preparer = make_preparer(tmp_path, inventory, driver_files, *claims, mps=mps, devices=devices)
     asyncio.run(preparer.recover())
     results = asyncio.run(preparer.prepare([A, B]))
     try:
@@ -149,7 +136,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
         daemons = {ref.name: mps.daemon_pids(ref.uid) for ref, _, _, _ in PLAN}
         record(
             "shares-prepare",
-            f"NodePreparer.prepare([{A}, {B}]) with allocations {[c['status'] for c in claims.values()]}",
+            f"NodePreparer.prepare([{A}, {B}]) with allocations {[c['status'] for c in claims]}",
             "\n".join(f"{p.name}: env {envs[uid]}" for uid, p in specs.items()),
             note=f"daemon processes per claim: {daemons}; share ids answered: "
             f"{[d.share_id for r in results.values() for d in r.devices]}; mps processes: {mps_processes()}",
@@ -234,16 +221,7 @@ def test_two_shares_of_one_gpu_each_hold_their_own_limit(
         # of share B still gets B's limit.
         before = {ref.name: mps.daemon_pids(ref.uid) for ref, *_ in PLAN}
         mps = MpsControl(mps.root, driver_root)
-        preparer = NodePreparer(
-            driver=DRIVER,
-            pool=NODE,
-            devices=devices,
-            claims=ClaimsInMemory(*claims.values()),
-            driver_files=driver_files,
-            cdi_dir=tmp_path / "cdi",
-            state_dir=tmp_path / "state",
-            sharing=Sharing(DRIVER, NODE, mps),
-        )
+        preparer = make_preparer(tmp_path, inventory, driver_files, *claims, mps=mps, devices=devices)
         asyncio.run(preparer.recover())
         after = {ref.name: mps.daemon_pids(ref.uid) for ref, *_ in PLAN}
         again = client(B, 15, 25)

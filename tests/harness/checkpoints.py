@@ -42,3 +42,9 @@ def with_completed(
 
 def without(cp: ckpt.Checkpoint, uid: str) -> ckpt.Checkpoint:
     return replace(cp, claims={k: v for k, v in cp.claims.items() if k != uid})
+
+
+def back_to_started(cp: ckpt.Checkpoint, uid: str) -> ckpt.Checkpoint:
+    """Claim `uid`'s entry as a crash between its `started` and `completed` leaves it."""
+    entry = cp.claims[uid]
+    return with_started(without(cp, uid), entry.namespace, entry.name, entry.uid, entry.devices)

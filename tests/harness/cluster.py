@@ -448,7 +448,7 @@ def _terminate(pid: int, name: str, grace: float = 10.0) -> None:
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:  # not our child (cluster-down from another process)
-            done = 0 if _alive(pid) else pid
+            done = 0 if pid_alive(pid) else pid
         if done:
             return
         time.sleep(0.1)  # the poll interval
@@ -459,7 +459,8 @@ def _terminate(pid: int, name: str, grace: float = 10.0) -> None:
         os.waitpid(pid, 0)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -504,7 +505,7 @@ def _cli(argv: Sequence[str]) -> int:
         return 0
     pids: dict[str, int] = json.loads(state_file.read_text())["pids"]
     for name, pid in reversed(list(pids.items())):
-        if _alive(pid):
+        if pid_alive(pid):
             _terminate(pid, name)
     shutil.rmtree(state_dir, ignore_errors=True)
     _log("cluster stopped")

@@ -6,22 +6,16 @@ exercises argument parsing, logging and signal handling too, and can kill -9 it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import grpc
+from typing import ClassVar
 
 from dra_driver import DEFAULT_DRIVER_NAME
 from dra_driver.health.node import SIMULATED_EVENTS_FILE
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2 import InfoRequest
-from dra_driver.kubeletapi.pluginregistration.v1.api_pb2_grpc import RegistrationStub
-from tests.harness.kubelet import find_registration_socket
+from tests.harness.plugin_process import PluginProcess
 
 DRIVER = DEFAULT_DRIVER_NAME
 
@@ -56,7 +50,7 @@ def with_parent_death_signal(argv: list[str]) -> list[str]:
 
 
 @dataclass
-class DriverProcess:
+class DriverProcess(PluginProcess):
     """One `dra-driver kubelet-plugin` for a simulated node, with its own kubelet and CDI dirs."""
 
     node: str
@@ -70,10 +64,8 @@ class DriverProcess:
     # What a node keeps under /run (a tmpfs there): CDI specs, the checkpoint; default: `root`.
     run_root: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def kubelet_dir(self) -> Path:
-        return self.root / "kubelet"
+    registered_driver: ClassVar[str] = DRIVER
+    kind: ClassVar[str] = "plugin"
 
     @property
     def cdi_dir(self) -> Path:
@@ -82,10 +74,6 @@ class DriverProcess:
     @property
     def state_dir(self) -> Path:
         return (self.run_root or self.root) / "state"
-
-    @property
-    def log_path(self) -> Path:
-        return self.root / "plugin.log"
 
     @property
     def data_dir(self) -> Path:
@@ -121,34 +109,6 @@ class DriverProcess:
             self.wait_serving(timeout=60)
         return self
 
-    def wait_serving(self, timeout: float = 60.0) -> Path:
-        """Wait until the registration socket answers (a crashed predecessor's file does not)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            socket = self.registration_socket(timeout=max(deadline - time.monotonic(), 0.1))
-            with grpc.insecure_channel(f"unix://{socket}") as channel:
-                try:
-                    RegistrationStub(channel).GetInfo(InfoRequest(), timeout=1)
-                    return socket
-                except grpc.RpcError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"plugin for {self.node} does not answer:\n{self.log_tail()}"
-                        ) from None
-                    time.sleep(0.02)  # the poll interval
-
-    def registration_socket(self, timeout: float = 30.0) -> Path:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"plugin for {self.node} exited with {self.proc.returncode}:\n{self.log_tail()}"
-                )
-            with contextlib.suppress(TimeoutError):
-                return find_registration_socket(self.kubelet_dir, DRIVER, timeout=0.2)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"plugin for {self.node} did not register:\n{self.log_tail()}")
-
     @property
     def pid(self) -> int:
         assert self.proc is not None, "not started"
@@ -158,23 +118,6 @@ class DriverProcess:
         if self.proc is None or self.proc.poll() is not None:
             code = None if self.proc is None else self.proc.returncode
             raise RuntimeError(f"driver for {self.node} is not running (exit {code}):\n{self.log_tail()}")
-
-    def log_tail(self, size: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-size:] if self.log_path.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        code = self.proc.returncode
-        self.proc = None
-        return code
 
     def wait_exit(self, timeout: float = 15.0) -> int:
         assert self.proc is not None

@@ -15,6 +15,7 @@ from pathlib import Path
 from kubernetes import client
 
 from dra_driver.jsontypes import JSON
+from tests.harness.bodies import claim_pod, claim_template
 from tests.harness.cluster import REPO_ROOT
 from tests.harness.driver import DRIVER, DriverProcess
 from tests.harness.node import NodeSpec
@@ -80,38 +81,10 @@ def device_class_files() -> list[Path]:
 
 def too_big_pod() -> list[JSON]:
     """A claim no node can satisfy (200Gi on one GPU): shows the scheduler's reason, harms nothing."""
-    template = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "gpu-200gi"},
-        "spec": {
-            "spec": {
-                "devices": {
-                    "requests": [
-                        {
-                            "name": "gpu",
-                            "exactly": {
-                                "deviceClassName": DRIVER,
-                                "selectors": [{"cel": {"expression": TOO_BIG_SELECTOR}}],
-                            },
-                        }
-                    ]
-                }
-            }
-        },
-    }
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": "too-big-200gi"},
-        "spec": {
-            "automountServiceAccountToken": False,
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "gpu-200gi"}],
-            "containers": [
-                {"name": "main", "image": "busybox:1.37", "resources": {"claims": [{"name": "gpu"}]}}
-            ],
-        },
-    }
+    request = {"name": "gpu", "exactly": {"deviceClassName": DRIVER,
+                                          "selectors": [{"cel": {"expression": TOO_BIG_SELECTOR}}]}}
+    template = claim_template("gpu-200gi", {"requests": [request]})
+    pod = claim_pod("too-big-200gi", {"resourceClaimTemplateName": "gpu-200gi"})
     return [template, pod]
 
 

@@ -9,12 +9,15 @@ and is never shipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from dra_driver.sharing.mps.adoption import CLAIM_MARKER_ENV
@@ -113,3 +116,20 @@ def run_unique_uid(prefix: str) -> str:
     machine uses: the driver finds a claim's MPS processes by their claim marker among all
     processes, so two runs of one test at once (two checkouts) would stop each other's daemons."""
     return prefix + str(uuid.uuid4())[len(prefix) :]
+
+
+@contextlib.contextmanager
+def shared_mps_root(prefix: str) -> Iterator[Path]:
+    """A fresh folder under /tmp (socket paths must stay short) with the stand-in control
+    binary in driver/, for plugins that share one MPS root (mps/); afterwards every MPS
+    daemon still running there is stopped and the folder removed."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    path.chmod(0o755)  # MPS servers run as the client's user: the MPS root must be searchable
+    install_fake_mps_control(path / "driver")
+    try:
+        yield path
+    finally:
+        mps = MpsControl(path / "mps", path / "driver")
+        for uid in mps.claim_uids():
+            mps.stop(uid)
+        shutil.rmtree(path, ignore_errors=True)

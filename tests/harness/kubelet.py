@@ -20,14 +20,11 @@ import grpc
 
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
-from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
-from dra_driver.kubeletapi.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
 from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2 as reg
 from dra_driver.kubeletapi.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
 KNOWN_SERVICES: dict[str, tuple[ModuleType, Any]] = {
     "v1.DRAPlugin": (dra_v1, dra_v1_grpc.DRAPluginStub),
-    "v1beta1.DRAPlugin": (dra_v1beta1, dra_v1beta1_grpc.DRAPluginStub),
 }
 
 

@@ -53,7 +53,7 @@ from typing import Any
 import structlog
 from kubernetes import client
 
-from tests.harness.cluster import REPO_ROOT, ControlPlane, free_port
+from tests.harness.cluster import REPO_ROOT, ControlPlane, free_port, pid_alive
 from tests.harness.driver import DriverProcess, with_parent_death_signal
 from tests.harness.images import PAUSE_IMAGE, write_test_images
 from tests.harness.objects import sync_client, sync_request
@@ -155,14 +155,6 @@ def descendants(pid: int) -> list[int]:
         found.append(p)
         todo.extend(children.get(p, []))
     return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _cmdline(pid: int) -> str:
@@ -919,11 +911,12 @@ def reap(state_file: Path) -> None:
     state = json.loads(state_file.read_text())
     base = state["base"]
     for pid in state["sandboxes"]:
-        if _alive(pid) and base in _cmdline(pid) and "unshare" in _cmdline(pid):
+        if pid_alive(pid) and base in _cmdline(pid) and "unshare" in _cmdline(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_alive(p) and base in _cmdline(p) for p in state["sandboxes"]):
+    sandboxes = state["sandboxes"]
+    while time.monotonic() < deadline and any(pid_alive(p) and base in _cmdline(p) for p in sandboxes):
         time.sleep(0.1)  # the poll interval
     # The namespaces go once their last process is reaped; give the kernel a moment.
     time.sleep(0.5)  # not a wait: cleanup, and the links still there are deleted below anyway

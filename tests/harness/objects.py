@@ -24,6 +24,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from dra_driver.jsontypes import JSON
+from tests.harness.bodies import claim_pod
 
 T = TypeVar("T")
 
@@ -373,20 +374,7 @@ def create_namespace(api: client.ApiClient, name: str, labels: dict[str, str] | 
 
 def pinned_pod(name: str, node: str, claim: str, command: Sequence[str] = ("sleep", "1")) -> JSON:
     """A busybox pod on `node` whose one container uses the ResourceClaim `claim`."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"kubernetes.io/hostname": node},
-            "automountServiceAccountToken": False,
-            "resourceClaims": [{"name": "c", "resourceClaimName": claim}],
-            "containers": [
-                {"name": "main", "image": "busybox:1.37", "command": list(command),
-                 "resources": {"claims": [{"name": "c"}]}}
-            ],
-        },
-    }
+    return claim_pod(name, {"resourceClaimName": claim}, node, command=command)
 
 
 def get_pod(api: client.ApiClient, namespace: str, name: str) -> JSON:

@@ -10,13 +10,15 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from dra_driver.jsontypes import JSON
+from tests.harness.bodies import claim_body, claim_pod
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DriverProcess
 from tests.harness.kubelet import ClaimName, KubeletSide
@@ -41,54 +43,44 @@ class Bench:
     node: str
 
 
-class Case:
-    """Claims and pods of one test in its namespace, pinned to the node; `clear()` frees them."""
+def cdi_edits(bench: Bench, cdi_ids: Sequence[str]) -> dict[str, Any]:
+    """The OCI edits `cdicheck` (the CDI library containerd and CRI-O use) makes of the
+    plugin's CDI ids."""
+    out = subprocess.run(
+        [str(bench.control_plane.bin_dir / "cdicheck"), "-dir", str(bench.plugin.cdi_dir), *cdi_ids],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    oci: dict[str, Any] = json.loads(out.stdout)
+    return oci
 
-    def __init__(self, bench: Bench, namespace: str) -> None:
-        self.bench, self.api, self.ns = bench, bench.api, namespace
+
+class PinnedClaims:
+    """Claims and pods of one test in its namespace, pinned to `node`; `clear()` (or leaving
+    a `with` block) deletes them and waits until the claims are gone."""
+
+    def __init__(self, api: client.ApiClient, namespace: str, node: str) -> None:
+        self.api, self.ns, self.node = api, namespace, node
         self.counter = itertools.count()
-        self.prepared: list[ClaimName] = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.clear()
 
     def create(self, devices: JSON) -> str:
+        """A claim of `devices` and a pod using it whole, both named cN."""
         name = f"c{next(self.counter)}"
-        sync_request(
-            self.api,
-            "POST",
-            f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims",
-            {
-                "apiVersion": "resource.k8s.io/v1",
-                "kind": "ResourceClaim",
-                "metadata": {"name": name},
-                "spec": {"devices": devices},
-            },
-        )
-        sync_request(
-            self.api,
-            "POST",
-            f"/api/v1/namespaces/{self.ns}/pods",
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": self.bench.node},
-                    "automountServiceAccountToken": False,
-                    "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "busybox:1.37",
-                            "command": ["sleep", "3600"],
-                            "resources": {"claims": [{"name": "gpu"}]},
-                        }
-                    ],
-                },
-            },
-        )
+        sync_request(self.api, "POST", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims",
+                     claim_body(name, devices))
+        pod = claim_pod(name, {"resourceClaimName": name}, self.node)
+        sync_request(self.api, "POST", f"/api/v1/namespaces/{self.ns}/pods", pod)
         return name
 
-    def bound(self, name: str) -> JSON:
-        """The pod is bound: the one allocation result of its one claim."""
+    def results(self, name: str) -> list[JSON]:
+        """The pod is bound: the allocation results of its one claim."""
 
         def probe() -> JSON | None:
             pod = get_pod(self.api, self.ns, name)
@@ -99,8 +91,7 @@ class Case:
         except TimeoutError as e:
             raise AssertionError(f"{e}; scheduler says: {scheduler_reason(self.api, self.ns, name)}") from e
         ((claim, _),) = pod_claim_names(pod)
-        (result,) = allocation_results(get_claim(self.api, self.ns, claim))
-        return result
+        return allocation_results(get_claim(self.api, self.ns, claim))
 
     def pending(self, name: str) -> str:
         """The pod stays unbound: the scheduler's reason."""
@@ -128,33 +119,7 @@ class Case:
 
         wait_for(f"claim {name} to be gone", gone, timeout=60)
 
-    def prepare(self, name: str) -> tuple[Any, dict[str, Any]]:
-        """NodePrepareResources as the kubelet sends it (v1); the device answered and the OCI
-        edits cdicheck makes of its CDI ids."""
-        claim = get_claim(self.api, self.ns, name)
-        ref = ClaimName(self.ns, name, claim["metadata"]["uid"])
-        response = self.bench.kubelet.prepare(ref)
-        self.prepared.append(ref)
-        answer = response.claims[ref.uid]
-        assert not answer.error, answer.error
-        (device,) = answer.devices
-        out = subprocess.run(
-            [
-                str(self.bench.control_plane.bin_dir / "cdicheck"),
-                "-dir",
-                str(self.bench.plugin.cdi_dir),
-                *device.cdi_device_ids,
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        oci: dict[str, Any] = json.loads(out.stdout)
-        return device, oci
-
     def clear(self) -> None:
-        for ref in reversed(self.prepared):
-            self.bench.kubelet.unprepare(ref)
         now = {"gracePeriodSeconds": "0"}
         sync_request(self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods", query=now)
         sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
@@ -164,6 +129,41 @@ class Case:
             return not claims["items"]
 
         wait_for("the case's claims to be gone", released, timeout=60)
+
+
+class Case(PinnedClaims):
+    """PinnedClaims on the bench's node, prepared through the kubelet's side; `clear()`
+    unprepares what was prepared first."""
+
+    def __init__(self, bench: Bench, namespace: str) -> None:
+        super().__init__(bench.api, namespace, bench.node)
+        self.bench = bench
+        self.prepared: list[ClaimName] = []
+
+    def bound(self, name: str) -> JSON:
+        """The pod is bound: the one allocation result of its one claim."""
+        (result,) = self.results(name)
+        return result
+
+    def prepare_claim(self, claim: JSON) -> Any:
+        """NodePrepareResources for one claim as the kubelet sends it (v1): its answer."""
+        ref = ClaimName(self.ns, claim["metadata"]["name"], claim["metadata"]["uid"])
+        response = self.bench.kubelet.prepare(ref)
+        self.prepared.append(ref)
+        return response.claims[ref.uid]
+
+    def prepare(self, name: str) -> tuple[Any, dict[str, Any]]:
+        """The one device answered for claim `name` and the OCI edits of its CDI ids."""
+        answer = self.prepare_claim(get_claim(self.api, self.ns, name))
+        assert not answer.error, answer.error
+        (device,) = answer.devices
+        return device, cdi_edits(self.bench, device.cdi_device_ids)
+
+    def clear(self) -> None:
+        for ref in reversed(self.prepared):
+            self.bench.kubelet.unprepare(ref)
+        self.prepared.clear()
+        super().clear()
 
 
 def oci_env(oci: dict[str, Any]) -> dict[str, str]:

@@ -16,7 +16,6 @@ containerd uses), so the settings checked are what a container would get.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -37,11 +36,11 @@ from kubernetes.client.exceptions import ApiException
 from dra_driver.jsontypes import JSON
 from dra_driver.sharing.config import ConfigError
 from dra_driver.sharing.nvidia_config import NVIDIA_ONLY_KINDS, parse_claim_config
+from tests.harness.bodies import claim_body, claim_pod
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
 from tests.harness.driver_image import render_chart
 from tests.harness.fake_mps import mps_driver_root
-from tests.harness.kubelet import ClaimName
 from tests.harness.nvidia_reference import nvidia_source
 from tests.harness.objects import (
     RESOURCE_API,
@@ -57,6 +56,8 @@ from tests.harness.objects import (
     wait_for,
 )
 from tests.harness.pinned_claims import Bench as PinnedBench
+from tests.harness.pinned_claims import Case as PinnedCase
+from tests.harness.pinned_claims import cdi_edits, oci_env
 from tests.harness.plugin_node import plugin_node
 
 ADMISSION_API = "/apis/admissionregistration.k8s.io/v1"
@@ -91,15 +92,6 @@ def _admission_path(doc: JSON, name: bool = False) -> str:
     return f"{ADMISSION_API}/{plural}" + (f"/{doc['metadata']['name']}" if name else "")
 
 
-def _claim(name: str, devices: JSON) -> JSON:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name},
-        "spec": {"devices": devices},
-    }
-
-
 def _device_class(name: str, parameters: Any, selector: str | None = None) -> JSON:
     spec: JSON = {"config": [{"opaque": {"driver": DRIVER, "parameters": parameters}}]}
     if selector is not None:
@@ -116,7 +108,7 @@ def _one_request(parameters: Any, cls: str = GPU_CLASS, count: int = 1) -> JSON:
 
 
 def _policy_in_effect(api: client.ApiClient, namespace: str) -> None:
-    probe = _claim("probe", _one_request({**NV, "kind": "VfioDeviceConfig"}))
+    probe = claim_body("probe", _one_request({**NV, "kind": "VfioDeviceConfig"}))
     wait_for("the claim-config policy to take effect",
              lambda: policy_denial(api, namespace, probe, dry_run=True))
 
@@ -155,45 +147,18 @@ def bench(control_plane: ControlPlane, api: client.ApiClient) -> Iterator[Bench]
             shutil.rmtree(base, ignore_errors=True)
 
 
-class Case:
-    """Claims and pods of one test in its namespace, pinned to the node; `clear()` frees them."""
-
-    def __init__(self, bench: Bench, namespace: str) -> None:
-        self.bench, self.api, self.ns = bench, bench.api, namespace
-        self.counter = itertools.count()
-        self.prepared: list[ClaimName] = []
+class Case(PinnedCase):
+    """tests/harness/pinned_claims.py's case, with a container per request."""
 
     def pod(self, name: str, claim: JSON, requests: list[str]) -> None:
         """A pod with one container per request, pinned to the node."""
-        sync_request(
-            self.api,
-            "POST",
-            f"/api/v1/namespaces/{self.ns}/pods",
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": name},
-                "spec": {
-                    "nodeSelector": {"kubernetes.io/hostname": NODE},
-                    "automountServiceAccountToken": False,
-                    "resourceClaims": [{"name": "gpus", **claim}],
-                    "containers": [
-                        {
-                            "name": f"c{i}",
-                            "image": "busybox:1.37",
-                            "command": ["sleep", "3600"],
-                            "resources": {"claims": [{"name": "gpus", "request": r}]},
-                        }
-                        for i, r in enumerate(requests)
-                    ],
-                },
-            },
-        )
+        pod = claim_pod(name, claim, NODE, requests)
+        sync_request(self.api, "POST", f"/api/v1/namespaces/{self.ns}/pods", pod)
 
     def create(self, devices: JSON) -> str:
         name = f"c{next(self.counter)}"
         sync_request(
-            self.api, "POST", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims", _claim(name, devices)
+            self.api, "POST", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims", claim_body(name, devices)
         )
         self.pod(name, {"resourceClaimName": name}, [r["name"] for r in devices["requests"]])
         return name
@@ -214,56 +179,22 @@ class Case:
             raise AssertionError(f"{e}; scheduler says: {scheduler_reason(self.api, self.ns, pod)}") from e
         return get_claim(self.api, self.ns, found["name"])
 
-    def prepare(self, claim: JSON) -> Any:
-        ref = ClaimName(self.ns, claim["metadata"]["name"], claim["metadata"]["uid"])
-        response = self.bench.kubelet.prepare(ref)
-        self.prepared.append(ref)
-        return response.claims[ref.uid]
-
     def env_by_request(self, claim: JSON) -> dict[str, dict[str, str]]:
         """Each request's container environment, from the CDI ids the plugin answered."""
-        answer = self.prepare(claim)
+        answer = self.prepare_claim(claim)
         assert not answer.error, answer.error
         out: dict[str, dict[str, str]] = {}
         for device in answer.devices:
-            proc = subprocess.run(
-                [
-                    str(self.bench.control_plane.bin_dir / "cdicheck"),
-                    "-dir",
-                    str(self.bench.plugin.cdi_dir),
-                    *device.cdi_device_ids,
-                ],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            env = dict(e.split("=", 1) for e in json.loads(proc.stdout)["process"]["env"])
+            env = oci_env(cdi_edits(self.bench, device.cdi_device_ids))
             for request in device.request_names:
                 out[request] = env
         return out
 
-    def clear(self) -> None:
-        for ref in reversed(self.prepared):
-            self.bench.kubelet.unprepare(ref)
-        self.prepared.clear()
-        now = {"gracePeriodSeconds": "0"}
-        sync_request(self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods", query=now)
-        sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
-
-        def released() -> bool:
-            claims = sync_request(self.api, "GET", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
-            return not claims["items"]
-
-        wait_for("the case's claims to be gone", released, timeout=60)
-
 
 @pytest.fixture
 def case(bench: Bench, namespace: str) -> Iterator[Case]:
-    c = Case(bench, namespace)
-    try:
+    with Case(bench, namespace) as c:
         yield c
-    finally:
-        c.clear()
 
 
 def _mps(env: dict[str, str]) -> dict[str, str]:
@@ -319,7 +250,7 @@ def test_nvidia_per_device_limits_by_index_override_the_default(case: Case) -> N
             },
         },
     }
-    dry = _claim("dry", _one_request(parameters, count=2))
+    dry = claim_body("dry", _one_request(parameters, count=2))
     assert policy_denial(case.api, case.ns, dry, dry_run=True) is None
     name = case.create(_one_request(parameters, count=2))
     env = case.env_by_request(case.claim_of(name))
@@ -361,7 +292,7 @@ NULL_OR_EMPTY = [
 def test_a_null_or_empty_object_is_taken_as_its_default_when_written(
     bench: Bench, namespace: str, parameters: JSON
 ) -> None:
-    claim = _claim("empty", _one_request(parameters))
+    claim = claim_body("empty", _one_request(parameters))
     assert policy_denial(bench.api, namespace, claim, dry_run=True) is None
     parse_claim_config(parameters, DRIVER, "opaque.parameters")  # and by the plugin
 
@@ -405,7 +336,7 @@ def test_what_the_plugin_refuses_is_refused_when_written_with_its_message(
     bench: Bench, namespace: str, parameters: JSON
 ) -> None:
     expected = _plugin_message(parameters)
-    claim = _claim("refused", _one_request(parameters))
+    claim = claim_body("refused", _one_request(parameters))
     message = policy_denial(bench.api, namespace, claim)
     assert message is not None and expected.endswith(message) and message.startswith("opaque.parameters"), (
         f"policy: {message}\nplugin: {expected}"
@@ -465,7 +396,7 @@ def test_a_request_for_nvidias_vfio_class_under_our_domain_is_refused_when_writt
 ) -> None:
     """No such class exists here: admitted, the claim's pod would wait for ever."""
     plain = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": VFIO_CLASS}}]}
-    assert policy_denial(bench.api, namespace, _claim("vfio", plain)) == VFIO_MESSAGE
+    assert policy_denial(bench.api, namespace, claim_body("vfio", plain)) == VFIO_MESSAGE
     template = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaimTemplate",
@@ -484,10 +415,10 @@ def test_a_request_for_nvidias_vfio_class_under_our_domain_is_refused_when_writt
             }
         ]
     }
-    assert policy_denial(bench.api, namespace, _claim("vfio", alternatives)) == VFIO_MESSAGE
+    assert policy_denial(bench.api, namespace, claim_body("vfio", alternatives)) == VFIO_MESSAGE
     # NVIDIA's own class belongs to NVIDIA's driver, which may run beside this one
     theirs = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "vfio.gpu.nvidia.com"}}]}
-    assert policy_denial(bench.api, namespace, _claim("theirs", theirs), dry_run=True) is None
+    assert policy_denial(bench.api, namespace, claim_body("theirs", theirs), dry_run=True) is None
 
 
 # the recipe's `sed -e '...' -e '...'` in docs/migrating.md
@@ -513,7 +444,7 @@ def test_nvidias_vfio_examples_after_the_documented_sed_are_refused_when_written
 def test_another_drivers_config_is_not_ours_to_check(bench: Bench, namespace: str) -> None:
     devices = _one_request({**NV, "kind": "VfioDeviceConfig"})
     devices["config"][0]["opaque"]["driver"] = "gpu.nvidia.com"
-    assert policy_denial(bench.api, namespace, _claim("theirs", devices), dry_run=True) is None
+    assert policy_denial(bench.api, namespace, claim_body("theirs", devices), dry_run=True) is None
 
 
 def _nvidia_driver_message(request: str) -> str:
@@ -543,7 +474,8 @@ def test_an_nvidia_driver_config_on_this_drivers_classes_is_refused_when_written
         }
 
     def verdict(classes: dict[str, str], requests: list[str] | None) -> str | None:
-        return policy_denial(bench.api, namespace, _claim("half", devices(classes, requests)), dry_run=True)
+        half = claim_body("half", devices(classes, requests))
+        return policy_denial(bench.api, namespace, half, dry_run=True)
 
     ours = (DRIVER, f"mig.{DRIVER}", f"gpu-share.{DRIVER}", f"mig-dynamic.{DRIVER}", f"gpu-linked.{DRIVER}")
     for cls in ours:
@@ -572,7 +504,7 @@ def test_a_claim_written_before_the_policy_is_allocated_and_refused_by_the_plugi
         sync_request(case.api, "DELETE", _admission_path(doc, name=True))
     wait_for(
         "the claim-config policy to be gone",
-        lambda: policy_denial(case.api, case.ns, _claim("probe", _one_request(parameters)),
+        lambda: policy_denial(case.api, case.ns, claim_body("probe", _one_request(parameters)),
                               dry_run=True) is None,
     )
     old_class = f"cfg-old-{SUFFIX}"
@@ -585,8 +517,9 @@ def test_a_claim_written_before_the_policy_is_allocated_and_refused_by_the_plugi
     _policy_in_effect(case.api, case.ns)
     claim = case.claim_of(name)  # bound: the finalizer and the allocation were written
     assert claim["metadata"].get("finalizers") and allocation_results(claim)
-    answer = case.prepare(claim)
-    policy_message = policy_denial(case.api, case.ns, _claim("again", _one_request(parameters)), dry_run=True)
+    answer = case.prepare_claim(claim)
+    again = claim_body("again", _one_request(parameters))
+    policy_message = policy_denial(case.api, case.ns, again, dry_run=True)
     assert policy_message is not None and answer.error.endswith(policy_message), answer.error
     # Deleting it removes the finalizer (an update that changes no spec): it must go through.
     case.clear()

@@ -91,15 +91,6 @@ def gpu(memory: str | None = None, shares: str | None = None, cls: str = WHOLE_C
     return {"requests": [{"name": "gpu", "exactly": exactly}]}
 
 
-@contextlib.contextmanager
-def _case(bench: Bench, namespace: str) -> Iterator[Case]:
-    case = Case(bench, namespace)
-    try:
-        yield case
-    finally:
-        case.clear()
-
-
 def test_memory_mode_two_4gi_claims_share_the_gpu_each_held_to_its_4gi(
     memory_node: Bench, namespace: str
 ) -> None:
@@ -109,7 +100,7 @@ def test_memory_mode_two_4gi_claims_share_the_gpu_each_held_to_its_4gi(
     policy = _devices(memory_node.api, memory_node.node)["gpu-0"]["capacity"]["memory"]
     assert policy == {"value": H200, "requestPolicy": {
         "default": H200, "validRange": {"min": "1Mi", "max": H200, "step": "1Mi"}}}
-    with _case(memory_node, namespace) as case:
+    with Case(memory_node, namespace) as case:
         a, b = case.create(gpu("4Gi")), case.create(gpu("4Gi"))
         results = [case.bound(a), case.bound(b)]
         assert [r["device"] for r in results] == ["gpu-0", "gpu-0"]
@@ -138,7 +129,7 @@ def test_integer_mode_four_claims_share_the_gpu_the_fifth_waits(four_node: Bench
     device = _devices(four_node.api, four_node.node)["gpu-0"]
     assert device["capacity"]["shares"] == {"value": "4", "requestPolicy": {
         "default": "1", "validRange": {"min": "1", "max": "4", "step": "1"}}}
-    with _case(four_node, namespace) as case:
+    with Case(four_node, namespace) as case:
         names = [case.create(gpu()) for _ in range(3)]
         results = [case.bound(n) for n in names]
         assert {r["device"] for r in results} == {"gpu-0"}

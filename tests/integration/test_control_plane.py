@@ -15,6 +15,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from tests.harness.bodies import claim_pod, claim_template
 from tests.harness.cluster import ControlPlane
 from tests.harness.objects import create_device_class, create_node, sync_request, wait_for
 
@@ -47,46 +48,12 @@ def test_scheduler_allocates_the_device_with_enough_memory(
     sync_request(api, "POST", "/apis/resource.k8s.io/v1/resourceslices", _slice(node, unique))
     cls = f"foundation-{unique}"
     create_device_class(api, cls, f'device.driver == "{DRIVER}"')
-    sync_request(
-        api,
-        "POST",
-        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaimTemplate",
-            "metadata": {"name": "big"},
-            "spec": {
-                "spec": {
-                    "devices": {
-                        "requests": [
-                            {
-                                "name": "gpu",
-                                "exactly": {
-                                    "deviceClassName": cls,
-                                    "selectors": [{"cel": {"expression": BIG_ENOUGH}}],
-                                },
-                            }
-                        ]
-                    }
-                }
-            },
-        },
-    )
-    sync_request(
-        api,
-        "POST",
-        f"/api/v1/namespaces/{namespace}/pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "p"},
-            "spec": {
-                "automountServiceAccountToken": False,
-                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "big"}],
-                "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
-            },
-        },
-    )
+    selectors = [{"cel": {"expression": BIG_ENOUGH}}]
+    big = {"name": "gpu", "exactly": {"deviceClassName": cls, "selectors": selectors}}
+    templates = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
+    sync_request(api, "POST", templates, claim_template("big", {"requests": [big]}))
+    pod = claim_pod("p", {"resourceClaimTemplateName": "big"})
+    sync_request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", pod)
 
     def bound() -> str | None:
         pod = sync_request(api, "GET", f"/api/v1/namespaces/{namespace}/pods/p")

@@ -9,14 +9,12 @@ by pods pinned to the node. At the end the node, its slices and the classes go.
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from controller.slices import SliceFeatures, desired_slices
 from dra_driver.gpu import discover
@@ -24,16 +22,11 @@ from dra_driver.jsontypes import JSON
 from tests.harness.driver import DRIVER
 from tests.harness.objects import (
     RESOURCE_API,
-    allocation_results,
     create_node,
-    get_claim,
-    get_pod,
     load_yaml_documents,
-    pod_claim_names,
-    scheduler_reason,
     sync_request,
-    wait_for,
 )
+from tests.harness.pinned_claims import PinnedClaims
 
 SLICES = f"{RESOURCE_API}/resourceslices"
 CLASSES = f"{RESOURCE_API}/deviceclasses"
@@ -71,81 +64,18 @@ def node(api: client.ApiClient) -> Iterator[str]:
             sync_request(api, "DELETE", f"{CLASSES}/{name}")
 
 
-class Case:
-    """Claims and pods of one test in its namespace, pinned to the node."""
-
-    def __init__(self, api: client.ApiClient, namespace: str) -> None:
-        self.api, self.ns = api, namespace
-        self.counter = itertools.count()
-
-    def create(self, devices: JSON) -> str:
-        name = f"c{next(self.counter)}"
-        claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-                 "spec": {"devices": devices}}
-        sync_request(self.api, "POST", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims", claim)
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": NODE},
-                "automountServiceAccountToken": False,
-                "resourceClaims": [{"name": "gpu", "resourceClaimName": name}],
-                "containers": [{"name": "main", "image": "busybox:1.37", "command": ["sleep", "3600"],
-                                "resources": {"claims": [{"name": "gpu"}]}}],
-            },
-        }
-        sync_request(self.api, "POST", f"/api/v1/namespaces/{self.ns}/pods", pod)
-        return name
+class Case(PinnedClaims):
+    """tests/harness/pinned_claims.py's claims and pods, pinned to this module's node."""
 
     def bound(self, name: str) -> list[str]:
-        def probe() -> JSON | None:
-            pod = get_pod(self.api, self.ns, name)
-            return pod if pod["spec"].get("nodeName") else None
-
-        try:
-            pod = wait_for(f"pod {name} bound", probe, timeout=30)
-        except TimeoutError as e:
-            raise AssertionError(f"{e}; scheduler says: {scheduler_reason(self.api, self.ns, name)}") from e
-        ((claim, _),) = pod_claim_names(pod)
-        return [r["device"] for r in allocation_results(get_claim(self.api, self.ns, claim))]
-
-    def pending(self, name: str) -> str:
-        def probe() -> str | None:
-            assert not get_pod(self.api, self.ns, name)["spec"].get("nodeName"), f"{name} was bound"
-            return scheduler_reason(self.api, self.ns, name) or None
-
-        reason = wait_for(f"a FailedScheduling event for {name}", probe, timeout=30)
-        assert not allocation_results(get_claim(self.api, self.ns, name))
-        return reason
-
-    def delete(self, name: str) -> None:
-        now = {"gracePeriodSeconds": "0"}
-        sync_request(self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods/{name}", query=now)
-        sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims/{name}")
-
-        def gone() -> bool:
-            try:
-                get_claim(self.api, self.ns, name)
-            except ApiException as e:
-                return bool(e.status == 404)
-            return False
-
-        wait_for(f"claim {name} to be gone", gone, timeout=60)
-
-    def clear(self) -> None:
-        now = {"gracePeriodSeconds": "0"}
-        sync_request(self.api, "DELETE", f"/api/v1/namespaces/{self.ns}/pods", query=now)
-        sync_request(self.api, "DELETE", f"{RESOURCE_API}/namespaces/{self.ns}/resourceclaims")
+        """The pod is bound: the devices its claim was given."""
+        return [r["device"] for r in self.results(name)]
 
 
 @pytest.fixture
 def case(api: client.ApiClient, node: str, namespace: str) -> Iterator[Case]:
-    c = Case(api, namespace)
-    try:
+    with Case(api, namespace, node) as c:
         yield c
-    finally:
-        c.clear()
 
 
 def mig(profile: str, gpu: int, count: int = 1) -> JSON:

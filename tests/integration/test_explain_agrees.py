@@ -54,6 +54,7 @@ from dra_driver.commands.why import read_report
 from dra_driver.explain.celenv import parse_quantity
 from dra_driver.gpu import discover
 from dra_driver.jsontypes import JSON
+from tests.harness.bodies import claim_body, claim_pod
 from tests.harness.cluster import ControlPlane
 from tests.harness.objects import RESOURCE_API, create_node, get_pod, sync_request, wait_for
 
@@ -330,15 +331,6 @@ def _probe(profile: str, rng: random.Random) -> tuple[str, JSON]:
     }
 
 
-def _claim_body(name: str, devices: JSON) -> JSON:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {"name": name},
-        "spec": {"devices": devices},
-    }
-
-
 def _fill(
     api: client.ApiClient, ns: str, name: str, node: str, taken: list[tuple[str, str, JSON | None]]
 ) -> None:
@@ -364,7 +356,7 @@ def _fill(
         memory = next(c for _, _, c in taken if c)["memory"]
         devices["requests"][0]["exactly"]["capacity"] = {"requests": {"memory": memory}}
     claim = sync_request(
-        api, "POST", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims", _claim_body(name, devices)
+        api, "POST", f"{RESOURCE_API}/namespaces/{ns}/resourceclaims", claim_body(name, devices)
     )
     results = []
     for request, device, consumed in taken:
@@ -534,32 +526,11 @@ def test_the_explanation_agrees_with_the_scheduler(
             api,
             "POST",
             f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims",
-            _claim_body("probe", devices),
+            claim_body("probe", devices),
         )
-        sync_request(
-            api,
-            "POST",
-            f"/api/v1/namespaces/{namespace}/pods",
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "probe"},
-                "spec": {
-                    "schedulingGates": [{"name": "why-test/explain-first"}],
-                    "nodeSelector": selector,
-                    "automountServiceAccountToken": False,
-                    "resourceClaims": [{"name": "c", "resourceClaimName": "probe"}],
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "busybox:1.37",
-                            "command": ["sleep", "3600"],
-                            "resources": {"claims": [{"name": "c"}]},
-                        }
-                    ],
-                },
-            },
-        )
+        probe = claim_pod("probe", {"resourceClaimName": "probe"})
+        probe["spec"] |= {"schedulingGates": [{"name": "why-test/explain-first"}], "nodeSelector": selector}
+        sync_request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", probe)
         fitting, text = asyncio.run(_explain(fleet.kubeconfig, namespace, "probe"))
         _json_patch(
             api,

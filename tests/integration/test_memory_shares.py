@@ -138,11 +138,8 @@ WHOLE: JSON = {"requests": [{"name": "gpu", "exactly": {"deviceClassName": WHOLE
 
 @pytest.fixture
 def case(bench: Bench, namespace: str) -> Iterator[Case]:
-    c = Case(bench, namespace)
-    try:
+    with Case(bench, namespace) as c:
         yield c
-    finally:
-        c.clear()
 
 
 def test_the_node_publishes_both_views_of_its_gpu(bench: Bench) -> None:

@@ -11,8 +11,6 @@ driver root both plugins share; the claim is allocated by hand.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from dra_driver.sharing.mps.layout import OWNER_FILE
 from tests.harness.claims import allocated_claim
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
-from tests.harness.fake_mps import install_fake_mps_control
+from tests.harness.fake_mps import shared_mps_root
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_node, wait_for
 
@@ -37,14 +35,8 @@ MPS = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig", "sharing": {"str
 
 @pytest.fixture
 def shared_root() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dra-own-", dir="/tmp"))  # socket paths must stay short
-    path.chmod(0o755)  # MPS servers run as the client's user: the MPS root must be searchable
-    install_fake_mps_control(path / "driver")
-    yield path
-    mps = MpsControl(path / "mps", path / "driver")
-    for uid in mps.claim_uids():
-        mps.stop(uid)
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_mps_root("dra-own-") as path:
+        yield path
 
 
 def _plugin(node: str, kubeconfig: Path, shared: Path, name: str, *args: str) -> DriverProcess:

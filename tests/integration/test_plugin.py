@@ -21,6 +21,7 @@ import pytest
 from kubernetes import client
 
 from dra_driver.plugin.checkpoint import checkpoint_path, load, read_boot_id
+from tests.harness.bodies import claim_pod, claim_template
 from tests.harness.claims import CLAIMS, allocated_claim
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
@@ -93,42 +94,12 @@ def _pod_with_claim(
     api: client.ApiClient, namespace: str, pod: str, device_class: str, count: int = 1
 ) -> dict[str, Any]:
     """A pod whose claim comes from a template; returns the claim once the scheduler allocated it."""
-    sync_request(
-        api,
-        "POST",
-        f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "ResourceClaimTemplate",
-            "metadata": {"name": pod},
-            "spec": {
-                "spec": {
-                    "devices": {
-                        "requests": [
-                            {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count}}
-                        ]
-                    }
-                }
-            },
-        },
-    )
-    sync_request(
-        api,
-        "POST",
-        f"/api/v1/namespaces/{namespace}/pods",
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": pod},
-            "spec": {
-                "automountServiceAccountToken": False,
-                # Other tests' nodes may still offer devices of this driver.
-                "nodeSelector": {"kubernetes.io/hostname": PLUGIN_NODE},
-                "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": pod}],
-                "containers": [{"name": "c", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}}],
-            },
-        },
-    )
+    request = {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count}}
+    templates = f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates"
+    sync_request(api, "POST", templates, claim_template(pod, {"requests": [request]}))
+    # Pinned: other tests' nodes may still offer devices of this driver.
+    body = claim_pod(pod, {"resourceClaimTemplateName": pod}, PLUGIN_NODE)
+    sync_request(api, "POST", f"/api/v1/namespaces/{namespace}/pods", body)
 
     def allocated() -> dict[str, Any] | None:
         for claim in sync_request(api, "GET", CLAIMS.format(ns=namespace))["items"]:
@@ -156,7 +127,6 @@ def _cdicheck(control_plane: ControlPlane, cdi_dir: Path, *ids: str) -> dict[str
     return result
 
 
-@pytest.mark.parametrize("service", ["v1.DRAPlugin", "v1beta1.DRAPlugin"])
 def test_prepare_and_unprepare_through_the_kubelet_protocol(
     control_plane: ControlPlane,
     api: client.ApiClient,
@@ -164,12 +134,12 @@ def test_prepare_and_unprepare_through_the_kubelet_protocol(
     node: str,
     device_class: str,
     namespace: str,
-    service: str,
 ) -> None:
     _wait_slices(api, node)
-    kubelet = KubeletSide(plugin.registration_socket(), prefer=service)
+    kubelet = KubeletSide(plugin.registration_socket())
     assert kubelet.info.name == DRIVER
-    assert list(kubelet.info.supported_versions)[:2] == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+    assert kubelet.service == "v1.DRAPlugin"
+    assert list(kubelet.info.supported_versions)[:1] == ["v1.DRAPlugin"]
     claim = _pod_with_claim(api, namespace, "two-gpus", device_class, count=2)
     allocated = sorted(r["device"] for r in claim["status"]["allocation"]["devices"]["results"])
 

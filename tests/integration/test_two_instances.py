@@ -15,9 +15,7 @@ claim is prepared.
 from __future__ import annotations
 
 import random
-import shutil
 import signal
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +31,7 @@ from dra_driver.sharing.mps.daemon import MpsControl
 from tests.harness.claims import allocated_claim
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER, DriverProcess
-from tests.harness.fake_mps import install_fake_mps_control
+from tests.harness.fake_mps import shared_mps_root
 from tests.harness.kubelet import ClaimName, KubeletSide
 from tests.harness.objects import create_device_class, create_node, sync_request, wait_for
 
@@ -47,14 +45,8 @@ SEED = 20261202
 
 @pytest.fixture
 def shared_root() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dra2-", dir="/tmp"))  # socket paths must stay short
-    path.chmod(0o755)  # MPS servers run as the client's user: the MPS root must be searchable
-    install_fake_mps_control(path / "driver")
-    yield path
-    mps = MpsControl(path / "mps", path / "driver")
-    for uid in mps.claim_uids():
-        mps.stop(uid)
-    shutil.rmtree(path, ignore_errors=True)
+    with shared_mps_root("dra2-") as path:
+        yield path
 
 
 class Instance:

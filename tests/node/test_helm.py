@@ -35,12 +35,12 @@ from kubernetes.client.exceptions import ApiException
 
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
-from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
+from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage
 from tests.harness.helm import Helm
-from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
-from tests.harness.objects import RESOURCE_API, create_namespace, get_pod, sync_client, sync_request, wait_for
-from tests.harness.service_proxy import ServiceProxy
+from tests.harness.node import Node, Nodes, NodeSpec
+from tests.harness.objects import RESOURCE_API, create_namespace, get_pod, sync_request, wait_for
 from tests.node import pods
+from tests.node.daemonset_cluster import daemonset_cluster
 
 logger = structlog.get_logger(__name__)
 
@@ -75,57 +75,20 @@ class HelmCluster:
         return self.nodes[name]
 
 
-def _label_gpu_node(api: client.ApiClient, name: str) -> None:
-    node = sync_request(api, "GET", f"/api/v1/nodes/{name}")
-    node["metadata"].setdefault("labels", {})[GPU_LABEL] = "true"
-    sync_request(api, "PUT", f"/api/v1/nodes/{name}", node)
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelmCluster]:
-    if os.geteuid() != 0:
-        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    image = build_driver_image()
-    helm_binary = build_helm()
-    archive_mb = round(image.archive.stat().st_size / 2**20, 1)
-    logger.info("driver image ready", image=image.name, archive=str(image.archive),
-                seconds=round(image.build_seconds, 1), archive_mb=archive_mb)
-    work = tmp_path_factory.mktemp("helm-cluster")
-    cp = ControlPlane.start(
-        work_dir=work / "cp", node_lifecycle=True, extra_tokens=node_tokens([s.name for s in SPECS])
-    )
-    nodes: Nodes | None = None
-    proxy: ServiceProxy | None = None
-    helm = Helm(helm_binary, cp.kubeconfig, work / "helm")
-    try:
-        nodes = Nodes.start(cp, SPECS, daemonset=True, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
-        api = sync_client(str(cp.kubeconfig))
+    with daemonset_cluster(tmp_path_factory, "helm-cluster", SPECS) as base:
+        helm, image = base.helm(), base.image
         upgrade_tag = f"{image.tag}-upgrade"
-        for node in nodes.nodes.values():
-            t0 = time.monotonic()
-            node.import_images({image.name: image.archive})
+        for node in base.nodes.nodes.values():
             node.ctr("images", "tag", image.name, f"{IMAGE_REPOSITORY}:{upgrade_tag}")
-            logger.info("driver image imported", node=node.name, seconds=round(time.monotonic() - t0, 1))
-            _label_gpu_node(api, node.name)
-        service = wait_for(
-            "the kubernetes Service",
-            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
-        )
-        first = next(iter(nodes.nodes.values()))
-        port = int(service["spec"]["ports"][0]["port"])
-        target = ("127.0.0.1", cp.api_port)
-        proxy = ServiceProxy(service["spec"]["clusterIP"], port, target, first.link).start()
-        cluster = HelmCluster(cp, api, nodes, helm, image, upgrade_tag)
-        cluster.figures["image_build_s"] = round(image.build_seconds, 1)
-        yield cluster
-        logger.info("helm test figures", **cluster.figures)
-    finally:
-        helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
-        if proxy is not None:
-            proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+        try:
+            cluster = HelmCluster(base.cp, base.api, base.nodes, helm, image, upgrade_tag)
+            cluster.figures["image_build_s"] = round(image.build_seconds, 1)
+            yield cluster
+            logger.info("helm test figures", **cluster.figures)
+        finally:
+            helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
 
 
 # -- reading the cluster -----------------------------------------------------------------------

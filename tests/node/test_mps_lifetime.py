@@ -33,15 +33,13 @@ import pytest
 import structlog
 from kubernetes import client
 
-from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
-from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
+from tests.harness.driver_image import CHART, IMAGE_REPOSITORY
 from tests.harness.fake_mps import install_fake_mps_control
-from tests.harness.helm import Helm
-from tests.harness.node import Node, Nodes, NodeSpec, descendants, node_tokens
-from tests.harness.objects import sync_client, sync_request, wait_for
-from tests.harness.service_proxy import ServiceProxy
+from tests.harness.node import Node, NodeSpec, descendants
+from tests.harness.objects import sync_request, wait_for
 from tests.node import pods
+from tests.node.daemonset_cluster import OneNodeRelease, daemonset_cluster
 
 logger = structlog.get_logger(__name__)
 
@@ -59,51 +57,16 @@ MARKER = "GPU_DRA_MPS_CLAIM"
 MPS_CONFIG = {"apiVersion": f"{DRIVER}/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "MPS"}}
 
 
-@dataclass
-class Cluster:
-    cp: ControlPlane
-    api: client.ApiClient
-    node: Node
-    helm: Helm
-    image: DriverImage
-
-
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if os.geteuid() != 0:
-        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    image = build_driver_image()
-    helm_binary = build_helm()
-    work = tmp_path_factory.mktemp("mps-life")
-    cp = ControlPlane.start(work_dir=work / "cp", node_lifecycle=True, extra_tokens=node_tokens([NODE.name]))
-    nodes: Nodes | None = None
-    proxy: ServiceProxy | None = None
-    helm = Helm(helm_binary, cp.kubeconfig, work / "helm")
-    try:
-        nodes = Nodes.start(cp, (NODE,), daemonset=True, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
-        api = sync_client(str(cp.kubeconfig))
-        node = nodes[NODE.name]
-        node.import_images({image.name: image.archive})
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OneNodeRelease]:
+    with daemonset_cluster(tmp_path_factory, "mps-life", (NODE,)) as base:
+        helm, image, node = base.helm(), base.image, base.nodes[NODE.name]
         node.ctr("images", "tag", image.name, f"{IMAGE_REPOSITORY}:{image.tag}-upgrade")
-        found = sync_request(api, "GET", f"/api/v1/nodes/{NODE.name}")
-        found["metadata"].setdefault("labels", {})["nvidia.com/gpu.present"] = "true"
-        sync_request(api, "PUT", f"/api/v1/nodes/{NODE.name}", found)
         install_fake_mps_control(node.host_path(FAKE_ROOT), python=IMAGE_PYTHON)
-        service = wait_for(
-            "the kubernetes Service",
-            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
-        )
-        port = int(service["spec"]["ports"][0]["port"])
-        target = ("127.0.0.1", cp.api_port)
-        proxy = ServiceProxy(service["spec"]["clusterIP"], port, target, node.link).start()
-        yield Cluster(cp, api, node, helm, image)
-    finally:
-        helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
-        if proxy is not None:
-            proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+        try:
+            yield OneNodeRelease(base.cp, base.api, node, helm, image)
+        finally:
+            helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
 
 
 # -- reading the node ------------------------------------------------------------------------
@@ -120,7 +83,7 @@ def _ready(pod: JSON) -> bool:
     return pod.get("status", {}).get("phase") == "Running" and conditions.get("Ready") == "True"
 
 
-def _wait_one_ready_plugin(env: Cluster, not_uid: str | None = None, restarts: int = 0) -> JSON:
+def _wait_one_ready_plugin(env: OneNodeRelease, not_uid: str | None = None, restarts: int = 0) -> JSON:
     def one() -> JSON | None:
         found = _plugins(env.api)
         if len(found) != 1 or not _ready(found[0]) or found[0]["metadata"]["uid"] == not_uid:
@@ -155,12 +118,12 @@ class Workload:
     claim_uid: str
 
 
-def _container_pid(env: Cluster, w: Workload) -> int:
+def _container_pid(env: OneNodeRelease, w: Workload) -> int:
     pod = pods.wait_running(env.api, PODS_NS, w.pod)
     return pods.host_pid(env.node, pods.container_id(pod, "main"))
 
 
-def _check_served(env: Cluster, w: Workload, pids: set[int], when: str, round_: int) -> None:
+def _check_served(env: OneNodeRelease, w: Workload, pids: set[int], when: str, round_: int) -> None:
     """The same daemon, the container's pipe dir is the daemon's, and a new client reaches it."""
     now = _daemon_pids(env.node, w.claim_uid)
     assert now == pids, f"{when}: {w.pod}'s daemon processes were {sorted(pids)}, now {sorted(now)}"
@@ -190,7 +153,7 @@ def _check_served(env: Cluster, w: Workload, pids: set[int], when: str, round_: 
 # -- the test --------------------------------------------------------------------------------
 
 
-def test_mps_daemons_outlive_upgrade_kill_and_uninstall(env: Cluster) -> None:
+def test_mps_daemons_outlive_upgrade_kill_and_uninstall(env: OneNodeRelease) -> None:
     env.helm.run(
         "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
         "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",

@@ -14,36 +14,31 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
 import re
 import tarfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tests.harness.cluster import ControlPlane
 from tests.harness.driver import DRIVER
-from tests.harness.driver_image import CHART, DriverImage, build_driver_image
+from tests.harness.driver_image import CHART, build_driver_image
 from tests.harness.examples import device_class_files
-from tests.harness.node import Nodes, NodeSpec, node_tokens
+from tests.harness.node import NodeSpec
 from tests.harness.objects import (
     RESOURCE_API,
     apply_documents,
     create_namespace,
     create_object,
-    sync_client,
     sync_request,
     wait_for,
 )
-from tests.harness.service_proxy import ServiceProxy
 from tests.node import pods
+from tests.node.daemonset_cluster import DaemonSetCluster, daemonset_cluster
 
 JSON = dict[str, Any]
 PROFILE = "hgx-h200"
@@ -52,46 +47,10 @@ NAMESPACE = "gpu-dra-driver"
 BASE = CHART.parents[1] / "base"
 
 
-@dataclass
-class BaseCluster:
-    cp: ControlPlane
-    api: client.ApiClient
-    nodes: Nodes
-    image: DriverImage
-
-
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BaseCluster]:
-    if os.geteuid() != 0:
-        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    image = build_driver_image()
-    work = tmp_path_factory.mktemp("base-cluster")
-    cp = ControlPlane.start(work_dir=work / "cp", node_lifecycle=True, extra_tokens=node_tokens([NODE]))
-    nodes: Nodes | None = None
-    proxy: ServiceProxy | None = None
-    try:
-        nodes = Nodes.start(cp, (NodeSpec(NODE, PROFILE),), daemonset=True)
-        api = sync_client(str(cp.kubeconfig))
-        node = nodes[NODE]
-        node.import_images({image.name: image.archive})
-        labelled = sync_request(api, "GET", f"/api/v1/nodes/{NODE}")
-        labelled["metadata"].setdefault("labels", {})["nvidia.com/gpu.present"] = "true"
-        sync_request(api, "PUT", f"/api/v1/nodes/{NODE}", labelled)
-        service = wait_for(
-            "the kubernetes Service",
-            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
-        )
-        port = int(service["spec"]["ports"][0]["port"])
-        proxy = ServiceProxy(
-            service["spec"]["clusterIP"], port, ("127.0.0.1", cp.api_port), node.link
-        ).start()
-        yield BaseCluster(cp, api, nodes, image)
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonSetCluster]:
+    with daemonset_cluster(tmp_path_factory, "base-cluster", (NodeSpec(NODE, PROFILE),)) as base:
+        yield base
 
 
 def for_a_simulated_node(daemonset: JSON, image: str) -> JSON:
@@ -108,7 +67,7 @@ def _documents() -> list[JSON]:
     return [d for p in sorted(BASE.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
 
 
-def test_the_plain_manifests_start_a_plugin_that_prepares_a_claim(env: BaseCluster) -> None:
+def test_the_plain_manifests_start_a_plugin_that_prepares_a_claim(env: DaemonSetCluster) -> None:
     docs = _documents()
     assert {d["kind"] for d in docs} >= {"Namespace", "ClusterRole", "DaemonSet", "ValidatingAdmissionPolicy"}
     first = sorted(docs, key=lambda d: (d["kind"] != "Namespace", d["kind"] == "DaemonSet"))

@@ -27,12 +27,12 @@ import structlog
 from kubernetes import client
 
 from tests.harness.cluster import ControlPlane
-from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
+from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage
 from tests.harness.helm import Helm
-from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
-from tests.harness.objects import RESOURCE_API, create_namespace, get_pod, sync_client, sync_request, wait_for
-from tests.harness.service_proxy import ServiceProxy
+from tests.harness.node import Node, Nodes, NodeSpec
+from tests.harness.objects import RESOURCE_API, create_namespace, get_pod, sync_request, wait_for
 from tests.node import pods
+from tests.node.daemonset_cluster import daemonset_cluster
 
 logger = structlog.get_logger(__name__)
 
@@ -70,48 +70,16 @@ class Env:
     image: DriverImage
 
 
-def _label_gpu_node(api: client.ApiClient, name: str) -> None:
-    node = sync_request(api, "GET", f"/api/v1/nodes/{name}")
-    node["metadata"].setdefault("labels", {})[GPU_LABEL] = "true"
-    sync_request(api, "PUT", f"/api/v1/nodes/{name}", node)
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    if os.geteuid() != 0:
-        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    image = build_driver_image()
-    work = tmp_path_factory.mktemp("two-releases")
-    cp = ControlPlane.start(
-        work_dir=work / "cp", node_lifecycle=True, extra_tokens=node_tokens([s.name for s in SPECS])
-    )
-    nodes: Nodes | None = None
-    proxy: ServiceProxy | None = None
-    helm = Helm(build_helm(), cp.kubeconfig, work / "helm")
-    try:
-        nodes = Nodes.start(cp, SPECS, daemonset=True, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
-        api = sync_client(str(cp.kubeconfig))
-        for node in nodes.nodes.values():
-            node.import_images({image.name: image.archive})
-            _label_gpu_node(api, node.name)
-        service = wait_for(
-            "the kubernetes Service",
-            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
-        )
-        first = next(iter(nodes.nodes.values()))
-        target = ("127.0.0.1", cp.api_port)
-        proxy = ServiceProxy(service["spec"]["clusterIP"], int(service["spec"]["ports"][0]["port"]), target,
-                             first.link).start()
-        yield Env(cp, api, nodes, helm, image)
-    finally:
-        for release in (A, B):
-            helm.run("uninstall", release.name, "-n", release.namespace, "--ignore-not-found", check=False,
-                     timeout=60)
-        if proxy is not None:
-            proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+    with daemonset_cluster(tmp_path_factory, "two-releases", SPECS) as base:
+        helm = base.helm()
+        try:
+            yield Env(base.cp, base.api, base.nodes, helm, base.image)
+        finally:
+            for release in (A, B):
+                helm.run("uninstall", release.name, "-n", release.namespace, "--ignore-not-found",
+                         check=False, timeout=60)
 
 
 # -- reading the cluster and the nodes ---------------------------------------------------------

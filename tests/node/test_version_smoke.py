@@ -20,7 +20,6 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,21 +30,19 @@ from kubernetes.client.exceptions import ApiException
 from dra_driver.health.node import SIMULATED_EVENTS_FILE
 from tests.harness.cluster import ControlPlane, gate_mode
 from tests.harness.driver import DRIVER
-from tests.harness.driver_image import CHART, IMAGE_REPOSITORY, DriverImage, build_driver_image, build_helm
+from tests.harness.driver_image import CHART, IMAGE_REPOSITORY
 from tests.harness.fake_mps import install_fake_mps_control
-from tests.harness.helm import Helm
-from tests.harness.node import Node, Nodes, NodeSpec, node_tokens
+from tests.harness.node import NodeSpec
 from tests.harness.objects import (
     RESOURCE_API,
     create_namespace,
     get_pod,
     scheduler_reason,
-    sync_client,
     sync_request,
     wait_for,
 )
-from tests.harness.service_proxy import ServiceProxy
 from tests.node import pods
+from tests.node.daemonset_cluster import OneNodeRelease, daemonset_cluster
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("DRA_K8S_VERSION"), reason="make test-versions sets DRA_K8S_VERSION"
@@ -67,82 +64,38 @@ PLUGIN_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/compo
 GATES = "{DRAPartitionableDevices,DRAConsumableCapacity}"
 
 
-@dataclass
-class Cluster:
-    cp: ControlPlane
-    api: client.ApiClient
-    node: Node
-    helm: Helm
-    image: DriverImage
-
-
 def carries(cp: ControlPlane) -> bool:
     """Whether this control plane keeps shared counters and consumable capacity."""
     return cp.version[1] >= 36 or gate_mode() == "all"
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if os.geteuid() != 0:
-        pytest.fail("the node tier runs real kubelets and containerd: it needs root")
-    image = build_driver_image()
-    helm_binary = build_helm()
-    work = tmp_path_factory.mktemp("version-smoke")
-    cp = ControlPlane.start(work_dir=work / "cp", node_lifecycle=True, extra_tokens=node_tokens([NODE.name]))
-    nodes: Nodes | None = None
-    proxy: ServiceProxy | None = None
-    helm = Helm(helm_binary, cp.kubeconfig, work / "helm")
-    try:
-        nodes = Nodes.start(cp, (NODE,), daemonset=True, keep_files=os.environ.get("DRA_NODE_KEEP") == "1")
-        api = sync_client(str(cp.kubeconfig))
-        node = nodes[NODE.name]
-        node.import_images({image.name: image.archive})
-        wait_for("the GPU label on the node", lambda: _label_gpu_node(api), timeout=30)
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OneNodeRelease]:
+    with daemonset_cluster(tmp_path_factory, "version-smoke", (NODE,)) as base:
+        cp, api, image, helm = base.cp, base.api, base.image, base.helm()
+        node = base.nodes[NODE.name]
         install_fake_mps_control(node.host_path(FAKE_ROOT), python=IMAGE_PYTHON)
-        service = wait_for(
-            "the kubernetes Service",
-            lambda: sync_request(api, "GET", "/api/v1/namespaces/default/services/kubernetes"),
-        )
-        port = int(service["spec"]["ports"][0]["port"])
-        target = ("127.0.0.1", cp.api_port)
-        proxy = ServiceProxy(service["spec"]["clusterIP"], port, target, node.link).start()
-        helm.run(
-            "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
-            "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
-            "--set", f"image.tag={image.tag}", "--set", "memoryShares.enabled=true",
-            # 1.34's and 1.35's schedulers give a GPU out whole and as a share: the chart asks `only`
-            *(("--set", "memoryShares.only=true") if cp.version[1] <= 35 else ()),
-            "--set", "dynamicMig.enabled=true", "--set", f"kubernetesFeatureGates={GATES}",
-            "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}", '
-            f'"--simulate-health-events={EVENTS}"]', "--set", f"health.quietPeriodSeconds={QUIET}",
-            "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
-        )
-        wait_for("the node's whole pool published", lambda: _pool_complete(api), timeout=180, interval=0.5)
-        create_namespace(api, PODS_NS)
-        yield Cluster(cp, api, node, helm, image)
-    finally:
-        helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
-        if proxy is not None:
-            proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+        try:
+            helm.run(
+                "install", RELEASE, str(CHART), "-n", NAMESPACE, "--create-namespace",
+                "--set", f"simulate={NODE.profile}", "--set", f"image.repository={IMAGE_REPOSITORY}",
+                "--set", f"image.tag={image.tag}", "--set", "memoryShares.enabled=true",
+                # 1.34's and 1.35's schedulers give a GPU out whole and as a share: the chart asks `only`
+                *(("--set", "memoryShares.only=true") if cp.version[1] <= 35 else ()),
+                "--set", "dynamicMig.enabled=true", "--set", f"kubernetesFeatureGates={GATES}",
+                "--set-json", f'kubeletPlugin.extraArgs=["--driver-root={FAKE_ROOT}", '
+                f'"--simulate-health-events={EVENTS}"]', "--set", f"health.quietPeriodSeconds={QUIET}",
+                "--set", f"mpsRoot={RUN_DIR / 'mps'}", "--set", f"stateDir={RUN_DIR / 'state'}",
+            )
+            wait_for("the node's whole pool published", lambda: _pool_complete(api), timeout=180,
+                     interval=0.5)
+            create_namespace(api, PODS_NS)
+            yield OneNodeRelease(cp, api, node, helm, image)
+        finally:
+            helm.run("uninstall", RELEASE, "-n", NAMESPACE, "--ignore-not-found", check=False, timeout=60)
 
 
-def _label_gpu_node(api: client.ApiClient) -> bool | None:
-    """True once labelled; None when the kubelet's status update came between GET and PUT (409)."""
-    found = sync_request(api, "GET", f"/api/v1/nodes/{NODE.name}")
-    found["metadata"].setdefault("labels", {})["nvidia.com/gpu.present"] = "true"
-    try:
-        sync_request(api, "PUT", f"/api/v1/nodes/{NODE.name}", found)
-    except ApiException as e:
-        if e.status == 409:
-            return None
-        raise
-    return True
-
-
-def _record(env: Cluster, feature: str, outcome: str) -> None:
+def _record(env: OneNodeRelease, feature: str, outcome: str) -> None:
     """One cell of tests.harness.versions' node-tier table, written once the test passed."""
     report = os.environ.get("DRA_VERSIONS_REPORT")
     if report:
@@ -179,7 +132,7 @@ def _feature_events(api: client.ApiClient) -> list[JSON]:
     return items
 
 
-def _run(env: Cluster, name: str, claim: JSON, command: str = "ls -l /dev/nvidia*; sleep 3600",
+def _run(env: OneNodeRelease, name: str, claim: JSON, command: str = "ls -l /dev/nvidia*; sleep 3600",
          ) -> JSON | None:
     """Creates the claim and a pod using it; returns the Running pod where the claim can be
     served, else None once the scheduler said why not (the claim must then be unallocated)."""
@@ -197,7 +150,7 @@ def _run(env: Cluster, name: str, claim: JSON, command: str = "ls -l /dev/nvidia
     return get_pod(env.api, PODS_NS, name) if decided == "running" else None
 
 
-def _plugin_log(env: Cluster) -> str:
+def _plugin_log(env: OneNodeRelease) -> str:
     """The plugin pod's last log lines, for a failure's message."""
     listed = sync_request(env.api, "GET", f"/api/v1/namespaces/{NAMESPACE}/pods",
                           query={"labelSelector": PLUGIN_SELECTOR})["items"]
@@ -211,25 +164,25 @@ def _plugin_log(env: Cluster) -> str:
     return logs
 
 
-def _done(env: Cluster, name: str) -> None:
+def _done(env: OneNodeRelease, name: str) -> None:
     pods.delete_pod(env.api, PODS_NS, name)
     pods.wait_gone(env.api, PODS_NS, name, timeout=60)
     sync_request(env.api, "DELETE", f"{RESOURCE_API}/namespaces/{PODS_NS}/resourceclaims/{name}")
 
 
-def _allocated(env: Cluster, name: str) -> list[JSON]:
+def _allocated(env: OneNodeRelease, name: str) -> list[JSON]:
     claim = sync_request(env.api, "GET", f"{RESOURCE_API}/namespaces/{PODS_NS}/resourceclaims/{name}")
     allocation = (claim.get("status") or {}).get("allocation") or {}
     results: list[JSON] = allocation.get("devices", {}).get("results", [])
     return results
 
 
-def test_the_kubelet_is_the_control_planes_version(env: Cluster) -> None:
+def test_the_kubelet_is_the_control_planes_version(env: OneNodeRelease) -> None:
     found = sync_request(env.api, "GET", f"/api/v1/nodes/{NODE.name}")
     assert found["status"]["nodeInfo"]["kubeletVersion"] == "v" + ".".join(map(str, env.cp.version))
 
 
-def test_features_on_where_carried_else_one_warning_each(env: Cluster) -> None:
+def test_features_on_where_carried_else_one_warning_each(env: OneNodeRelease) -> None:
     devices = _devices(env.api)
     shares = [d for d in devices if d.endswith("-share")]
     placements = [d for d in devices if "-mig-" in d and "uuid" not in devices[d]["attributes"]]
@@ -251,7 +204,7 @@ def test_features_on_where_carried_else_one_warning_each(env: Cluster) -> None:
     _record(env, "warnings", "one each: " + ", ".join(off))
 
 
-def test_a_whole_gpu_pod_sees_its_cdi_injected_device(env: Cluster) -> None:
+def test_a_whole_gpu_pod_sees_its_cdi_injected_device(env: OneNodeRelease) -> None:
     pod = _run(env, "whole", pods.gpu_claim("whole"))
     assert pod is not None, "a whole GPU is served on every version"
     (result,) = pods.container_allocations(env.api, pod, "main")
@@ -262,7 +215,7 @@ def test_a_whole_gpu_pod_sees_its_cdi_injected_device(env: Cluster) -> None:
     _record(env, "whole GPU", "works")
 
 
-def test_a_memory_share_runs_where_carried(env: Cluster) -> None:
+def test_a_memory_share_runs_where_carried(env: OneNodeRelease) -> None:
     claim = {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {},
         "spec": {"devices": {"requests": [{"name": "mem", "exactly": {
@@ -279,7 +232,7 @@ def test_a_memory_share_runs_where_carried(env: Cluster) -> None:
     _record(env, "share", "works" if carries(env.cp) else "off (warning)")
 
 
-def test_a_mig_slice_runs_where_carried(env: Cluster) -> None:
+def test_a_mig_slice_runs_where_carried(env: OneNodeRelease) -> None:
     a = f'device.attributes["{DRIVER}"]'
     claim = {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {},
@@ -298,7 +251,7 @@ def test_a_mig_slice_runs_where_carried(env: Cluster) -> None:
     _record(env, "MIG", "works" if carries(env.cp) else "off (warning)")
 
 
-def test_a_gpu_with_a_fatal_xid_gets_no_new_pod(env: Cluster) -> None:
+def test_a_gpu_with_a_fatal_xid_gets_no_new_pod(env: OneNodeRelease) -> None:
     """Issue 54 item 2: a fatal XID on the whole GPU keeps new pods off it on every version:
     tainted NoSchedule where the server keeps device taints, left out of the slice where it does
     not (1.34/1.35 default gates). A pod asking for exactly that GPU waits with the scheduler's

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,35 +61,48 @@ class Served:
     log: Path
 
 
+def spawn_server(
+    socket: Path, log: Path, *args: str, preexec: Callable[[], None] | None = None
+) -> subprocess.Popen[str]:
+    """grpc_server_process.py serving on `socket` (its stderr in `log`), once it said so."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(SERVER_SCRIPT), str(socket), *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env, text=True,
+            preexec_fn=preexec,
+        )
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("ready "), f"the server did not start ({line!r}):\n{log.read_text()}"
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture
 def served() -> Iterator[Served]:
     """grpc_server_process.py serving on a fresh socket; its log is shown if a test fails."""
     with tempfile.TemporaryDirectory(prefix="kgrpc-") as directory:  # tmp_path can exceed 107 bytes
         socket, log = Path(directory) / "dra.sock", Path(directory) / "server.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        with log.open("w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, str(SERVER_SCRIPT), str(socket)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env=env,
-                text=True,
-            )
+        proc = spawn_server(socket, log)
         try:
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 30)
-            line = proc.stdout.readline() if ready else ""
-            assert line.startswith("ready "), f"the server did not start ({line!r}):\n{log.read_text()}"
             yield Served(socket, proc.pid, log)
             assert proc.poll() is None, f"the server died (exit {proc.returncode}):\n{log.read_text()}"
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
 
 
 def _claims(*names: str) -> Any:

@@ -23,7 +23,6 @@ import pytest
 
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import node_devices
-from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import compute_mode, discover, load_profile
 from dra_driver.gpu.compute_mode import ComputeModeError, ComputeModes
 from dra_driver.gpu.sim.fake_nvml import FakeNvml
@@ -45,10 +44,10 @@ from dra_driver.sharing.mps.settings import (
 )
 from dra_driver.sharing.mps_launch import cgroup_targets
 from dra_driver.sharing.policy import Sharing
-from tests.harness.checkpoints import with_started, without
-from tests.harness.claims_in_memory import ClaimsInMemory
+from tests.harness.checkpoints import back_to_started
 from tests.harness.fake_mps import kill_daemons, run_unique_uid, set_mode
 from tests.harness.objects import wait_for
+from tests.harness.simulated_preparer import preparer_factory
 
 GI = 2**30
 UID = run_unique_uid("1c9e7d3a")
@@ -362,24 +361,7 @@ MPS_PARAMS = {
 
 @pytest.fixture
 def make_preparer(tmp_path: Path, mps: MpsControl) -> Any:
-    inventory = discover("h200-single")
-    files = scan_driver_files(None, "/dev", True, gpu_minors=[g.minor for g in inventory.gpus])
-
-    def make(claim: dict[str, Any]) -> NodePreparer:
-        (tmp_path / "state").mkdir(exist_ok=True)
-        return NodePreparer(
-            driver=DRIVER,
-            pool=POOL,
-            devices=node_devices(inventory),
-            claims=ClaimsInMemory(claim),
-            driver_files=files,
-            cdi_dir=tmp_path / "cdi",
-            state_dir=tmp_path / "state",
-            sharing=Sharing(DRIVER, POOL, mps),
-            boot_id="boot-1",
-        )
-
-    return make
+    return preparer_factory(tmp_path, mps, POOL)
 
 
 REF = ClaimRef("default", "shared", UID)
@@ -508,12 +490,7 @@ def test_an_interrupted_prepare_is_rolled_back_with_its_daemon(make_preparer: An
     asyncio.run(preparer.recover())
     prepare(preparer)
     # as if the plugin died after `started` and the daemon's start: mark the entry started again
-    cp = preparer.read_checkpoint()
-    entry = cp.claims[UID]
-    ckpt.save(
-        preparer.steps.checkpoint_path,
-        with_started(without(cp, UID), entry.namespace, entry.name, entry.uid, entry.devices),
-    )
+    ckpt.save(preparer.steps.checkpoint_path, back_to_started(preparer.read_checkpoint(), UID))
     restarted = make_preparer(mps_claim(MPS_PARAMS))
     asyncio.run(restarted.recover())
     assert UID not in restarted.read_checkpoint().claims
@@ -602,12 +579,7 @@ def test_a_crash_between_set_and_restore_is_repaired_by_recovery(
     prepare(preparer)
     assert fake_nvml.compute_modes[0] == compute_mode.EXCLUSIVE_PROCESS
     # the plugin died after the mode was set, before the claim was completed
-    cp = preparer.read_checkpoint()
-    entry = cp.claims[UID]
-    ckpt.save(
-        preparer.steps.checkpoint_path,
-        with_started(without(cp, UID), entry.namespace, entry.name, entry.uid, entry.devices),
-    )
+    ckpt.save(preparer.steps.checkpoint_path, back_to_started(preparer.read_checkpoint(), UID))
     restarted = whole_gpu_mps_preparer(make_preparer, exclusive_mps)
     asyncio.run(restarted.recover())
     assert UID not in restarted.read_checkpoint().claims

@@ -30,7 +30,6 @@ import resource
 import select
 import socket as socketlib
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -60,10 +59,10 @@ from tests.unit.test_kubelet_grpc import (
     _prepare_succeeds,
     _request_headers,
     _rss_kib,
+    spawn_server,
+    stop_server,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-SERVER_SCRIPT = Path(__file__).with_name("grpc_server_process.py")
 MiB = 2**20
 
 
@@ -75,29 +74,14 @@ def start_server() -> Iterator[Callable[..., tuple[Path, int]]]:
 
     def start(deadline: float, preexec: Callable[[], None] | None = None) -> tuple[Path, int]:
         socket, log = Path(directory) / "dra.sock", Path(directory) / "server.log"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        with log.open("w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, str(SERVER_SCRIPT), str(socket), str(deadline)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env, text=True,
-                preexec_fn=preexec,
-            )
+        proc = spawn_server(socket, log, str(deadline), preexec=preexec)
         started.append((proc, log))
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 30)
-        line = proc.stdout.readline() if ready else ""
-        assert line.startswith("ready "), f"the server did not start ({line!r}):\n{log.read_text()}"
         return socket, proc.pid
 
     yield start
     for proc, log in started:
         alive = proc.poll() is None
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         assert alive, f"the server died (exit {proc.returncode}):\n{log.read_text()[-3000:]}"
     for name in os.listdir(directory):
         os.unlink(os.path.join(directory, name))

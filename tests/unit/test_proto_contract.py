@@ -29,8 +29,6 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescript
 
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
 from dra_driver.kubeletapi.dra.v1 import api_pb2_grpc as dra_v1_grpc
-from dra_driver.kubeletapi.dra.v1beta1 import api_pb2 as dra_v1beta1
-from dra_driver.kubeletapi.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2 as health_v1
 from dra_driver.kubeletapi.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from dra_driver.kubeletapi.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
@@ -78,11 +76,12 @@ REGISTRATION_MESSAGES: dict[str, Fields] = {
     "InfoRequest": [],
 }
 
-DEVICE_V1BETA1: Fields = [
+DEVICE_V1: Fields = [
     ("request_names", 1, "repeated string"),
     ("pool_name", 2, "string"),
     ("device_name", 3, "string"),
     ("cdi_device_ids", 4, "repeated string"),
+    ("share_id", 5, "optional string"),
 ]
 
 
@@ -138,15 +137,7 @@ CONTRACTS = [
         "k8s.io.kubelet.pkg.apis.dra.v1",
         "DRAPlugin",
         DRA_METHODS,
-        dra_messages([*DEVICE_V1BETA1, ("share_id", 5, "optional string")]),
-        {},
-    ),
-    Contract(
-        "dra.v1beta1.api_pb2",
-        "k8s.io.kubelet.pkg.apis.dra.v1beta1",
-        "DRAPlugin",
-        DRA_METHODS,
-        dra_messages(DEVICE_V1BETA1),
+        dra_messages(DEVICE_V1),
         {},
     ),
     Contract(
@@ -171,10 +162,6 @@ KUBELET_METHOD_PATHS = {
     "dra.v1.api_pb2": [
         "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources",
         "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodeUnprepareResources",
-    ],
-    "dra.v1beta1.api_pb2": [
-        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodePrepareResources",
-        "/k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin/NodeUnprepareResources",
     ],
     "drahealth.v1alpha1.api_pb2": ["/v1alpha1.DRAResourceHealth/NodeWatchResources"],
     "drahealth.v1.api_pb2": ["/v1.DRAResourceHealth/NodeWatchResources"],
@@ -294,12 +281,8 @@ def test_enum_values(contract: Contract) -> None:
         assert {v.name: v.number for v in enum.values} == want
 
 
-def test_share_id_presence_only_in_v1() -> None:
-    v1_share_id = dra_v1.Device.DESCRIPTOR.fields_by_name["share_id"]
-    assert v1_share_id.has_presence
-    assert "share_id" not in dra_v1beta1.Device.DESCRIPTOR.fields_by_name
-    with pytest.raises(ValueError):
-        dra_v1beta1.Device(share_id="x")  # type: ignore[call-arg]  # the point: v1beta1 has no share_id
+def test_share_id_has_presence() -> None:
+    assert dra_v1.Device.DESCRIPTOR.fields_by_name["share_id"].has_presence
 
 
 class RecordingChannel:
@@ -366,7 +349,7 @@ class Registration:
             type="DRAPlugin",
             name="gpu.dra-driver.dev",
             endpoint=self.endpoint,
-            supported_versions=["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth"],
+            supported_versions=["v1.DRAPlugin", "v1.DRAResourceHealth"],
         )
 
     async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
@@ -381,13 +364,13 @@ def prepared_device(api: ModuleType, claim: Any) -> Any:
         device_name=f"gpu-{claim.name}",
         cdi_device_ids=[f"gpu.dra-driver.dev/gpu={claim.uid}-gpu-0"],
     )
-    if claim.name == "shared" and "share_id" in api.Device.DESCRIPTOR.fields_by_name:
+    if claim.name == "shared":
         device.share_id = "share-1"
     return device
 
 
 class DRAPlugin:
-    """Serves either DRA version: `api` is that version's _pb2 module."""
+    """Serves DRA v1 (`api`, its _pb2 module)."""
 
     def __init__(self, api: ModuleType) -> None:
         self.api = api
@@ -441,7 +424,6 @@ async def serve_all(socket_path: str, registration: Registration) -> grpc.aio.Se
     server = grpc.aio.server()
     reg_v1_grpc.add_RegistrationServicer_to_server(registration, server)
     dra_v1_grpc.add_DRAPluginServicer_to_server(DRAPlugin(dra_v1), server)
-    dra_v1beta1_grpc.add_DRAPluginServicer_to_server(DRAPlugin(dra_v1beta1), server)
     health_v1alpha1_grpc.add_DRAResourceHealthServicer_to_server(DRAResourceHealth(health_v1alpha1), server)
     health_v1_grpc.add_DRAResourceHealthServicer_to_server(DRAResourceHealth(health_v1), server)
     server.add_insecure_port(f"unix://{socket_path}")
@@ -453,7 +435,7 @@ async def exercise_registration(channel: grpc.aio.Channel, registration: Registr
     stub = reg_v1_grpc.RegistrationStub(channel)
     info = await stub.GetInfo(reg_v1.InfoRequest(), timeout=10)
     assert (info.type, info.name, info.endpoint) == ("DRAPlugin", "gpu.dra-driver.dev", endpoint)
-    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth"]
+    assert list(info.supported_versions) == ["v1.DRAPlugin", "v1.DRAResourceHealth"]
     await stub.NotifyRegistrationStatus(reg_v1.RegistrationStatus(plugin_registered=True), timeout=10)
     await stub.NotifyRegistrationStatus(reg_v1.RegistrationStatus(error="endpoint taken"), timeout=10)
     assert registration.statuses == [(True, ""), (False, "endpoint taken")]
@@ -476,14 +458,10 @@ async def exercise_dra(channel: grpc.aio.Channel, api: ModuleType, api_grpc: Mod
     assert (exclusive.pool_name, exclusive.device_name) == ("node-a", "gpu-exclusive")
     assert list(exclusive.cdi_device_ids) == ["gpu.dra-driver.dev/gpu=uid-excl-gpu-0"]
     (shared,) = prepared.claims["uid-shared"].devices
-    if api is dra_v1:
-        # Presence survives the wire: unset and set-to-a-value are told apart.
-        assert not exclusive.HasField("share_id")
-        assert shared.HasField("share_id")
-        assert shared.share_id == "share-1"
-    else:
-        with pytest.raises(ValueError):
-            shared.HasField("share_id")
+    # Presence survives the wire: unset and set-to-a-value are told apart.
+    assert not exclusive.HasField("share_id")
+    assert shared.HasField("share_id")
+    assert shared.share_id == "share-1"
 
     unprepared = await stub.NodeUnprepareResources(
         api.NodeUnprepareResourcesRequest(claims=claims), timeout=10
@@ -510,22 +488,9 @@ def test_every_service_round_trips_over_a_unix_socket(socket_path: str) -> None:
             async with grpc.aio.insecure_channel(f"unix:{socket_path}") as channel:
                 await exercise_registration(channel, registration, socket_path)
                 await exercise_dra(channel, dra_v1, dra_v1_grpc)
-                await exercise_dra(channel, dra_v1beta1, dra_v1beta1_grpc)
                 await exercise_health(channel, health_v1alpha1, health_v1alpha1_grpc)
                 await exercise_health(channel, health_v1, health_v1_grpc)
         finally:
             await server.stop(grace=None)
 
     asyncio.run(scenario())
-
-
-def test_v1_device_decodes_as_v1beta1_without_share_id() -> None:
-    """A v1 Device read by a v1beta1 peer keeps every shared field; share_id is unknown there."""
-    v1_device = dra_v1.Device(
-        request_names=["gpu"], pool_name="p", device_name="d", cdi_device_ids=["a/b=c"], share_id="s"
-    )
-    v1beta1_device = dra_v1beta1.Device.FromString(v1_device.SerializeToString())
-    assert list(v1beta1_device.request_names) == ["gpu"]
-    assert (v1beta1_device.pool_name, v1beta1_device.device_name) == ("p", "d")
-    assert list(v1beta1_device.cdi_device_ids) == ["a/b=c"]
-    assert dra_v1.Device.FromString(v1beta1_device.SerializeToString()).share_id == "s"

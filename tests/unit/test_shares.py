@@ -18,7 +18,6 @@ import pytest
 from controller.slices import MAX_DEVICES_PER_SLICE_RESTRICTED, SliceFeatures, desired_slices
 from dra_driver import DEFAULT_DRIVER_NAME as DRIVER
 from dra_driver.devices import node_devices
-from dra_driver.driver_root import scan_driver_files
 from dra_driver.gpu import discover
 from dra_driver.plugin import checkpoint as ckpt
 from dra_driver.plugin.claims import ClaimRef
@@ -35,9 +34,9 @@ from dra_driver.sharing.shares import (
     share_view_name,
     share_views,
 )
-from tests.harness.checkpoints import with_started, without
-from tests.harness.claims_in_memory import ClaimsInMemory
+from tests.harness.checkpoints import back_to_started
 from tests.harness.fake_mps import kill_daemons, run_unique_uid
+from tests.harness.simulated_preparer import preparer_factory
 
 POOL = "node-a"
 H200 = 143771 * 2**20  # the h200-single profile's memory, as on the real H200
@@ -313,26 +312,7 @@ def _ref(claim: dict[str, Any]) -> ClaimRef:
 
 @pytest.fixture
 def node(tmp_path: Path, mps: MpsControl) -> Any:
-    inventory = discover("h200-single")
-    files = scan_driver_files(None, "/dev", True, gpu_minors=[g.minor for g in inventory.gpus])
-    devices = node_devices(inventory)
-    devices.update(share_views(devices))
-
-    def make(*claims: dict[str, Any]) -> NodePreparer:
-        (tmp_path / "state").mkdir(exist_ok=True)
-        return NodePreparer(
-            driver=DRIVER,
-            pool=POOL,
-            devices=devices,
-            claims=ClaimsInMemory(*claims),
-            driver_files=files,
-            cdi_dir=tmp_path / "cdi",
-            state_dir=tmp_path / "state",
-            sharing=Sharing(DRIVER, POOL, mps),
-            boot_id="boot-1",
-        )
-
-    return make
+    return preparer_factory(tmp_path, mps, POOL, shares=True)
 
 
 def _prepare(preparer: NodePreparer, *claims: dict[str, Any]) -> dict[str, ClaimResult]:
@@ -410,12 +390,7 @@ def test_a_crash_between_started_and_completed_stops_the_shares_daemon(node: Any
     preparer = node(a, b)
     asyncio.run(preparer.recover())
     _prepare(preparer, a, b)
-    cp = preparer.read_checkpoint()
-    entry = cp.claims[A]
-    ckpt.save(
-        preparer.steps.checkpoint_path,
-        with_started(without(cp, A), entry.namespace, entry.name, entry.uid, entry.devices),
-    )
+    ckpt.save(preparer.steps.checkpoint_path, back_to_started(preparer.read_checkpoint(), A))
     restarted = node(a, b)
     asyncio.run(restarted.recover())
     assert A not in restarted.read_checkpoint().claims and not mps.is_running(A)
