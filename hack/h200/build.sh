@@ -185,8 +185,9 @@ if [ "${H200_FOR:-pod}" = bench ]; then
 fi
 
 # What one device call carries: tracked files, untracked files git does not ignore, .h200/.
+# (a tracked file moved out of the tree for the call, as results folders may be, counts nothing)
 tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-standard; } \
-       | xargs -0 -r stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
+       | { xargs -0 -r stat -c %s 2>/dev/null || true; } | awk '{s+=$1} END {print s+0}')
 ours=$(du -sb "$carry" | cut -f1)
 (cd "$carry" && ls -l | sed 's/^/  /') >&2
 log "carry: .h200 $ours bytes + working tree $tree bytes = $((ours + tree)) of $limit"
