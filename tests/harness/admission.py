@@ -107,21 +107,30 @@ class ClassesInForce:
             self.name, self.error = name, error
 
     def set(self, configs: dict[str, list[dict[str, Any]]]) -> None:
-        """Write each class with its config in `configs` (none if absent), in name order, and
-        wait until they are in force; a refused write raises Refused (the classes before it
-        are written, the rest as they were)."""
-        for name in sorted(self.names):
-            config = configs.get(name, [])
-            if self.generation and config == self.configs.get(name, []):
-                continue
+        """Give each class its config in `configs` (none if absent), waiting until each write is
+        in force before the next (a class written is checked beside the others): first the
+        classes whose config goes, then those given one, in name order. A refused write raises
+        Refused (the classes before it written, the rest as they were)."""
+        first = not self.generation
+        changed = [n for n in sorted(self.names) if first or configs.get(n, []) != self.configs.get(n, [])]
+        for name in [n for n in changed if first or self.configs.get(n)]:
+            self._put(name, [])
+            self.configs[name] = []
+            self.dirty = True
+        self._barrier()
+        for name in [n for n in changed if configs.get(n)]:
             try:
-                self._put(name, config)
+                self._put(name, configs[name])
             except ApiException as e:
                 if e.status in (400, 403, 422):
                     raise ClassesInForce.Refused(name, e) from e
                 raise
-            self.configs[name] = config
+            self.configs[name] = configs[name]
             self.dirty = True
+            self._barrier()
+
+    def _barrier(self) -> None:
+        """Wait until the policies see every class written so far."""
         if not self.dirty:
             return
         old, new = 10 + 10 * (self.generation % 2), 10 + 10 * ((self.generation + 1) % 2)

@@ -109,7 +109,7 @@ DENIED = "denied request: "
 # The labels of the chart's DeviceClasses as `helm template r` renders them: the class-config
 # policy's binding selects the classes so labelled.
 CLASS_LABELS = {"app.kubernetes.io/name": "gpu-dra-driver", "app.kubernetes.io/instance": "r"}
-SYNC_CLASS = f"sync-probe.{DRIVER}"
+SYNC_CLASS = "sync-probe.example.com"  # labelled alike; not named after the driver: no class rule of its own
 POOL = "multi-node"
 FIXED_SEED = 49
 PER_RUN = int(os.environ.get("MULTI_CLAIMS", "5000"))  # fewer while developing
@@ -604,8 +604,25 @@ def class_probe(cls: str, config: list[dict[str, Any]]) -> Case:
     return _probe(cls, "1Gi" if cls == SHARE else None, config)
 
 
+def classes_probe(case: Case, last: str) -> Case:
+    """A claim of one device of each class of `case` with a config, in name order up to `last`
+    (the share class: its smallest share), the classes with their configs."""
+    names = [c for c in sorted(case.classes) if c <= last]
+    requests = [{"name": f"r{i}", "exactly": {"deviceClassName": c, **(
+        {"capacity": {"requests": {"memory": "1Gi"}}} if c == SHARE else {})}} for i, c in enumerate(names)]
+    return Case({"requests": requests}, {c: case.classes[c] for c in names})
+
+
 def disagreement(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | None) -> str | None:
     """What is wrong with the two answers; None if they agree."""
+    if policy.at_class is not None and policy.rule == "thread-percentage":
+        # refused beside a class written before it: a claim of one device of each class with a
+        # config, up to this one, must be refused by the node for its two thread percentages
+        probe = classes_probe(case, policy.at_class)
+        answer = node_verdict(probe)
+        if answer.prepares or "thread-percentage" not in answer.rules:
+            return f"class {policy.at_class}: refused beside the other classes, which the node prepares: {answer}"
+        return None
     if policy.at_class is not None:  # refused when the class was written: judged on the class alone
         probe = class_probe(policy.at_class, case.classes[policy.at_class])
         problem = disagreement(probe, replace(policy, at_class=None), node_verdict(probe))

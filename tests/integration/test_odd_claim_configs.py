@@ -151,6 +151,11 @@ ODD: dict[str, tuple[Case, Refused | Runs]] = {
               classes={SHARE: [_entry(ours(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "1Gi",
                                                                 "defaultActiveThreadPercentage": 30}))]}),
         Refused("give every MPS config of the claim the same one")),
+    "two classes, two thread percentages": (
+        claim(_req("a", WHOLE), _req("b", SHARE, memory="4Gi"),
+              classes={WHOLE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 40}))],
+                       SHARE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 60}))]}),
+        Refused("give the two classes the same one")),
     "class: MPS with a thread percentage": (
         claim(_req("a", WHOLE),
               classes={WHOLE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 40}))]}),
