@@ -158,8 +158,10 @@ RULES: Final = (
          "nvidia_config.parse_nvidia_config"),
     Rule("ourErrors", Shape.PER_CONFIG, "our form, field by field (the FIELDS rows)",
          "config.parse_gpu_config"),
-    Rule("shareLimitErrors", Shape.PER_SLOT, "a pinned limit above a share's memory", "policy._share_mps", policy=Policy.BOTH),
-    Rule("shareStrategyErrors", Shape.PER_SLOT, "a config other than MPS for a share", "policy._share_mps", policy=Policy.BOTH),
+    Rule("shareLimitErrors", Shape.PER_SLOT, "a pinned limit above a share's memory", "policy._share_mps",
+         policy=Policy.BOTH),
+    Rule("shareStrategyErrors", Shape.PER_SLOT, "a config other than MPS for a share", "policy._share_mps",
+         policy=Policy.BOTH),
     Rule("adminErrors", Shape.PER_SLOT, "adminAccess on a dynamic MIG slice", "claim_steps.ClaimSteps.plan"),
     Rule("perDeviceErrors", Shape.PER_SLOT, "an index key of NVIDIA's per-device limits beyond the devices "
          "its config applies to", "nvidia_config.per_device", policy=Policy.BOTH),

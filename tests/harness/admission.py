@@ -79,7 +79,7 @@ class ClassesInForce:
     labels: dict[str, str]
     names: Sequence[str]
     sync: str
-    sync_probe: Callable[[str, str, int, int], bool]  # (namespace, class, class's pct, claim's pct) -> refused
+    sync_probe: Callable[[str, str, int, int], bool]  # (namespace, class, its pct, the claim's) -> refused
     sync_config: Callable[[int], list[dict[str, Any]]]  # a class config with that thread percentage
     configs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     generation: int = 0
@@ -91,7 +91,8 @@ class ClassesInForce:
                                 "metadata": {"name": name, "labels": self.labels},
                                 "spec": {"config": config} if config else {}}
         try:
-            body["metadata"]["resourceVersion"] = sync_request(self.api, "GET", path)["metadata"]["resourceVersion"]
+            current = sync_request(self.api, "GET", path)
+            body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
         except ApiException as e:
             if e.status != 404:
                 raise

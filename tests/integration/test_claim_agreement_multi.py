@@ -621,7 +621,7 @@ def disagreement(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | N
         probe = classes_probe(case, policy.at_class)
         answer = node_verdict(probe)
         if answer.prepares or "thread-percentage" not in answer.rules:
-            return f"class {policy.at_class}: refused beside the other classes, which the node prepares: {answer}"
+            return f"class {policy.at_class}: refused beside other classes the node prepares: {answer}"
         return None
     if policy.at_class is not None:  # refused when the class was written: judged on the class alone
         probe = class_probe(policy.at_class, case.classes[policy.at_class])

@@ -136,14 +136,16 @@ ODD: dict[str, tuple[Case, Refused | Runs]] = {
     "class: a thread percentage on a firstAvailable alternative, the claim another": (
         claim(_alts("a", _req("x", MIG), _req("y", WHOLE)), _req("b", SHARE, memory="4Gi"),
               config=(_entry(nvidia(strategy="MPS", mpsConfig={"defaultActiveThreadPercentage": 30}), "b"),),
-              classes={WHOLE: [_entry(nvidia(strategy="MPS", mpsConfig={"defaultActiveThreadPercentage": 50}))]}),
+              classes={WHOLE: [_entry(nvidia(strategy="MPS",
+                                             mpsConfig={"defaultActiveThreadPercentage": 50}))]}),
         Refused("give every MPS config of the claim the same one")),
     "class: per-device limits, a claim index counted over the claim config's own devices": (
         claim(_req("a", WHOLE, count=2), _req("b", SHARE, memory="4Gi"),
-              config=(_entry(nvidia(strategy="MPS", mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"2": "1Gi"}}),
-                             "b"),),
+              config=(_entry(nvidia(strategy="MPS",
+                                    mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"2": "1Gi"}}), "b"),),
               classes={WHOLE: [_entry(nvidia(strategy="MPS", mpsConfig={
-                  "defaultActiveThreadPercentage": 50, "defaultPerDevicePinnedMemoryLimit": {"0": "10Gi"}}))]}),
+                  "defaultActiveThreadPercentage": 50,
+                  "defaultPerDevicePinnedMemoryLimit": {"0": "10Gi"}}))]}),
         Refused("use an index from 0 to 0")),
     "class: the share class's limit and thread percentage, the claim another percentage": (
         claim(_req("a", SHARE, memory="1Gi"), _req("b", WHOLE),
