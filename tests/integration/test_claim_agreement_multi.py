@@ -176,6 +176,18 @@ def claim_parameters(fits: str | None = None) -> Any:
     return st.one_of(valid, valid, valid, any_parameters)
 
 
+def mps_percentage(kind: str | None) -> Any:
+    """An MPS config with only a thread percentage (of two), ours or NVIDIA's of `kind`: a class's
+    config of this kind meets the claim's and the other classes' percentages often."""
+    pct = st.sampled_from([25, 50])
+    nvidia = pct.map(lambda p: {
+        "apiVersion": NV, "kind": kind or "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": p}}})
+    ours = pct.map(lambda p: {"apiVersion": OURS, "kind": "GpuConfig",
+                              "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": p}}})
+    return nvidia if kind == "MigDeviceConfig" else st.one_of(nvidia, ours)
+
+
 def _fitting_kind(classes: set[str]) -> str | None:
     if classes and classes <= {WHOLE, SHARE}:
         return "GpuConfig"
@@ -271,7 +283,8 @@ def cases(draw: Any) -> Case:
         if draw(_rarely(5)):
             classes[cls] = [
                 {"opaque": {"driver": draw(st.sampled_from([DRIVER] * 9 + ["other.example.com"])),
-                            "parameters": draw(claim_parameters(_fitting_kind({cls})))}}
+                            "parameters": draw(st.one_of(claim_parameters(_fitting_kind({cls})),
+                                                         mps_percentage(_fitting_kind({cls}))))}}
                 for _ in range(draw(st.integers(1, 2)))
             ]
             for entry in classes[cls]:
