@@ -371,11 +371,31 @@ def test_the_largest_claim_is_within_the_policys_cost(bench: MultiBench) -> None
     config = [_entry(nvidia(strategy="MPS", mpsConfig=mps), f"r{i}/s") for i in range(31)]
     case = claim(*requests, config=(*config, _entry(nvidia(strategy="MPS", mpsConfig={
         "defaultActiveThreadPercentage": 60}), "r31/s")))
-    verdict = policy_verdict(bench.clients[0], bench.namespace, case)
+    verdict = policy_verdict(bench.clients[0], bench.namespace, case, bench.classes)
     assert not verdict.admitted, verdict
     assert "must have the same defaultActiveThreadPercentage" in verdict.message, verdict
     same = claim(*requests, config=tuple(config))
-    assert policy_verdict(bench.clients[0], bench.namespace, same).admitted
+    assert policy_verdict(bench.clients[0], bench.namespace, same, bench.classes).admitted
+
+
+def test_the_largest_claim_with_class_configs_is_within_the_policys_cost(bench: MultiBench) -> None:
+    """The largest claim again, each of its four classes carrying an MPS config with per-device
+    limits: the class-config policy, evaluated once per class with the claim-wide rules over the
+    class's entries and the claim's, stays within CEL's cost limit and names the one fault."""
+    alternatives = [_req(s, cls) for s, cls in zip("stuvwxyz", [WHOLE, SHARE, MIG, MIG_DYN] * 2, strict=True)]
+    requests = [_alts(f"r{i}", *alternatives) for i in range(32)]
+    mps = {"defaultActiveThreadPercentage": 50, "defaultPerDevicePinnedMemoryLimit": {"0": "1Gi"}}
+    classes = {cls: [_entry(nvidia(kind, strategy="MPS", mpsConfig=mps))]
+               for cls, kind in ((WHOLE, "GpuConfig"), (SHARE, "GpuConfig"), (MIG, "MigDeviceConfig"),
+                                 (MIG_DYN, "MigDeviceConfig"))}
+    config = [_entry(nvidia(strategy="MPS", mpsConfig=mps), f"r{i}/s") for i in range(31)]
+    case = claim(*requests, config=(*config, _entry(nvidia("MigDeviceConfig", strategy="MPS", mpsConfig={
+        "defaultActiveThreadPercentage": 60}), "r31/u")), classes=classes)
+    verdict = policy_verdict(bench.clients[0], bench.namespace, case, bench.classes)
+    assert not verdict.admitted, verdict
+    assert "must have the same defaultActiveThreadPercentage" in verdict.message, verdict
+    same = claim(*requests, config=tuple(config), classes=classes)
+    assert policy_verdict(bench.clients[0], bench.namespace, same, bench.classes).admitted
 
 
 def _claim_only(case: Case, meant: Refused | Runs) -> bool:
@@ -387,6 +407,7 @@ def test_a_template_of_an_odd_claim_is_refused_alike(bench: MultiBench, name: st
     """A ResourceClaimTemplate is checked as the claims made from it."""
     case, meant = ODD[name]
     assert isinstance(meant, Refused)
+    bench.classes.set(case.classes)
     body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "odd"},
             "spec": {"spec": {"devices": case.devices}}}
     path = f"{RESOURCE_API}/namespaces/{bench.namespace}/resourceclaimtemplates"
