@@ -4,7 +4,10 @@
 (policy_skeleton.yaml beside this module: the Helm and YAML around the rules, the checks of
 apiVersion, kind and strategy, and the claim-wide rules over requests and classes) whose
 `<<name>>` markers are filled with CEL made from `dra_driver.sharing.rules`: every object's
-allowed fields and its unknown-field refusal, and every field's value check with its reason.
+allowed fields and its unknown-field refusal, and every field's value check with its reason;
+and the class-config policy (a claim checked once per DeviceClass of the chart, with that
+class's config) gets the claim-wide variables and the validations of the rules a class's
+config may break.
 `make policy` writes the file (`python -m dra_driver.sharing.policy_cel --write`);
 tests/unit/test_claim_policy_generated.py fails when the chart's file is not what this renders.
 
@@ -130,8 +133,10 @@ def values_cel(form: str, parent: str, indent: str) -> str:
     return f"\n{indent[:-2]}".join(value_cel(f, indent) for f in rules.values(form, parent))
 
 
-def validations_cel(indent: str) -> str:
-    """The policy's validations, one per RULES row in its order: the first refusal of each."""
+def validations_cel(indent: str, classes: bool = False) -> str:
+    """The policy's validations, one per RULES row in its order: the first refusal of each;
+    `classes`: the class-config policy's (its own rows, and those a class's config may break,
+    each checked only where the claim asks for the class and the class has a config)."""
     first = {
         rules.Shape.MESSAGES: ("size(variables.{v}) == 0", "string(variables.{v}[0])"),
         rules.Shape.PER_SLOT: ("variables.{v}.all(l, size(l) == 0)", "string(variables.{v}[0][0])"),
@@ -141,15 +146,31 @@ def validations_cel(indent: str) -> str:
     }
     out = []
     for rule in rules.RULES:
+        if rule.policy is not rules.Policy.BOTH and (rule.policy is rules.Policy.CLASSES) != classes:
+            continue
         check, message = (t.format(v=rule.variable) for t in first[rule.shape])
+        if classes and rule.policy is rules.Policy.BOTH:
+            check = f"(!variables.withClass) || {check}"
         out.append(f"- expression: {check}\n{indent}messageExpression: {message}\n{indent}reason: Invalid")
     return f"\n{indent[:-2]}".join(out)
 
 
-def _fill(match: re.Match[str], indent: str) -> str:
+def claim_wide(filled: str) -> str:
+    """The claim-wide variables (between the `# claim-wide begin` and `# claim-wide end` lines,
+    their markers filled), which the class-config policy has too: written once, in the
+    claim-config policy."""
+    lines = filled.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("# claim-wide begin"))
+    end = next(i for i, line in enumerate(lines) if line.lstrip().startswith("# claim-wide end"))
+    return "".join(lines[start + 1: end]).lstrip(" ").rstrip("\n")
+
+
+def _fill(match: re.Match[str], indent: str, filled: str) -> str:
     what, form, parent = match.groups()
     if what == "validations":
-        return validations_cel(indent)
+        return validations_cel(indent, classes=form == "classes")
+    if what == "claimwide":
+        return claim_wide(filled)
     if what == "unknown":
         return unknown_cel(form, parent, indent)
     if what == "values":
@@ -161,15 +182,17 @@ def render(skeleton: str | None = None) -> str:
     """The chart's claim-config policy: the skeleton with every marker filled. A marker's
     continuation lines are indented two spaces more than the marker's own line."""
     text = SKELETON.read_text() if skeleton is None else skeleton
-    out = [HEADER]
-    for line in text.splitlines(keepends=True):
-        match = _MARKER.search(line)
-        if match is None:
-            out.append(line)
-            continue
-        indent = " " * (len(line) - len(line.lstrip()) + 2)
-        out.append(line[: match.start()] + _fill(match, indent) + line[match.end():])
-    return "".join(out)
+    for only in ("other", "claimwide"):  # the claim-wide block is copied once its own markers are filled
+        out = []
+        for line in text.splitlines(keepends=True):
+            match = _MARKER.search(line)
+            if match is None or (match.group(1) == "claimwide") != (only == "claimwide"):
+                out.append(line)
+                continue
+            indent = " " * (len(line) - len(line.lstrip()) + 2)
+            out.append(line[: match.start()] + _fill(match, indent, text) + line[match.end():])
+        text = "".join(out)
+    return HEADER + text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,6 +116,14 @@ FIELDS: Final = (
 )
 
 
+class Policy(enum.Enum):
+    """Which of the chart's policies checks a rule."""
+
+    CLAIM = "claim"  # the claim-config policy: a claim, template or class as written
+    BOTH = "both"  # that one, and the class-config policy with each class's config beside the claim's
+    CLASSES = "classes"  # the class-config policy alone: a class written, beside each other class
+
+
 class Shape(enum.Enum):
     """How a rule's CEL variable lists its refusals."""
 
@@ -129,12 +137,14 @@ class Rule:
     """One validation of the claim-config policy, in the order they are checked: `variable`
     names the CEL variable (policy_skeleton.yaml, or made from FIELDS) that lists its
     refusals; `node`, where the plugin refuses the same on the node ("" : a rule of the
-    policy's own, for a claim the node would run, not as asked)."""
+    policy's own, for a claim the node would run, not as asked); `policy`: BOTH where a
+    DeviceClass's config together with the claim's may break it."""
 
     variable: str
     shape: Shape
     refuses: str
     node: str
+    policy: Policy = Policy.CLAIM
 
 
 RULES: Final = (
@@ -143,18 +153,23 @@ RULES: Final = (
     Rule("nvidiaDriverErrors", Shape.MESSAGES, "an entry for NVIDIA's driver on requests of this driver's "
          "classes only (the claim would run without its sharing)", ""),
     Rule("kindErrors", Shape.PER_SLOT, "NVIDIA's kind against the class of each request or alternative",
-         "nvidia_config.per_device"),
+         "nvidia_config.per_device", policy=Policy.BOTH),
     Rule("nvidiaErrors", Shape.PER_CONFIG, "NVIDIA's form, field by field (the FIELDS rows)",
          "nvidia_config.parse_nvidia_config"),
     Rule("ourErrors", Shape.PER_CONFIG, "our form, field by field (the FIELDS rows)",
          "config.parse_gpu_config"),
-    Rule("shareLimitErrors", Shape.PER_SLOT, "a pinned limit above a share's memory", "policy._share_mps"),
-    Rule("shareStrategyErrors", Shape.PER_SLOT, "a config other than MPS for a share", "policy._share_mps"),
+    Rule("shareLimitErrors", Shape.PER_SLOT, "a pinned limit above a share's memory", "policy._share_mps",
+         policy=Policy.BOTH),
+    Rule("shareStrategyErrors", Shape.PER_SLOT, "a config other than MPS for a share", "policy._share_mps",
+         policy=Policy.BOTH),
     Rule("adminErrors", Shape.PER_SLOT, "adminAccess on a dynamic MIG slice", "claim_steps.ClaimSteps.plan"),
     Rule("perDeviceErrors", Shape.PER_SLOT, "an index key of NVIDIA's per-device limits beyond the devices "
-         "its config applies to", "nvidia_config.per_device"),
+         "its config applies to", "nvidia_config.per_device", policy=Policy.BOTH),
     Rule("percentageErrors", Shape.PER_SLOT, "two MPS thread percentages in one claim",
-         "policy._share_thread_percentage"),
+         "policy._share_thread_percentage", policy=Policy.BOTH),
+    Rule("classPercentageErrors", Shape.MESSAGES, "two classes of this driver with different MPS thread "
+         "percentages (a claim of both would have two)", "policy._share_thread_percentage",
+         policy=Policy.CLASSES),
 )
 
 

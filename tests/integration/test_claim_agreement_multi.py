@@ -10,9 +10,10 @@ driver, NVIDIA's (`gpu.nvidia.com`) or another one, with parameters of both API 
 single-config strategies of test_claim_config_agreement.py); and configs carried by the
 classes themselves (a class of the chart with `spec.config`, as an operator may add).
 
-The policy's answer: server-side dry-run creates (nothing stored) of every class that carries
-a config and then of the claim, against claim-config-policy.yaml, memory-shares.yaml and
-consumable-shares-policy.yaml as the chart's default values render them.
+The policy's answer: writes of the chart's classes with the configs the claim's classes carry
+(real writes: the class-config policy reads the classes themselves), then a server-side dry-run
+create (nothing stored) of the claim, against claim-config-policy.yaml (both its policies),
+memory-shares.yaml and consumable-shares-policy.yaml as the chart's default values render them.
 
 The node's answer, without I/O: every allocation the scheduler may make (each combination
 of `firstAvailable` choices), each request given the next free devices of its class on a
@@ -46,11 +47,14 @@ A class whose config the policies refuse when it is written is judged on the cla
 node must refuse a claim of one device of the class (its smallest share for the share class)
 with no config of its own.
 
-Known disagreements, counted and printed, not failed (KNOWN below): a class's own config
-together with the claim's configs (two thread percentages, a per-device index, a limit above a
-share): the claim-config policy sees the claim, not its classes' configs. Every other rule that
-needs only the claim and its class is checked at creation (issue 49 item 2); the eight kinds of
-disagreement issue 49 item 6 held as strict xfails are test_a_formerly_known_disagreement_agrees.
+No disagreement is known: a class's own config together with the claim's (two thread
+percentages, a per-device index counted over both, a share limit from the class) is the
+class-config policy's, which the API server evaluates once per class of the chart with the
+class as its params; so the classes are written for real (labelled as the chart labels them,
+their configs set per claim, and waited on until the policies see them), and the claims whose
+classes carry configs are checked one at a time, the others concurrently while no class has
+one. The eight kinds of disagreement issue 49 item 6 held as strict xfails are
+test_a_formerly_known_disagreement_agrees.
 
 Two runs: a fixed seed, and a random one that is printed (and named in any failure), each
 of at least 5,000 claims, sent in batches on several connections at once.
@@ -90,7 +94,7 @@ from dra_driver.sharing.mps.daemon import MpsControl
 from dra_driver.sharing.nvidia_config import parse_claim_config
 from dra_driver.sharing.policy import Sharing
 from dra_driver.sharing.shares import GI, memory_policy, share_views
-from tests.harness.admission import PolicyBench, policy_bench
+from tests.harness.admission import ClassesInForce, PolicyBench, policy_bench
 from tests.harness.cluster import ControlPlane
 from tests.harness.driver_image import render_chart
 from tests.harness.objects import RESOURCE_API, api_error, sync_request
@@ -102,6 +106,10 @@ NVIDIA_DRIVER = "gpu.nvidia.com"
 NV = "resource.nvidia.com/v1beta1"
 OURS = f"{DRIVER}/v1alpha1"
 DENIED = "denied request: "
+# The labels of the chart's DeviceClasses as `helm template r` renders them: the class-config
+# policy's binding selects the classes so labelled.
+CLASS_LABELS = {"app.kubernetes.io/name": "gpu-dra-driver", "app.kubernetes.io/instance": "r"}
+SYNC_CLASS = "sync-probe.example.com"  # labelled alike; not named after the driver: no class rule of its own
 POOL = "multi-node"
 FIXED_SEED = 49
 PER_RUN = int(os.environ.get("MULTI_CLAIMS", "5000"))  # fewer while developing
@@ -166,6 +174,18 @@ def claim_parameters(fits: str | None = None) -> Any:
     """Valid parameters three times in four, else anything the single-config test sends."""
     valid = valid_parameters(fits)
     return st.one_of(valid, valid, valid, any_parameters)
+
+
+def mps_percentage(kind: str | None) -> Any:
+    """An MPS config with only a thread percentage (of two), ours or NVIDIA's of `kind`: a class's
+    config of this kind meets the claim's and the other classes' percentages often."""
+    pct = st.sampled_from([25, 50])
+    nvidia = pct.map(lambda p: {
+        "apiVersion": NV, "kind": kind or "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": p}}})
+    ours = pct.map(lambda p: {"apiVersion": OURS, "kind": "GpuConfig",
+                              "sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": p}}})
+    return nvidia if kind == "MigDeviceConfig" else st.one_of(nvidia, ours)
 
 
 def _fitting_kind(classes: set[str]) -> str | None:
@@ -263,7 +283,8 @@ def cases(draw: Any) -> Case:
         if draw(_rarely(5)):
             classes[cls] = [
                 {"opaque": {"driver": draw(st.sampled_from([DRIVER] * 9 + ["other.example.com"])),
-                            "parameters": draw(claim_parameters(_fitting_kind({cls})))}}
+                            "parameters": draw(st.one_of(claim_parameters(_fitting_kind({cls})),
+                                                         mps_percentage(_fitting_kind({cls}))))}}
                 for _ in range(draw(st.integers(1, 2)))
             ]
             for entry in classes[cls]:
@@ -548,28 +569,38 @@ def policy_key(text: str) -> str:
     return match.group(0) if match else ""
 
 
+def _refusal(e: ApiException) -> PolicyVerdict:
+    message = api_error(e)
+    if DENIED in message:
+        text = message.split(DENIED, 1)[1]
+        return PolicyVerdict(False, policy_key(text), text)
+    if e.status in (400, 422):  # the API server's own validation: refused, no rule of ours
+        return PolicyVerdict(False, None, message)
+    raise e
+
+
 def _dry_run(api: client.ApiClient, path: str, body: dict[str, Any]) -> PolicyVerdict | None:
     try:
         sync_request(api, "POST", path, body, query={"dryRun": "All"})
     except ApiException as e:
-        message = api_error(e)
-        if DENIED in message:
-            text = message.split(DENIED, 1)[1]
-            return PolicyVerdict(False, policy_key(text), text)
-        if e.status in (400, 422):  # the API server's own validation: refused, no rule of ours
-            return PolicyVerdict(False, None, message)
-        raise
+        return _refusal(e)
     return None
 
 
-def policy_verdict(api: client.ApiClient, namespace: str, case: Case) -> PolicyVerdict:
-    """The classes that carry configs written first (as an operator would), then the claim."""
-    for cls, config in sorted(case.classes.items()):
-        body = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": cls},
-                "spec": {"config": config}}
-        refused = _dry_run(api, f"{RESOURCE_API}/deviceclasses", body)
-        if refused is not None:
-            return PolicyVerdict(False, refused.rule, refused.message, cls)
+def policy_verdict(
+    api: client.ApiClient, namespace: str, case: Case, classes: ClassesInForce | None = None
+) -> PolicyVerdict:
+    """The classes written with their configs first (as an operator would: `classes`, the
+    bench's real classes, which the class-config policy reads), then the claim (a dry run).
+    Without `classes` the bench's classes must be as they are, with no config."""
+    if classes is not None:
+        try:
+            classes.set(case.classes)
+        except ClassesInForce.Refused as refused:
+            verdict = _refusal(refused.error)
+            return PolicyVerdict(False, verdict.rule, verdict.message, refused.name)
+    elif case.classes:
+        raise ValueError("a claim whose classes carry configs needs the bench's classes (ClassesInForce)")
     body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "multi"},
             "spec": {"devices": case.devices}}
     return _dry_run(api, f"{RESOURCE_API}/namespaces/{namespace}/resourceclaims", body) or PolicyVerdict(
@@ -579,26 +610,6 @@ def policy_verdict(api: client.ApiClient, namespace: str, case: Case) -> PolicyV
 
 # --------------------------------------------------------------------------- the comparison
 
-# Disagreements known and not fixed yet (issue 49 item 6): a rule of the node's that the
-# policies do not check for a claim of this shape, and the shape (a claim of any other shape
-# refused by the node for that rule and admitted by the policies fails the test).
-
-
-def _has_class_config(case: Case) -> bool:
-    return any(_ours(e) for es in case.classes.values() for e in es)
-
-
-KNOWN: dict[str, tuple[str, Any]] = {
-    rule: (
-        "a class's own config together with the claim's: the claim-config policy sees the claim, not the "
-        "configs of its classes (each class config is checked alone when the class is written, against a "
-        "one-device claim of the class)",
-        _has_class_config,
-    )
-    for rule in ("kind", "share-strategy", "share-limit", "thread-percentage", "per-device-key")
-}
-
-
 def class_probe(cls: str, config: list[dict[str, Any]]) -> Case:
     """A claim of one device of `cls` with the class's config as its own (the node reads the
     two alike for a claim of one request): what a class's config is checked against when the
@@ -606,8 +617,25 @@ def class_probe(cls: str, config: list[dict[str, Any]]) -> Case:
     return _probe(cls, "1Gi" if cls == SHARE else None, config)
 
 
+def classes_probe(case: Case, last: str) -> Case:
+    """A claim of one device of each class of `case` with a config, in name order up to `last`
+    (the share class: its smallest share), the classes with their configs."""
+    names = [c for c in sorted(case.classes) if c <= last]
+    requests = [{"name": f"r{i}", "exactly": {"deviceClassName": c, **(
+        {"capacity": {"requests": {"memory": "1Gi"}}} if c == SHARE else {})}} for i, c in enumerate(names)]
+    return Case({"requests": requests}, {c: case.classes[c] for c in names})
+
+
 def disagreement(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | None) -> str | None:
     """What is wrong with the two answers; None if they agree."""
+    if policy.at_class is not None and policy.rule == "thread-percentage":
+        # refused beside a class written before it: a claim of one device of each class with a
+        # config, up to this one, must be refused by the node for its two thread percentages
+        probe = classes_probe(case, policy.at_class)
+        answer = node_verdict(probe)
+        if answer.prepares or "thread-percentage" not in answer.rules:
+            return f"class {policy.at_class}: refused beside other classes the node prepares: {answer}"
+        return None
     if policy.at_class is not None:  # refused when the class was written: judged on the class alone
         probe = class_probe(policy.at_class, case.classes[policy.at_class])
         problem = disagreement(probe, replace(policy, at_class=None), node_verdict(probe))
@@ -626,24 +654,7 @@ def disagreement(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | N
         return None
     if "per-device-key" in node_answer.rules and policy.rule in ("kind", "share-limit", "share-strategy"):
         return None  # the node resolves per-device keys first and stops there
-    if all(k in KNOWN and KNOWN[k][1](case) for k in node_answer.rules):
-        # the node stopped at a rule the policies are known not to check (KNOWN); the policies
-        # refused the claim for another of its faults, which the node reaches only after that one
-        return None
     return f"refused for different rules: policy {policy.rule}, node {sorted(node_answer.rules)}"
-
-
-def known(case: Case, policy: PolicyVerdict, node_answer: NodeVerdict | None) -> str | None:
-    """The KNOWN rules (joined) of a claim the policies admit and the node refuses only for
-    known reasons; None for any other disagreement."""
-    if node_answer is None:
-        return None
-    if not policy.admitted or node_answer.prepares:
-        return None
-    refused = sorted(set(node_answer.refused))
-    if all(k in KNOWN and KNOWN[k][1](case) for k in refused):
-        return "+".join(refused)
-    return None
 
 
 # --------------------------------------------------------------------------- the bench
@@ -672,10 +683,33 @@ def _probe(cls: str, memory: str | None, config: list[dict[str, Any]] | None = N
 
 
 
+@dataclass
+class MultiBench(PolicyBench):
+    """The policies' bench with the chart's DeviceClasses in force (their configs set per claim)."""
+
+    classes: ClassesInForce
+
+
+def _sync_config(pct: int) -> list[dict[str, Any]]:
+    return [_cfg(_pct(pct))]
+
+
+def sync_refused(api: client.ApiClient) -> Any:
+    """Whether a claim of the barrier class (with its config's percentage) and of another class
+    (with a config of the claim's percentage) is refused: once the policies see the class."""
+    def refused(namespace: str, cls: str, class_pct: int, claim_pct: int) -> bool:
+        case = Case({"requests": [{"name": "a", "exactly": {"deviceClassName": cls}},
+                                  {"name": "b", "exactly": {"deviceClassName": "other.example.com"}}],
+                     "config": [_cfg(_pct(claim_pct), "b")]}, {})
+        verdict = policy_verdict(api, namespace, case)
+        return not verdict.admitted and verdict.rule == "thread-percentage"
+    return refused
+
+
 @pytest.fixture(scope="module")
 def bench(
     control_plane: ControlPlane, api: client.ApiClient, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PolicyBench]:
+) -> Iterator[MultiBench]:
     probes = [  # one claim each policy refuses
         _probe(WHOLE, None, [{"opaque": {"driver": DRIVER, "parameters": {"apiVersion": OURS}}}]),
         _probe(SHARE, "1G"),
@@ -687,19 +721,24 @@ def bench(
     policies = rendered_policies(tmp_path_factory.mktemp("helm"))
     node()  # discovered once, before the threads
     admin = {"resource.kubernetes.io/admin-access": "true"}
-    with policy_bench(control_plane, api, policies, "multi", refused, THREADS, admin) as bench:
-        yield bench
+    with policy_bench(control_plane, api, policies, "multi", refused, THREADS, admin) as plain:
+        classes = ClassesInForce(api, plain.namespace, CLASS_LABELS, [WHOLE, MIG, MIG_DYN, SHARE], SYNC_CLASS,
+                                 sync_refused(api), _sync_config)
+        try:
+            classes.set({})
+            yield MultiBench(plain.clients, plain.namespace, classes)
+        finally:
+            classes.delete()
 
 
 @dataclass
 class Tally:
     checked: int = 0
     seen: Counter[str] = field(default_factory=Counter)
-    known: dict[str, str] = field(default_factory=dict)  # an example of each known disagreement
-    wrong: dict[str, str] = field(default_factory=dict)  # an example of each other one
+    wrong: dict[str, str] = field(default_factory=dict)  # an example of each disagreement
 
 
-def check_agreement(bench: PolicyBench, run_seed: int, per_run: int = PER_RUN) -> tuple[Tally, float]:
+def check_agreement(bench: MultiBench, run_seed: int, per_run: int = PER_RUN) -> tuple[Tally, float]:
     """Runs the property with `run_seed`; returns what was checked and the seconds."""
     tally = Tally()
     pool = ThreadPoolExecutor(THREADS)
@@ -707,7 +746,8 @@ def check_agreement(bench: PolicyBench, run_seed: int, per_run: int = PER_RUN) -
     def both(i_case: tuple[int, Case]) -> tuple[Case, PolicyVerdict, NodeVerdict | None]:
         i, case = i_case
         answer = None if policy_only(case) else node_verdict(case)
-        return case, policy_verdict(bench.clients[i % THREADS], bench.namespace, case), answer
+        classes = bench.classes if case.classes else None  # the others run while no class has a config
+        return case, policy_verdict(bench.clients[i % THREADS], bench.namespace, case, classes), answer
 
     @settings(
         max_examples=per_run // BATCH,
@@ -719,14 +759,12 @@ def check_agreement(bench: PolicyBench, run_seed: int, per_run: int = PER_RUN) -
     @seed(run_seed)
     @given(st.lists(cases(), min_size=BATCH, max_size=BATCH))
     def agree(batch: list[Case]) -> None:
-        answers = list(pool.map(both, enumerate(batch)))
+        bench.classes.set({})
+        answers = list(pool.map(both, [(i, c) for i, c in enumerate(batch) if not c.classes]))
+        answers += [both((i, c)) for i, c in enumerate(batch) if c.classes]
         for case, policy, answer in answers:
             problem = disagreement(case, policy, answer)
-            k = known(case, policy, answer) if problem else None
-            if k is not None:
-                tally.seen[f"known: {k}"] += 1
-                tally.known.setdefault(k, case.to_json())
-            elif problem:
+            if problem:
                 tally.seen["DISAGREE"] += 1
                 tally.wrong.setdefault(
                     problem, f"claim {case.to_json()}\n  policy: {policy}\n  node: {answer}"
@@ -745,13 +783,11 @@ def check_agreement(bench: PolicyBench, run_seed: int, per_run: int = PER_RUN) -
 
 
 @pytest.mark.parametrize("which", ["fixed", "random"])
-def test_the_policies_admit_a_whole_claim_iff_the_node_prepares_it(bench: PolicyBench, which: str) -> None:
+def test_the_policies_admit_a_whole_claim_iff_the_node_prepares_it(bench: MultiBench, which: str) -> None:
     run_seed = FIXED_SEED if which == "fixed" else random.randrange(2**32)
     print(f"\n[multi] seed {run_seed} ({which})")
     tally, seconds = check_agreement(bench, run_seed)
     print(f"[multi] seed {run_seed}: {tally.checked} claims in {seconds:.1f} s: {dict(tally.seen)}")
-    for k, example in tally.known.items():
-        print(f"[multi] known ({k}), e.g. {example}")
     assert not tally.wrong, f"seed {run_seed}: {tally.seen['DISAGREE']} claims disagree, e.g.:\n" + "\n".join(
         f"{problem}\n  {example}" for problem, example in tally.wrong.items()
     )
@@ -817,10 +853,10 @@ FORMERLY_KNOWN = {
 
 
 @pytest.mark.parametrize("name", list(FORMERLY_KNOWN))
-def test_a_formerly_known_disagreement_agrees(bench: PolicyBench, name: str) -> None:
+def test_a_formerly_known_disagreement_agrees(bench: MultiBench, name: str) -> None:
     """The claims issue 49 item 6 found the policies and the node disagreeing on, one of
     each kind (held as strict xfails until the claim-wide rules were generated)."""
     case = FORMERLY_KNOWN[name]
-    policy = policy_verdict(bench.clients[0], bench.namespace, case)
+    policy = policy_verdict(bench.clients[0], bench.namespace, case, bench.classes)
     answer = node_verdict(case)
     assert disagreement(case, policy, answer) is None, f"{name}: policy {policy}, node {answer}"

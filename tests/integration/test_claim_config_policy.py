@@ -80,7 +80,9 @@ class Bench(PinnedBench):
 
 def _rendered_policy(tmp: Path) -> list[JSON]:
     docs = render_chart(tmp, show_only="templates/claim-config-policy.yaml")
-    assert [d["kind"] for d in docs] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    # the claim-config policy and the class-config one (claims beside each class's config), each bound
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ValidatingAdmissionPolicy"] * 2 + ["ValidatingAdmissionPolicyBinding"] * 2
     return docs
 
 

@@ -24,7 +24,6 @@ from kubernetes import client
 
 from dra_driver.plugin.claims import ClaimRef, ClaimRejected
 from dra_driver.sharing.config import DEFAULT_SHM_SIZE
-from tests.harness.admission import PolicyBench
 from tests.harness.cluster import ControlPlane
 from tests.harness.objects import RESOURCE_API, create_namespace, sync_request
 from tests.integration.test_claim_agreement_multi import (
@@ -36,6 +35,7 @@ from tests.integration.test_claim_agreement_multi import (
     SHARE,
     WHOLE,
     Case,
+    MultiBench,
     _choices,
     _dry_run,
     allocated,
@@ -122,6 +122,42 @@ ODD: dict[str, tuple[Case, Refused | Runs]] = {
         claim(_req("a", WHOLE), classes={WHOLE: [_entry(nvidia(strategy="MPS", mpsConfig={
             "defaultPerDevicePinnedMemoryLimit": {"1": "10Gi"}}))]}),
         Refused("use an index from 0 to 0")),
+    # a class's config together with the claim's (the class-config policy)
+    "class: a thread percentage, the claim another for its other request": (
+        claim(_req("a", WHOLE), _req("b", SHARE, memory="4Gi"),
+              config=(_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 60}), "b"),),
+              classes={WHOLE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 40}))]}),
+        Refused("give every MPS config of the claim the same one")),
+    "class: a thread percentage, the claim's for all requests overrides it": (
+        claim(_req("a", WHOLE), _req("b", WHOLE),
+              config=(_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 60})),),
+              classes={WHOLE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 40}))]}),
+        Runs(mps=True, percentage=60, limits=[None, None])),
+    "class: a thread percentage on a firstAvailable alternative, the claim another": (
+        claim(_alts("a", _req("x", MIG), _req("y", WHOLE)), _req("b", SHARE, memory="4Gi"),
+              config=(_entry(nvidia(strategy="MPS", mpsConfig={"defaultActiveThreadPercentage": 30}), "b"),),
+              classes={WHOLE: [_entry(nvidia(strategy="MPS",
+                                             mpsConfig={"defaultActiveThreadPercentage": 50}))]}),
+        Refused("give every MPS config of the claim the same one")),
+    "class: per-device limits, a claim index counted over the claim config's own devices": (
+        claim(_req("a", WHOLE, count=2), _req("b", SHARE, memory="4Gi"),
+              config=(_entry(nvidia(strategy="MPS",
+                                    mpsConfig={"defaultPerDevicePinnedMemoryLimit": {"2": "1Gi"}}), "b"),),
+              classes={WHOLE: [_entry(nvidia(strategy="MPS", mpsConfig={
+                  "defaultActiveThreadPercentage": 50,
+                  "defaultPerDevicePinnedMemoryLimit": {"0": "10Gi"}}))]}),
+        Refused("use an index from 0 to 0")),
+    "class: the share class's limit and thread percentage, the claim another percentage": (
+        claim(_req("a", SHARE, memory="1Gi"), _req("b", WHOLE),
+              config=(_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 20}), "b"),),
+              classes={SHARE: [_entry(ours(strategy="MPS", mps={"defaultPinnedDeviceMemoryLimit": "1Gi",
+                                                                "defaultActiveThreadPercentage": 30}))]}),
+        Refused("give every MPS config of the claim the same one")),
+    "two classes, two thread percentages": (
+        claim(_req("a", WHOLE), _req("b", SHARE, memory="4Gi"),
+              classes={WHOLE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 40}))],
+                       SHARE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 60}))]}),
+        Refused("give the two classes the same one")),
     "class: MPS with a thread percentage": (
         claim(_req("a", WHOLE),
               classes={WHOLE: [_entry(ours(strategy="MPS", mps={"defaultActiveThreadPercentage": 40}))]}),
@@ -267,7 +303,7 @@ ODD: dict[str, tuple[Case, Refused | Runs]] = {
 
 @pytest.fixture(scope="module")
 def admin_namespace(
-    bench: PolicyBench, control_plane: ControlPlane, api: client.ApiClient
+    bench: MultiBench, control_plane: ControlPlane, api: client.ApiClient
 ) -> Iterator[str]:
     """A namespace where adminAccess may be asked for (the API server wants its label)."""
     name = f"odd-admin-{random.randrange(16**6):06x}"
@@ -300,11 +336,11 @@ def test_at_least_thirty_odd_configs() -> None:
 
 @pytest.mark.parametrize("name", list(ODD))
 def test_an_odd_config_is_refused_with_its_fix_or_runs_as_meant(
-    bench: PolicyBench, admin_namespace: str, name: str
+    bench: MultiBench, admin_namespace: str, name: str
 ) -> None:
     case, meant = ODD[name]
     namespace = admin_namespace if "adminAccess" in str(case.devices) else bench.namespace
-    verdict = policy_verdict(bench.clients[0], namespace, case)
+    verdict = policy_verdict(bench.clients[0], namespace, case, bench.classes)
     if isinstance(meant, Refused):
         assert not verdict.admitted, f"{name}: admitted, meant to be refused ({meant.fix})"
         assert meant.fix in verdict.message, f"{name}: refused without naming the fix: {verdict.message}"
@@ -325,7 +361,7 @@ def test_an_odd_config_is_refused_with_its_fix_or_runs_as_meant(
             assert plan.shm_size == meant.shm, f"{name}: {plan}"
 
 
-def test_the_largest_claim_is_within_the_policys_cost(bench: PolicyBench) -> None:
+def test_the_largest_claim_is_within_the_policys_cost(bench: MultiBench) -> None:
     """32 requests of 8 alternatives each and 32 config entries (the API's limits), NVIDIA MPS
     configs with per-device limits: the claim-wide rules stay within CEL's cost limit (a cost
     error would refuse every large claim) and refuse it for its one fault, named."""
@@ -335,11 +371,31 @@ def test_the_largest_claim_is_within_the_policys_cost(bench: PolicyBench) -> Non
     config = [_entry(nvidia(strategy="MPS", mpsConfig=mps), f"r{i}/s") for i in range(31)]
     case = claim(*requests, config=(*config, _entry(nvidia(strategy="MPS", mpsConfig={
         "defaultActiveThreadPercentage": 60}), "r31/s")))
-    verdict = policy_verdict(bench.clients[0], bench.namespace, case)
+    verdict = policy_verdict(bench.clients[0], bench.namespace, case, bench.classes)
     assert not verdict.admitted, verdict
     assert "must have the same defaultActiveThreadPercentage" in verdict.message, verdict
     same = claim(*requests, config=tuple(config))
-    assert policy_verdict(bench.clients[0], bench.namespace, same).admitted
+    assert policy_verdict(bench.clients[0], bench.namespace, same, bench.classes).admitted
+
+
+def test_the_largest_claim_with_class_configs_is_within_the_policys_cost(bench: MultiBench) -> None:
+    """The largest claim again, each of its four classes carrying an MPS config with per-device
+    limits: the class-config policy, evaluated once per class with the claim-wide rules over the
+    class's entries and the claim's, stays within CEL's cost limit and names the one fault."""
+    alternatives = [_req(s, cls) for s, cls in zip("stuvwxyz", [WHOLE, SHARE, MIG, MIG_DYN] * 2, strict=True)]
+    requests = [_alts(f"r{i}", *alternatives) for i in range(32)]
+    mps = {"defaultActiveThreadPercentage": 50, "defaultPerDevicePinnedMemoryLimit": {"0": "1Gi"}}
+    classes = {cls: [_entry(nvidia(kind, strategy="MPS", mpsConfig=mps))]
+               for cls, kind in ((WHOLE, "GpuConfig"), (SHARE, "GpuConfig"), (MIG, "MigDeviceConfig"),
+                                 (MIG_DYN, "MigDeviceConfig"))}
+    config = [_entry(nvidia(strategy="MPS", mpsConfig=mps), f"r{i}/s") for i in range(31)]
+    case = claim(*requests, config=(*config, _entry(nvidia("MigDeviceConfig", strategy="MPS", mpsConfig={
+        "defaultActiveThreadPercentage": 60}), "r31/u")), classes=classes)
+    verdict = policy_verdict(bench.clients[0], bench.namespace, case, bench.classes)
+    assert not verdict.admitted, verdict
+    assert "must have the same defaultActiveThreadPercentage" in verdict.message, verdict
+    same = claim(*requests, config=tuple(config), classes=classes)
+    assert policy_verdict(bench.clients[0], bench.namespace, same, bench.classes).admitted
 
 
 def _claim_only(case: Case, meant: Refused | Runs) -> bool:
@@ -347,10 +403,11 @@ def _claim_only(case: Case, meant: Refused | Runs) -> bool:
 
 
 @pytest.mark.parametrize("name", [n for n, (case, meant) in ODD.items() if _claim_only(case, meant)])
-def test_a_template_of_an_odd_claim_is_refused_alike(bench: PolicyBench, name: str) -> None:
+def test_a_template_of_an_odd_claim_is_refused_alike(bench: MultiBench, name: str) -> None:
     """A ResourceClaimTemplate is checked as the claims made from it."""
     case, meant = ODD[name]
     assert isinstance(meant, Refused)
+    bench.classes.set(case.classes)
     body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "odd"},
             "spec": {"spec": {"devices": case.devices}}}
     path = f"{RESOURCE_API}/namespaces/{bench.namespace}/resourceclaimtemplates"
