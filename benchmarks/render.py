@@ -547,6 +547,14 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
         ),
         _prepare_three,
     ),
+    "prepare_nvidia_h100": (
+        "Prepare and Unprepare: ours, NVIDIA's plugin and the example driver, 16-core H100 host",
+        (
+            "The same three-driver run as above on an H100 host, with this session's code (HTTP/2 for a "
+            "far API server, the packing order, NVML chosen once), in the call of node_rss_h100.json."
+        ),
+        _prepare_three,
+    ),
     "prepare_http2_near": (
         "Prepare and Unprepare beside the plugin before HTTP/2, API server near",
         (
@@ -596,7 +604,7 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
     ),
     "node_rss_h100": (
         "The plugin's memory on a real GPU, 16-core H100 host",
-        "The same benchmark on the GPU host, real NVML (`H200_BENCH=node_rss`).",
+        "The same benchmark on the GPU host, real NVML, in the call of prepare_nvidia_h100.json.",
         _flat,
     ),
     "node_rss_h200": (
