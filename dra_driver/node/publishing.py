@@ -48,12 +48,18 @@ async def publish(
         consumable_shares=opts.consumable_shares,
     )
     ctl.heartbeat = heartbeat
-    if opts.extended_resource:
-        dropped = await extended_resource_dropped(api, opts.driver_name, opts.extended_resource)
-        await report_features_off(api, opts.driver_name, (dropped,) if dropped else (), opts.node_name)
     loops = [ctl.run()]
+    if opts.extended_resource:  # beside the slices, not before them: a slow answer delays nothing
+        loops.append(_say_if_extended_resource_dropped(api, opts))
     if keeper is not None:
         loops.append(follow_taints(ctl, keeper, opts.node_name))
     if opts.server_probe_interval > 0:
         loops.append(follow_server(ctl, opts.list_attributes, opts.server_probe_interval))
     await asyncio.gather(*loops)
+
+
+async def _say_if_extended_resource_dropped(api: ApiClient, opts: NodeOptions) -> None:
+    """Once: whether the server kept the extended resource's class as the chart wrote it."""
+    assert opts.extended_resource is not None
+    dropped = await extended_resource_dropped(api, opts.driver_name, opts.extended_resource)
+    await report_features_off(api, opts.driver_name, (dropped,) if dropped else (), opts.node_name)
