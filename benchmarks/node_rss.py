@@ -17,7 +17,11 @@ the process spends idle (`idle_cpu_ms_per_second`: utime+stime over IDLE_S after
 no call; on a GPU host the health monitor waits on real NVML events, where benchmarks.prepare
 runs simulated GPUs).
 
-Run alone: `python -m benchmarks.node_rss [--simulate PROFILE] [--cycles N]` (figures as
+`served_rss_kib_by_mapping`: where the served RSS is (benchmarks.plugin_profile.rss_by_mapping).
+With `--profile DIR`, after every figure: a profile (py-spy samples and per-thread CPU) of
+500 more cycles and of IDLE_S idle.
+
+Run alone: `python -m benchmarks.node_rss [--simulate PROFILE] [--cycles N] [--profile DIR]` (figures as
 JSON on stdout, written to benchmarks/results/node_rss.json). On the GPU host:
 `H200_FOR=bench` carry, `H200_BENCH=node_rss` (hack/h200/run.sh).
 """
@@ -32,7 +36,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fresh_control_plane, report
+from benchmarks import fresh_control_plane, plugin_profile, report
 from benchmarks.prepare import (
     NODE,
     _charted_env,
@@ -70,7 +74,10 @@ def _host_driver_root(work: Path) -> tuple[str, str]:
     return str(_driver_root(work / "driver-root")), "stand-ins (benchmarks.prepare)"
 
 
-def run(simulate: str | None, cycles: int) -> dict[str, Any]:
+PROFILE_CYCLES = 500
+
+
+def run(simulate: str | None, cycles: int, profile_dir: Path | None = None) -> dict[str, Any]:
     with fresh_control_plane("dra-node-rss-") as (cp, work):
         api = sync_client(str(cp.kubeconfig))
         create_node(api, NODE)
@@ -104,6 +111,16 @@ def run(simulate: str | None, cycles: int) -> dict[str, Any]:
             idle_start = _cpu_s(pid)
             time.sleep(IDLE_S)
             idle_cpu = _cpu_s(pid) - idle_start
+            rss_by_mapping = plugin_profile.rss_by_mapping(pid)
+            profile = {}
+            if profile_dir is not None:
+                with plugin_profile.profiled(pid, "node-cycles", profile_dir) as busy:
+                    for _ in range(PROFILE_CYCLES):
+                        kubelet.prepare(claim)
+                        kubelet.unprepare(claim)
+                with plugin_profile.profiled(pid, "node-idle", profile_dir) as idle:
+                    time.sleep(IDLE_S)
+                profile = {f"{PROFILE_CYCLES}_cycles": busy.as_dict(), f"idle_{IDLE_S:g}_s": idle.as_dict()}
             kubelet.close()
         finally:
             plugin.stop()
@@ -116,6 +133,8 @@ def run(simulate: str | None, cycles: int) -> dict[str, Any]:
         "registered": registered,
         "served": served,
         "idle_cpu_ms_per_second": round(idle_cpu / IDLE_S * 1000, 2),
+        "served_rss_kib_by_mapping": rss_by_mapping,
+        **({"profile": profile} if profile else {}),
     }
 
 
@@ -123,8 +142,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", help="a simulated profile instead of this machine's GPUs")
     parser.add_argument("--cycles", type=int, default=1000)
+    parser.add_argument(
+        "--profile", type=Path, metavar="DIR",
+        help=f"after the figures, profile the plugin over {PROFILE_CYCLES} more cycles and {IDLE_S:g} s idle"
+        " (benchmarks.plugin_profile); raw samples into DIR",
+    )
     args = parser.parse_args()
-    report("node_rss", run(args.simulate, args.cycles))
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    report("node_rss", run(args.simulate, args.cycles, args.profile))
 
 
 if __name__ == "__main__":

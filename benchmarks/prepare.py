@@ -78,7 +78,7 @@ less what the process spends idle (`idle_cpu_ms_per_second`, read over IDLE_S wi
 just before) over the same time.
 
 Run alone: `python -m benchmarks.prepare [--example | --baseline-ref REF] [--current-ref REF]
-[--starts N] [--rounds N] [--cycles N]` (prints each start's progress and, with a baseline,
+[--starts N] [--rounds N] [--cycles N] [--profile DIR]` (prints each start's progress and, with a baseline,
 a table of both sides and their ratios on stderr; the figures as JSON on stdout; writes
 benchmarks/results/prepare.json).
 """
@@ -105,7 +105,14 @@ from typing import Any
 
 import yaml
 
-from benchmarks import example_driver, fresh_control_plane, kubelet_client, nvidia_driver, report
+from benchmarks import (
+    example_driver,
+    fresh_control_plane,
+    kubelet_client,
+    nvidia_driver,
+    plugin_profile,
+    report,
+)
 from benchmarks.kubelet_client import REPO
 from dra_driver.driver_root.user_space import COMPUTE_LIBRARIES, UTILITY_BINARIES
 from dra_driver.kubeletapi.dra.v1 import api_pb2 as dra_v1
@@ -494,6 +501,7 @@ class Block:
     cycles: int = 0
     idle_cpu_s: float = 0.0  # utime+stime over IDLE_S without a call
     paced_cpu_s: float = 0.0  # ... over PACED_CYCLES cycles with PACE_S after each call
+    profile: dict[str, Any] | None = None  # with --profile: plugin_profile windows, after the figures
 
 
 # A pod that lives a while: its claim's status is written (dra_driver.plugin.claim_status
@@ -502,6 +510,9 @@ class Block:
 PACED_CYCLES = 10
 PACE_S = 0.5
 IDLE_S = 5.0
+# --profile: windows after every figure is taken (the profiler's own CPU does not touch them)
+PROFILE_CYCLES = 500
+PROFILE_IDLE_S = 20.0
 
 
 def _charted_env() -> dict[str, str]:
@@ -539,10 +550,12 @@ def measure_block(
     binary: Path,
     rounds: int,
     cycles: int,
+    profile_dir: Path | None = None,
 ) -> tuple[Block, Path]:
     """Start one plugin of `side` (fresh dirs), time it, stop it. Returns the block and its
     data dir. `claims` may be a function, called once the plugin is registered (NVIDIA's:
-    claims of the GPUs it published)."""
+    claims of the GPUs it published). With `profile_dir` (our plugin only), PROFILE_CYCLES
+    more cycles and PROFILE_IDLE_S idle are profiled after the figures are taken."""
     run_root, _ = _run_root()
     plugin: Plugin
     metrics_port = 0
@@ -605,13 +618,23 @@ def measure_block(
             kubelet.unprepare(claims[1])
             time.sleep(PACE_S)
         paced_cpu = _cpu_s(pid) - paced_start
+        profile = None
+        if profile_dir is not None and not side.go:
+            with plugin_profile.profiled(pid, f"cycles-{index}", profile_dir) as busy:
+                for _ in range(PROFILE_CYCLES):
+                    kubelet.prepare(claims[1])
+                    kubelet.unprepare(claims[1])
+            with plugin_profile.profiled(pid, f"idle-{index}", profile_dir) as idle:
+                time.sleep(PROFILE_IDLE_S)
+            profile = {f"{PROFILE_CYCLES}_cycles": busy.as_dict(),
+                       f"idle_{PROFILE_IDLE_S:g}_s": idle.as_dict()}
         kubelet.close()
     finally:
         plugin.stop()
         shutil.rmtree(run_root, ignore_errors=True)
     block = Block(
         side.label, start_to_registered, phases, rss_before, rss_after,
-        start_cpu, cycles_cpu, prepare_cpu, unprepare_cpu, cycles, idle_cpu, paced_cpu,
+        start_cpu, cycles_cpu, prepare_cpu, unprepare_cpu, cycles, idle_cpu, paced_cpu, profile,
     )
     # the floor's durable write goes into a dir on disk: the Go plugins' plugin dirs are on the tmpfs
     return block, plugin.kubelet_dir if side.go else plugin.data_dir
@@ -652,6 +675,9 @@ def _side_result(blocks: list[Block], cycles: int) -> dict[str, Any]:
         "plugin_empty_call": _percentiles(pooled("empty")),
         "plugin_empty_16_concurrent": _percentiles(pooled("empty_concurrent")),
     }
+    profiles = [b.profile for b in blocks if b.profile]
+    if profiles:
+        result["profile"] = profiles[0]
     if len(blocks) > 1:
         result["per_start"] = [
             {
@@ -702,6 +728,7 @@ def run(
     starts: int | None = None,
     example: bool = False,
     nvidia: bool = False,
+    profile_dir: Path | None = None,
 ) -> dict[str, Any]:
     """The figures of the working tree's plugin (or `current_ref`'s); with `baseline_ref`,
     also of that commit's, in the same run: `starts` plugin starts of each side (default
@@ -755,7 +782,8 @@ def run(
         for index, side in enumerate(order):
             try:
                 block, data_dir = measure_block(
-                    side, index, cp, work, side_claims[side.label], binary, per_start_rounds, cycles
+                    side, index, cp, work, side_claims[side.label], binary, per_start_rounds, cycles,
+                    None if blocks[side.label] else profile_dir,  # each side's first start is profiled
                 )
             except (RuntimeError, TimeoutError) as e:
                 if not compared:
@@ -849,9 +877,19 @@ def main() -> None:
     parser.add_argument(
         "--cycles", type=int, default=1000, help="prepare/unprepare cycles per start before RSS"
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="after the figures, profile our plugin (py-spy and per-thread CPU, benchmarks.plugin_profile)"
+        f" over {PROFILE_CYCLES} more cycles and {PROFILE_IDLE_S:g} s idle; raw samples into DIR",
+    )
     args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     result = run(
-        args.cycles, args.rounds, args.baseline_ref, args.current_ref, args.starts, args.example, args.nvidia
+        args.cycles, args.rounds, args.baseline_ref, args.current_ref, args.starts, args.example, args.nvidia,
+        args.profile,
     )
     report("prepare", result)
     if "current" in result and isinstance(result.get("code"), dict):

@@ -56,6 +56,7 @@ pykey=$(echo "cp312 manylinux x86_64: ${wheels[*]}" | sha256sum | cut -c1-12)
 pybin="$cache_root/py-$pykey"
 carry="$repo/.h200"
 limit=$((64 * 1024 * 1024))
+PY_SPY_VERSION=0.4.3  # benchmarks --profile's sampler (H200_FOR=bench)
 
 log() { printf '[h200-build %4ds] %s\n' "$SECONDS" "$*" >&2; }
 
@@ -172,7 +173,18 @@ if [ "${H200_FOR:-pod}" = bench ]; then
   strip -o "$carry/dra-example-kubeletplugin" "$example"
   nvidia=$(bash "$repo/hack/bench/nvidia-driver.sh" | tail -n 1)
   cp "$nvidia" "$carry/gpu-kubelet-plugin"
-  xz -9e -T2 "$carry/kubelet-client" "$carry/dra-example-kubeletplugin" "$carry/gpu-kubelet-plugin"
+  # py-spy, the sampler of the benchmarks' --profile (benchmarks.plugin_profile): its one binary.
+  spy="$cache_root/py-spy-$PY_SPY_VERSION"
+  if [ ! -x "$spy/py-spy" ]; then
+    rm -rf "$spy.tmp"; mkdir -p "$spy.tmp"
+    python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 \
+      -d "$spy.tmp" "py-spy==$PY_SPY_VERSION" >&2
+    python3 -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
+      "$spy.tmp"/py_spy-*.whl "py_spy-$PY_SPY_VERSION.data/scripts/py-spy" > "$spy.tmp/py-spy"
+    chmod 755 "$spy.tmp/py-spy"; rm -rf "$spy"; mv "$spy.tmp" "$spy"
+  fi
+  cp "$spy/py-spy" "$carry/py-spy"
+  xz -9e -T2 "$carry/kubelet-client" "$carry/dra-example-kubeletplugin" "$carry/gpu-kubelet-plugin" "$carry/py-spy"
   # With NVIDIA's plugin the carry passes 64 MiB: the benchmarks need neither the test image
   # and CNI plugins of small.tar.xz nor aiohttp and its packages (benchmarks.probe_flood alone
   # imports it; H200_BENCH_AIOHTTP=1 keeps them, and then something else must go).

@@ -33,7 +33,7 @@ mkdir -p "$work"/{libexec,cluster-bin,node-bin,small,path,results} "$out"
 
 log "unpacking $(du -sh "$carry" | cut -f1) from $carry"
 for b in kube containerd-ctr containerd-shim-runc-v2 runc kubelet-client dra-example-kubeletplugin \
-         gpu-kubelet-plugin; do
+         gpu-kubelet-plugin py-spy; do
   [ -f "$carry/$b.xz" ] || continue  # H200_FOR=pod carries the node's, H200_FOR=bench the benchmarks'
   (xz -dc "$carry/$b.xz" > "$work/libexec/$b" && chmod 755 "$work/libexec/$b") &
 done
@@ -132,6 +132,7 @@ fi
 [ -x "$work/libexec/kubelet-client" ] && export DRA_KUBELET_CLIENT="$work/libexec/kubelet-client"
 [ -x "$work/libexec/dra-example-kubeletplugin" ] \
   && export DRA_EXAMPLE_DRIVER_BINARY="$work/libexec/dra-example-kubeletplugin"
+[ -x "$work/libexec/py-spy" ] && export PY_SPY="$work/libexec/py-spy"  # benchmarks' --profile
 [ -x "$work/libexec/gpu-kubelet-plugin" ] \
   && export DRA_NVIDIA_DRIVER_BINARY="$work/libexec/gpu-kubelet-plugin"
 export DRA_CLUSTER_BIN="$work/cluster-bin" DRA_NODE_BIN="$work/node-bin" \
