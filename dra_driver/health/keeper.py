@@ -66,7 +66,7 @@ class HealthKeeper:
         self.views: dict[str, DeviceView] = dict.fromkeys(devices, HEALTHY)
         self.facts = MonitorFacts({}, {}, {})
         self.events_seen = 0
-        self.history_version = 0  # moves on every applied batch (counts change too)
+        self.history_version = 0  # moves on every applied batch that changed a state or a count
         self._count = count
         self._version = 0
         self._changed = asyncio.Event()
@@ -83,8 +83,10 @@ class HealthKeeper:
             if isinstance(item, Probe):
                 verdict = classify_probe(item)
                 for name in affected_devices(self.devices, item.gpu):
-                    self.states[name] = on_probe(self.states[name], verdict, now)
-                    touched.add(name)
+                    checked = on_probe(self.states[name], verdict, now)
+                    if checked is not self.states[name]:  # a well GPU's check changes nothing
+                        self.states[name] = checked
+                        touched.add(name)
                 continue
             verdict = classify(item, self.policy)
             self.events_seen += item.count
@@ -94,7 +96,8 @@ class HealthKeeper:
             for name in affected_devices(self.devices, item.gpu, item.gpu_instance, item.compute_instance):
                 self.states[name] = on_event(self.states[name], item, verdict, now)
                 touched.add(name)
-        self.history_version += 1
+        if touched or any(not isinstance(item, Probe) for item in batch):
+            self.history_version += 1  # the history file is rewritten; not for checks that changed nothing
         return self._refresh(touched)
 
     def settle(self) -> bool:

@@ -159,6 +159,19 @@ def test_the_health_stream_follows_the_keeper_and_is_resent_while_the_monitor_li
     asyncio.run(scenario())
 
 
+def test_the_history_file_is_rewritten_after_a_change_not_after_each_check() -> None:
+    keeper = _keeper()
+    well = [Probe(gpu, lost=False, recovery_action=None, at=1.0) for gpu in range(8)]
+    keeper.apply(well)
+    assert keeper.history_version == 0, "checks of well GPUs change nothing to write"
+    keeper.apply([XID79])
+    assert keeper.history_version == 1
+    keeper.apply([Probe(2, lost=False, recovery_action=None, at=2.0)])  # gpu-2 checks out: clearing starts
+    assert keeper.history_version == 2
+    keeper.apply([Probe(2, lost=True, recovery_action=None, at=3.0)])
+    assert keeper.history_version == 3 and not keeper.views["gpu-2"].healthy
+
+
 def test_the_history_file_is_what_inventory_shows(tmp_path: Path) -> None:
     keeper = _keeper()
     keeper.apply([XID79, HealthEvent(gpu=2, kind=EventKind.XID, data=13, count=250, at=2.0)])
