@@ -131,6 +131,7 @@ class FakeEventSource:
         self._offset = 0
         self._partial = b""
         self._polled_at = 0.0
+        self._read_to: tuple[int, int] | None = None  # (inode, size) of the file when read to its end
         self._refused = ""
         if control_file is not None:
             # created here so that it starts out as it must be: ours, 0600
@@ -174,7 +175,15 @@ class FakeEventSource:
         if now - self._polled_at < min_interval:
             return
         self._polled_at = now
+        try:  # one stat, not an open, while nothing was appended (the idle wait's every turn)
+            seen = os.stat(self.control_file, follow_symlinks=False)
+        except OSError:
+            seen = None
+        if seen is not None and (seen.st_ino, seen.st_size) == self._read_to:
+            return
         data = self._read(self._offset)
+        if seen is not None and seen.st_size == self._offset + len(data):
+            self._read_to = (seen.st_ino, seen.st_size)
         if not data:
             return
         self._offset += len(data)

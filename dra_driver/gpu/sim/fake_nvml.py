@@ -36,6 +36,12 @@ from dra_driver.gpu.sim.mig import FakeMig
 from dra_driver.gpu.sim.mig_calls import MigCalls, MigHandle
 from dra_driver.gpu.sim.profile_model import GpuSpec, Profile
 
+# How often the simulated event wait looks for injected events: while a stream is pending, and
+# while none is (an injected event then reaches the monitor up to this much later; each turn is
+# CPU an idle simulated plugin spends, where real NVML's wait sleeps in the driver).
+STORM_POLL_S = 0.005
+IDLE_POLL_S = 0.05
+
 CALLS_KEPT = 100_000
 
 
@@ -422,7 +428,7 @@ class FakeNvml(MigCalls):
                 return EventData(GpuHandle(gpu), event_type, data, gi, ci)
             if now >= deadline:
                 raise _fail(pynvml.NVML_ERROR_TIMEOUT)
-            time.sleep(min(0.005 if source.pending() else 0.02, deadline - now))
+            time.sleep(min(STORM_POLL_S if source.pending() else IDLE_POLL_S, deadline - now))
 
     def nvmlDeviceGetFieldValues(self, handle: Any, field_ids: list[int]) -> Any:
         self._enter("nvmlDeviceGetFieldValues", handle, tuple(field_ids))
