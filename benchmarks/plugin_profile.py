@@ -104,12 +104,30 @@ def _area(frame: str) -> str:
     return parts[-2] if len(parts) > 1 and parts[-2] not in ("lib", "python3.11") else "stdlib"
 
 
+# Where a thread hands control to a callback: the event loop's handle, a pool worker's item, a
+# thread's target. Frames above the last one are the dispatcher's, not the work's.
+_DISPATCH = ("events.py:Handle._run", "thread.py:_WorkItem.run", "threading.py:Thread.run")
+IN_DISPATCH = "C run by the event loop or a thread (asyncio's tasks, grpc's Cython)"
+
+
+def _charged_area(frames: list[str]) -> str:
+    """The package a sample is charged to: the innermost frame of ours (dra_driver,
+    controller) below the last dispatch; else the leaf's package; a sample in the dispatch
+    frame itself is C code it called."""
+    keys = [_frame_key(f) for f in frames]
+    last = max((i for i, k in enumerate(keys) if k in _DISPATCH), default=-1)
+    work = frames[last + 1 :]
+    if not work:
+        return IN_DISPATCH
+    ours = [f for f in work if _area(f).startswith(("dra_driver", "controller"))]
+    return _area(ours[-1] if ours else work[-1])
+
+
 def summarize(collapsed: str, top: int = TOP) -> dict[str, Any]:
     """Shares of the samples in py-spy's raw (collapsed) output: each line is
     `frame;frame;...;leaf COUNT`, outermost first; with --threads the first frame names the
     thread. Self = the leaf frame; inclusive = anywhere on the stack (counted once a stack);
-    area = the package of the innermost frame that is ours (dra_driver/controller) else of
-    the leaf."""
+    area = `_charged_area`."""
     self_counts: Counter[str] = Counter()
     inclusive: Counter[str] = Counter()
     areas: Counter[str] = Counter()
@@ -130,14 +148,24 @@ def summarize(collapsed: str, top: int = TOP) -> dict[str, Any]:
         self_counts[_frame_key(frames[-1])] += count
         for key in {_frame_key(f) for f in frames}:
             inclusive[key] += count
-        ours = [f for f in frames if _area(f).startswith(("dra_driver", "controller"))]
-        areas[_area(ours[-1] if ours else frames[-1])] += count
+        areas[_charged_area(frames)] += count
 
     def shares(counter: Counter[str]) -> list[list[Any]]:
         return [[key, round(n / total, 4)] for key, n in counter.most_common(top)] if total else []
 
     return {"samples": total, "self": shares(self_counts), "inclusive": shares(inclusive),
             "area": shares(areas), "threads": shares(threads)}
+
+
+def _python_thread_names(threads: list[list[Any]]) -> dict[int, str]:
+    """{tid: name} from py-spy's thread frames, 'thread (TID): NAME' (the OS name of every
+    Python thread is the interpreter's)."""
+    names = {}
+    for frame, _ in threads:
+        match = re.match(r"thread \((\d+)\): (.+)", frame)
+        if match:
+            names[int(match[1])] = match[2]
+    return names
 
 
 @dataclass
@@ -186,6 +214,9 @@ def profiled(pid: int, name: str, out_dir: Path) -> Iterator[Window]:
                 err = b"py-spy did not stop in 30 s"
             window.samples = (summarize(raw.read_text()) if raw.exists()
                               else {"error": err.decode(errors="replace")[-500:]})
+            named = _python_thread_names(window.samples.get("threads", []))
+            for row in window.threads:
+                row["name"] = named.get(row["tid"], row["name"])
         else:
             window.samples = {"error": "py-spy not found (PY_SPY, PATH, beside the interpreter)"}
 

@@ -164,7 +164,40 @@ def _prepare(d: Any) -> list[str]:
         (name, fmt(get(d, f"floor.{name}.p50_ms")), fmt(get(d, f"floor.{name}.p99_ms")))
         for name in get(d, "floor")
     ]
-    return [*lines, "The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
+    lines += ["The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
+    if "profile" in d.get("current", {}):
+        lines += ["Where ours spends its CPU (its first start, `--profile`):", "",
+                  *_profile(d["current"]["profile"])]
+    return lines
+
+
+def _profile(windows: Any) -> list[str]:
+    """benchmarks.plugin_profile windows: per-thread CPU, and the Python samples' shares by
+    package (plugin_profile._charged_area) and by function (the leaf)."""
+    lines: list[str] = []
+    for name, w in windows.items():
+        samples = w["samples"]
+        threads = ", ".join(f"{t['name']} {fmt(t['cpu_ms'])}" for t in w["threads"][:8]) or "none"
+        lines += [f"- **{name}**: {fmt(w['seconds'])} s, {fmt(w['process_cpu_ms'])} ms of CPU (threads, ms: "
+                  f"{threads}); {fmt(samples.get('samples', 0))} samples holding the GIL"
+                  + (f" ({samples['error']})" if "error" in samples else "")]
+        for what, key in (("package", "area"), ("function, self", "self")):
+            shares = "; ".join(f"{k} {v:.0%}" for k, v in samples.get(key, [])[:8])
+            if shares:
+                lines.append(f"  - by {what}: {shares}")
+    return [*lines, ""]
+
+
+def _node_rss(d: Any) -> list[str]:
+    """The figures, where the RSS is, and with --profile where the CPU goes."""
+    flat = {k: v for k, v in d.items() if k not in ("profile", "served_rss_kib_by_mapping")}
+    lines = _flat(flat)
+    if "served_rss_kib_by_mapping" in d:
+        rows = [(str(n), fmt(kib)) for n, kib in d["served_rss_kib_by_mapping"][:12]]
+        lines += ["Where the served RSS is (KiB, /proc/PID/smaps):", "", *table(("mapping", "RSS"), rows)]
+    if "profile" in d:
+        lines += ["Where the CPU goes (`--profile`):", "", *_profile(d["profile"])]
+    return lines
 
 
 _THREE_SIDES = (("ours", "current"), ("NVIDIA's", "nvidia"), ("the example's", "baseline"))
@@ -219,7 +252,11 @@ def _prepare_three(d: Any) -> list[str]:
         (name, fmt(get(d, f"floor.{name}.p50_ms")), fmt(get(d, f"floor.{name}.p99_ms")))
         for name in get(d, "floor")
     ]
-    return [*lines, "The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
+    lines += ["The machine's floor in the same run (ms):", "", *table(("call", "p50", "p99"), floor)]
+    if "profile" in d.get("current", {}):
+        lines += ["Where ours spends its CPU (its first start, `--profile`):", "",
+                  *_profile(d["current"]["profile"])]
+    return lines
 
 
 _FAR_SIDES = (("the example's", "baseline"), ("ours, HTTP/1.1", "http1"), ("ours, HTTP/2", "current"))
@@ -600,17 +637,17 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
     "node_rss": (
         "The plugin's memory on this machine's GPUs",
         "`python -m benchmarks.node_rss [--simulate PROFILE]`: as the chart runs it, KiB from /proc.",
-        _flat,
+        _node_rss,
     ),
     "node_rss_h100": (
         "The plugin's memory on a real GPU, 16-core H100 host",
         "The same benchmark on the GPU host, real NVML, in the call of prepare_nvidia_h100.json.",
-        _flat,
+        _node_rss,
     ),
     "node_rss_h200": (
         "The plugin's memory on a real GPU, 16-core H200 host",
         "The same benchmark on the GPU host, real NVML, in the call of prepare_nvidia_h200.json.",
-        _flat,
+        _node_rss,
     ),
     "huge_prepare": ("One call with many claims", "`python -m benchmarks.huge_prepare`.", _huge_prepare),
     "held_claims": (
