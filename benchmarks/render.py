@@ -203,6 +203,19 @@ def _node_rss(d: Any) -> list[str]:
 _THREE_SIDES = (("ours", "current"), ("NVIDIA's", "nvidia"), ("the example's", "baseline"))
 
 
+def _nvml_rss(d: Any) -> list[str]:
+    """The process's memory after each NVML step (KiB), and what each added."""
+    if "error" in d:
+        return [f"Not measured: {d['error']}.", ""]
+    rows: list[Row] = []
+    before: dict[str, int] = {}
+    for step in d["steps"]:
+        rows.append((step["step"], *(f"{step[k]} ({step[k] - before[k]:+d})" if before else str(step[k])
+                                     for k in ("VmRSS", "RssAnon", "RssFile"))))
+        before = step
+    return [f"GPUs: {d['gpus']}.", "", *table(("after", "RSS", "anonymous", "files"), rows)]
+
+
 def _prepare_three(d: Any) -> list[str]:
     """Ours, NVIDIA's plugin and the example's from one run, with ours divided by each."""
     sides = [(name, key) for name, key in _THREE_SIDES if key in d]
@@ -648,6 +661,18 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
         "The plugin's memory on a real GPU, 16-core H200 host",
         "The same benchmark on the GPU host, real NVML, in the call of prepare_nvidia_h200.json.",
         _node_rss,
+    ),
+    "nvml_rss_h100": (
+        "What NVML adds to a process's memory, 16-core H100 host",
+        "`python -m benchmarks.nvml_rss` on the GPU host (`H200_BENCH=nvml_rss`): a fresh interpreter's "
+        "KiB from /proc after each NVML step the plugin takes.",
+        _nvml_rss,
+    ),
+    "nvml_rss_h200": (
+        "What NVML adds to a process's memory, 16-core H200 host",
+        "`python -m benchmarks.nvml_rss` on the GPU host (`H200_BENCH=nvml_rss`): a fresh interpreter's "
+        "KiB from /proc after each NVML step the plugin takes.",
+        _nvml_rss,
     ),
     "huge_prepare": ("One call with many claims", "`python -m benchmarks.huge_prepare`.", _huge_prepare),
     "held_claims": (
