@@ -522,6 +522,31 @@ def _scheduler(d: Any) -> list[str]:
     return lines
 
 
+def _scheduler_cannot_fit(d: Any) -> list[str]:
+    """One row per claim that cannot fit: its CPU per attempt against a plain pod that cannot fit."""
+    rows: list[Row] = []
+    for c in d["cases"]:
+        for s in c["shapes"]:
+            if s["scheduler_cpu_ms_per_unschedulable_attempt"] is None:
+                continue
+            claim = c["claims"].get(s["shape"], {})
+            selector = any(sub.get("selectors") for r in claim.get("requests", [])
+                           for sub in r.get("firstAvailable") or [r.get("exactly") or {}])
+            rows.append((
+                c["profile"], s["shape"], fmt(s["k"]), fmt(s["subrequests"]),
+                "-" if not claim else ("yes" if selector else "no"),
+                fmt(s["attempts"].get("unschedulable")),
+                fmt(s["scheduler_cpu_ms_per_unschedulable_attempt"]),
+                fmt(s.get("cpu_per_attempt_vs_reference")),
+                fmt(s.get("cpu_per_attempt_vs_reference_bound_pod")),
+                fmt(s.get("load_average_1m")),
+            ))
+    header = ("profile", "shape", "K", "subrequests", "fail-fast selector", "attempts",
+              "scheduler CPU ms per attempt", "x a plain pod that cannot fit", "x a plain bound pod",
+              "load at start, end")
+    return table(header, rows)
+
+
 def _why_cpu(d: Any) -> list[str]:
     rows = [
         (name, fmt(get(c, "cpu_s.p50")), fmt(get(c, "cpu_s.max")), fmt(get(c, "wall_s.p50")),
@@ -799,6 +824,25 @@ LAYOUTS: dict[str, tuple[str, str, Layout]] = {
             "allocator model's."
         ),
         _scheduler_model,
+    ),
+    "scheduler_i52_impossible_200": (
+        "Scheduler, 200 nodes: claims that cannot fit, the generated claim and the 8-layer form",
+        (
+            "`python -m benchmarks.scheduler --size 200:100 ... --shape reference-impossible "
+            "--shape impossible --shape impossible-8`: K one more than the fleet's largest linked set; "
+            "`reference-impossible` is a plain one-GPU pod that cannot fit, `impossible` the claim "
+            "`dra-driver claim --linked K` prints, `impossible-8` the same K over all 8 layers."
+        ),
+        _scheduler_cannot_fit,
+    ),
+    "scheduler_i52_impossible_list_200": (
+        "Scheduler, 200 nodes: claims that cannot fit, the generated claim and the list form",
+        (
+            "`python -m benchmarks.scheduler --size 200:100 ... --shape reference-impossible "
+            "--shape impossible --shape impossible-list`: as above, `impossible-list` the list form of "
+            "deploy/examples/11 for that K, with the fail-fast selector where `dra-driver claim` adds it."
+        ),
+        _scheduler_cannot_fit,
     ),
     "start": (
         "Kubelet plugin start",

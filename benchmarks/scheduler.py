@@ -49,7 +49,10 @@ share view, kept apart by a counter set), `share-only` (the same claim on slices
 `linked4`: the claim `dra-driver claim --linked K` prints for the fleet (controller.claim_fit,
 read from the fleet's slices), the shape the docs lead with; `impossible`: the same for K one
 more than the largest clique of the fleet (100 pods, none can ever bind: CPU per attempt);
-`impossible-8`: that K in the documented 8-layer fallback (`pair`, `quad`).
+`impossible-8`: that K in the 8-layer form (`pair`, `quad`; no longer a documented claim form);
+`impossible-list`: that K in the list form of deploy/examples/11 (`linked_gpus_list`), with the
+fail-fast selector where `dra-driver claim` adds it (a node's largest group of
+`claim_fit.SEARCH_BOUND_GROUP` or more).
 The NVLink shapes carry the fail-fast selector (claim_shapes.fits_selector). `*-before` shapes
 are the claims and slices of d20fbb0, for a before/after in one run: no fail-fast selector, and
 `before` slices (legacy nvlinkGroup<N> and numaNode and the topology-detail nvlinkPeers,
@@ -106,8 +109,8 @@ from typing import Any
 from benchmarks import fresh_control_plane, report
 from benchmarks.packing import cliques, max_disjoint, raw_links
 from controller.attributes import NVLINK_CLIQUE_SIZE
-from controller.claim_fit import fit_linked_claim
-from controller.claim_shapes import fleet_layers, linked_class, linked_gpus_ga
+from controller.claim_fit import SEARCH_BOUND_GROUP, fit_linked_claim
+from controller.claim_shapes import fleet_layers, linked_class, linked_gpus_ga, linked_gpus_list
 from controller.plan import MANAGED_BY_LABEL, SLICES, PoolSpec, desired_objects
 from controller.slices import SliceFeatures, desired_slices, published_topology
 from dra_driver import DEFAULT_DRIVER_NAME, kube
@@ -196,7 +199,8 @@ SHAPES: tuple[Shape, ...] = (
     Shape("linked3", "ours", 3, {}, build="generated", linked_class=True),
     Shape("linked4", "ours", 4, {}, build="generated", linked_class=True),
     Shape("impossible", "ours", 0, {}, build="impossible", linked_class=True),
-    Shape("impossible-8", "ours", 0, {}, build="impossible-8", linked_class=True),  # the 8-layer fallback
+    Shape("impossible-8", "ours", 0, {}, build="impossible-8", linked_class=True),  # the 8-layer form
+    Shape("impossible-list", "ours", 0, {}, build="impossible-list", linked_class=True),
     Shape("pair-linked", "ours", 2, {}, build="eight", linked_class=True),
     Shape("quad-linked", "ours", 4, {}, build="eight", linked_class=True),
     # the generated claims on the whole-GPU class + the fail-fast selector (as before the linked class)
@@ -755,6 +759,11 @@ def for_fleet(shape: Shape, fleet: dict[str, Inventory]) -> Shape:
     if shape.build in ("impossible-8", "eight") or eight_layers:
         fail_fast = shape.fail_fast and cls == GPU_CLASS
         claim = linked_gpus_ga(k, device_class=cls, fail_fast=fail_fast)
+        return dataclasses.replace(shape, gpus=k, claim=claim)
+    if shape.build == "impossible-list":
+        # as claim_fit decides it: the selector where the search of a node's largest group is dear
+        dear = largest_clique(fleet) >= SEARCH_BOUND_GROUP
+        claim = linked_gpus_list(k, device_class=None if shape.linked_class else GPU_CLASS, fail_fast=dear)
         return dataclasses.replace(shape, gpus=k, claim=claim)
     if shape.fit:
         topologies = [published_topology(inv) for inv in set(fleet.values())]

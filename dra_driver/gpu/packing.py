@@ -16,7 +16,9 @@ A one-GPU claim then takes a GPU no linked set needs before one that linked sets
 linked claim takes, within a group, first the members that no other set needs (a bridge GPU is
 used by the set across the bridge, not stranded by a quad's lowest pair). `packing_layers`
 renumbers the clique layers (the groups stay as `cliques.clique_layers` coloured them) so that
-the GA form, which tries layer 0 first, packs best with that order; a tie keeps the numbering.
+the GA form, which tries layer 0 first, packs best with that order (`packed` from every node
+with up to two GPUs taken: a layer tried first serves every claim of every size, so its choice
+weighs more than one GPU's place); a tie keeps the numbering.
 Both change only which set is found first: a set is still found whenever one is free (the search
 is exhaustive and the layers hold the same groups).
 
@@ -90,21 +92,35 @@ def _sets(adjacency: Adjacency, layers: CliqueLayers | None) -> list[_Sets]:
     return out
 
 
-def packed(order: Sequence[int], sets: Sequence[_Sets], layered: bool) -> int:
-    """Sets bound by first-found fills with the GPUs in `order`: per size, from the empty node and
-    from every node with one GPU taken. `layered`: through the layers in turn (the GA form), else
-    the first clique in slice order (the list form)."""
+def _weights(order: Sequence[int]) -> list[int]:
+    """Per bit (a GPU's place in sorted order), a weight such that a set's sorted places compare as
+    its weight does, reversed: the first place where two sets of one size differ outweighs all
+    later ones."""
     nodes = sorted(order)
-    # a set's sorted places compare as its weight does, reversed: the first place where two sets
-    # of one size differ outweighs all later ones
     weight = [0] * len(nodes)
     for p, n in enumerate(order):
         weight[nodes.index(n)] = 1 << (len(nodes) - p)
-    starts = [0, *(1 << b for b in range(len(nodes)))]
+    return weight
+
+
+def _ranked(s: _Sets, weight: Sequence[int], layered: bool) -> list[int]:
+    """The k-cliques in the order the allocator finds them: by layer (the GA form), then in slice
+    order."""
+    keys = [((s.tier[i] if layered else 0), -sum(weight[b] for b in m)) for i, m in enumerate(s.members)]
+    return [s.masks[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
+
+
+def packed(order: Sequence[int], sets: Sequence[_Sets], layered: bool, taken: int = 1) -> int:
+    """Sets bound by first-found fills with the GPUs in `order`: per size, from the empty node and
+    from every node with up to `taken` GPUs taken. `layered`: through the layers in turn (the GA
+    form), else the first clique in slice order (the list form)."""
+    nodes = sorted(order)
+    weight = _weights(order)
+    starts = [sum(1 << b for b in busy) for r in range(taken + 1)
+              for busy in itertools.combinations(range(len(nodes)), r)]
     total = 0
     for s in sets:
-        keys = [((s.tier[i] if layered else 0), -sum(weight[b] for b in m)) for i, m in enumerate(s.members)]
-        ranked = [s.masks[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
+        ranked = _ranked(s, weight, layered)
         for busy in starts:
             # the ranking is fixed and busy only grows: each find comes after the one before
             for c in ranked:
@@ -117,7 +133,8 @@ def packed(order: Sequence[int], sets: Sequence[_Sets], layered: bool) -> int:
 def packing_order(adjacency: Adjacency, layers: CliqueLayers | None = None) -> tuple[int, ...]:
     """The whole GPUs in the order the slices should list them (see the module's docstring)."""
     order = list(flexibility_order(adjacency))
-    if len(order) > SEARCHED_GPUS:
+    # every GPU linked with every other (an NVSwitch board): all orders pack alike
+    if len(order) > SEARCHED_GPUS or all(len(adjacency[n]) == len(order) - 1 for n in order):
         return tuple(order)
     sets = _sets(adjacency, layers)
     if not sets:
@@ -151,7 +168,8 @@ def packing_layers(adjacency: Adjacency, layers: CliqueLayers) -> CliqueLayers:
     order = flexibility_order(adjacency)
 
     def score(numbered: Sequence[tuple[tuple[int, ...], ...]]) -> int:
-        return packed(order, _sets(adjacency, CliqueLayers(tuple(numbered), layers.complete)), True)
+        sets = _sets(adjacency, CliqueLayers(tuple(numbered), layers.complete))
+        return packed(order, sets, True, taken=2)
 
     chosen: list[tuple[tuple[int, ...], ...]] = []
     rest = list(layers.layers)

@@ -48,6 +48,7 @@ from dra_driver.gpu import discover, profile_names
 from dra_driver.gpu.cliques import MAX_LAYERS, clique_layers, coverage, maximal_cliques
 from dra_driver.gpu.model import Inventory, LinkEndpointKind
 from dra_driver.gpu.report import inventory_document, render_table
+from tests.harness.examples import DEMO_NODES
 from tests.harness.first_found import FastModel, allocate_brute, class_devices
 from tests.harness.topologies import graph_inventory
 
@@ -358,8 +359,15 @@ def test_examples_are_the_documented_shapes() -> None:
         return dict(template["spec"]["spec"]["devices"])
 
     v100 = ['device.attributes["gpu.dra-driver.dev"].productName.startsWith("Tesla V100")']
-    assert devices("05-nvlink-pair.yaml") == linked_gpus_ga(2)
-    assert devices("06-nvlink-quad-cube-mesh.yaml") == linked_gpus_ga(4, selectors=v100)
+    # 05 and 06 are what `dra-driver claim` prints for the demo's boxes, on either kind of server
+    for features in (OFF, ON):
+        fleet = [{"spec": s} for node in DEMO_NODES
+                 for s in desired_slices(profile_inventory(node.profile), node.name, DRIVER, features)]
+        assert devices("05-nvlink-pair.yaml") == fit_linked_claim(2, fleet, DRIVER).devices
+        quad = fit_linked_claim(4, fleet, DRIVER, selectors=v100)
+        assert devices("06-nvlink-quad-cube-mesh.yaml") == quad.devices
+    assert devices("05-nvlink-pair.yaml") == linked_gpus_ga(2, layers=(0, 1))
+    assert devices("06-nvlink-quad-cube-mesh.yaml") == linked_gpus_ga(4, selectors=v100, layers=(0,))
     assert devices("11-nvlink-three-gpus-list-attributes.yaml") == linked_gpus_list(3)
     shape = linked_gpus_ga(3)
     assert len(shape["requests"][0]["firstAvailable"]) == MAX_LAYERS  # the API's limit
