@@ -107,6 +107,8 @@ def daemonset_cluster(
     finally:
         if proxy is not None:
             proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+        try:
+            if nodes is not None:
+                nodes.stop()
+        finally:
+            cp.stop(remove=False)
