@@ -359,9 +359,11 @@ def main() -> None:
             histogram_delta(scrapes[-1], scrapes[0]), single_calls(scrapes)
         )
     finally:
-        if nodes is not None:
-            nodes.stop()
-        cp.stop()
+        try:
+            if nodes is not None:
+                nodes.stop()
+        finally:
+            cp.stop()
     result["machine"] = f"{os.cpu_count()} cores"
     report("node", result)
 

@@ -221,9 +221,11 @@ def h200(
             host_network=os.environ.get("H200_HOST_NETWORK") == "1",
         )
     finally:
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+        try:
+            if nodes is not None:
+                nodes.stop()
+        finally:
+            cp.stop(remove=False)
 
 
 # --------------------------------------------------------------------------- pods

@@ -23,7 +23,10 @@ What the kernel does not undo by itself (the veth and bridge links, the sysctls 
 kubelet sets, the cgroups runc made) is undone by a *reaper*: a process of its own
 session that waits for this process to close a pipe (or die), then restores everything
 recorded in the state file. Normal teardown goes the same way, so there is one cleanup
-path. Every process is stopped by its PID, never by name. Where root lacks
+path. The pods' veths are deleted by the reaper too (the ports of the node's bridge), not
+left to their network namespaces: a namespace can outlive its sandbox (tests.harness.host_links
+says why). `Nodes.stop` then raises `LinksLeftBehind` if a link it made or saw on its
+bridges is still there. Every process is stopped by its PID, never by name. Where root lacks
 CAP_SYS_RESOURCE (containers in this sandboxed VM) containerd gets
 `restrict_oom_score_adj = true`, and a log line says so.
 
@@ -55,6 +58,7 @@ from kubernetes import client
 
 from tests.harness.cluster import REPO_ROOT, ControlPlane, free_port, pid_alive
 from tests.harness.driver import DriverProcess, with_parent_death_signal
+from tests.harness.host_links import LinksLeftBehind, bridge_ports, link_names, links_left_behind
 from tests.harness.images import PAUSE_IMAGE, write_test_images
 from tests.harness.objects import sync_client, sync_request
 
@@ -642,6 +646,8 @@ class Nodes:
     reaper_pipe: int = -1
     keep_files: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    # The host's links before the first node: a teardown's check never counts those.
+    links_before: frozenset[str] | None = None
 
     @property
     def state_file(self) -> Path:
@@ -670,7 +676,8 @@ class Nodes:
         bin_dir = bin_dir or build_node_binaries()
         # Short: unix socket paths under it must stay below 108 bytes.
         base = base or Path(tempfile.mkdtemp(prefix="dra-nodes-", dir="/tmp"))
-        nodes = cls(cp=cp, base=base, bin_dir=bin_dir, keep_files=keep_files)
+        before = frozenset(link_names())
+        nodes = cls(cp=cp, base=base, bin_dir=bin_dir, keep_files=keep_files, links_before=before)
         token = hashlib.sha256(str(base).encode()).hexdigest()[:5]
         subnet = _free_subnet(int(token, 16))
         restrict_oom = not has_cap_sys_resource()
@@ -738,7 +745,10 @@ class Nodes:
                     + ", ".join(f"{name} (--simulate {d.profile}, pid {d.pid})" for name, d in drivers)
                 )
         except BaseException:
-            nodes.stop()
+            try:
+                nodes.stop()
+            except LinksLeftBehind as e:  # the failure that got here is the one to report
+                logger.warning("links left behind after a failed start", error=str(e))
             raise
         logger.info(
             "nodes ready", nodes=list(nodes.nodes), seconds=round(time.monotonic() - t0, 1), base=str(base)
@@ -794,6 +804,7 @@ class Nodes:
             "keep_files": self.keep_files,
             "sysctls": sysctls,
             "links": [n.link for n in self.nodes.values()] + [n.bridge for n in self.nodes.values()],
+            "bridges": [n.bridge for n in self.nodes.values()],
             "lo_addresses": [f"{n.ip}/32" for n in self.nodes.values()] if NODE_IP_ON_LO else [],
             "sandboxes": [n.sandbox.pid for n in self.nodes.values() if n.sandbox is not None],
             "containerd_roots": [str(n.dir / "containerd" / "root") for n in self.nodes.values()],
@@ -804,12 +815,17 @@ class Nodes:
         tmp.replace(self.state_file)
 
     def stop(self) -> None:
-        """Stop every node and let the reaper undo the rest; waits until it has."""
+        """Stop every node and let the reaper undo the rest; waits until it has. Then raises
+        LinksLeftBehind if a link the harness made, or saw on a node's bridge, is still there."""
         for node in reversed(list(self.nodes.values())):
             try:
                 node.stop()
             except Exception as e:  # keep going: the reaper still cleans up
                 logger.warning("stopping a node failed", node=node.name, error=str(e))
+        # The sandboxes are gone: no pod can join a bridge any more, and every pod veth that is
+        # still there is a port of its node's bridge until the reaper deletes both.
+        ours = {p for n in self.nodes.values() for p in bridge_ports(n.bridge)}
+        ours |= {name for n in self.nodes.values() for name in (n.link, n.link + "p", n.bridge)}
         if self.reaper_pipe >= 0:
             os.close(self.reaper_pipe)
             self.reaper_pipe = -1
@@ -819,6 +835,13 @@ class Nodes:
             except subprocess.TimeoutExpired:
                 logger.warning("the reaper is still running", pid=self.reaper.pid)
             self.reaper = None
+        if self.links_before is not None:
+            left = links_left_behind(self.links_before, link_names(), ours)
+            if left:
+                raise LinksLeftBehind(
+                    f"the node harness left {len(left)} link(s) of its own on the host: {', '.join(left)} "
+                    f"(its node links, bridges and the pod veths seen on them: {', '.join(sorted(ours))})"
+                )
 
 
 @contextlib.contextmanager
@@ -856,9 +879,11 @@ def node_cluster(
         )
         yield cp, nodes
     finally:
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+        try:
+            if nodes is not None:
+                nodes.stop()
+        finally:
+            cp.stop(remove=False)
 
 
 def _read_sysctl(name: str) -> str | None:
@@ -920,6 +945,12 @@ def reap(state_file: Path) -> None:
         time.sleep(0.1)  # the poll interval
     # The namespaces go once their last process is reaped; give the kernel a moment.
     time.sleep(0.5)  # not a wait: cleanup, and the links still there are deleted below anyway
+    # A pod's veth goes with its network namespace only once nothing pins that namespace (an
+    # orphaned TCP socket can, for minutes): its host end goes now, by name, while it is still
+    # a port of the node's bridge (made by this run's CNI config, so ours).
+    for bridge in state.get("bridges", []):
+        for port in bridge_ports(bridge):
+            _ip("link", "del", port, check=False)
     for link in state["links"]:
         if _ip("link", "show", link, check=False).returncode == 0:
             _ip("link", "del", link, check=False)

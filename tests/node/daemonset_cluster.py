@@ -3,7 +3,7 @@ the driver's image imported and the GPU label set, and the kubernetes Service's 
 proxied from the first node (the driver's pods reach the API server through it).
 
 Helpers only: what each test installs (chart, manifests) and checks is its own. Leaving the
-`with` block stops the proxy, the nodes and the control plane (its files are kept).
+`with` block stops the nodes, then the proxy and the control plane (its files are kept).
 """
 
 from __future__ import annotations
@@ -105,8 +105,13 @@ def daemonset_cluster(
         proxy = ServiceProxy(service["spec"]["clusterIP"], port, target, first.link).start()
         yield DaemonSetCluster(cp, api, nodes, image, work)
     finally:
-        if proxy is not None:
-            proxy.stop()
-        if nodes is not None:
-            nodes.stop()
-        cp.stop(remove=False)
+        # The proxy outlives the nodes: a plugin pod killed with its node closes its API
+        # connection through it, where with the Service address gone its socket would retransmit
+        # the FIN for about 100 s and keep the pod's network namespace (tests.harness.host_links).
+        try:
+            if nodes is not None:
+                nodes.stop()
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            cp.stop(remove=False)
