@@ -5,7 +5,9 @@ RssFile from /proc after each step the plugin takes with NVML: `import pynvml`, 
 a handle and the queries discovery makes of every GPU (name, UUID, memory, PCI info), an
 event set with every supported event registered for every GPU (the health monitor), one
 second's wait on it, and `nvmlShutdown`. Each step's figure is the process's total then, so
-the differences say what each step added. Without NVML it says so and measures nothing.
+the differences say what each step added. Then what the health monitor's NVML calls cost
+(`calls`: wall and CPU per call through pynvml, the event waits with no event pending).
+Without NVML it says so and measures nothing.
 
 Run alone: `python -m benchmarks.nvml_rss` (figures as JSON on stdout, written to
 benchmarks/results/nvml_rss.json); on the GPU host `H200_BENCH=nvml_rss` (hack/h200/run.sh).
@@ -53,10 +55,29 @@ try:
 except pynvml.NVMLError:
     pass
 steps.append(("one 1 s event wait", rss()))
+import time
+def timed(call, n):
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        try:
+            call()
+        except pynvml.NVMLError:
+            pass
+    return {"n": n, "wall_ms_per_call": round((time.perf_counter() - wall) / n * 1000, 3),
+            "cpu_ms_per_call": round((time.process_time() - cpu) / n * 1000, 3)}
+h = handles[0]
+field = [getattr(pynvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", 1)]
+calls = {
+    "nvmlEventSetWait_v2, 1000 ms, no event": timed(lambda: pynvml.nvmlEventSetWait_v2(events, 1000), 5),
+    "nvmlEventSetWait_v2, 100 ms, no event": timed(lambda: pynvml.nvmlEventSetWait_v2(events, 100), 20),
+    "nvmlDeviceGetMemoryInfo": timed(lambda: pynvml.nvmlDeviceGetMemoryInfo(h), 50),
+    "nvmlDeviceGetFieldValues (recovery action)": timed(
+        lambda: pynvml.nvmlDeviceGetFieldValues(h, field), 50),
+}
 pynvml.nvmlEventSetFree(events)
 pynvml.nvmlShutdown()
 steps.append(("nvmlShutdown", rss()))
-print(json.dumps({"gpus": count, "steps": [{"step": s, **v} for s, v in steps]}))
+print(json.dumps({"gpus": count, "steps": [{"step": s, **v} for s, v in steps], "calls": calls}))
 """
 
 

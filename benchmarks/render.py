@@ -213,7 +213,12 @@ def _nvml_rss(d: Any) -> list[str]:
         rows.append((step["step"], *(f"{step[k]} ({step[k] - before[k]:+d})" if before else str(step[k])
                                      for k in ("VmRSS", "RssAnon", "RssFile"))))
         before = step
-    return [f"GPUs: {d['gpus']}.", "", *table(("after", "RSS", "anonymous", "files"), rows)]
+    lines = [f"GPUs: {d['gpus']}.", "", *table(("after", "RSS", "anonymous", "files"), rows)]
+    if "calls" in d:
+        calls = [(name, fmt(c["n"]), fmt(c["wall_ms_per_call"]), fmt(c["cpu_ms_per_call"]))
+                 for name, c in d["calls"].items()]
+        lines += table(("call", "calls", "wall ms per call", "CPU ms per call"), calls)
+    return lines
 
 
 def _prepare_three(d: Any) -> list[str]:
