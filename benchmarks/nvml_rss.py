@@ -2,7 +2,8 @@
 
 Method: a fresh interpreter (the chart's MALLOC_ARENA_MAX) reads its own VmRSS/RssAnon/
 RssFile from /proc after each step the plugin takes with NVML: `import pynvml`, `nvmlInit`,
-a handle and the queries discovery makes of every GPU (name, UUID, memory, PCI info), an
+a handle and the queries discovery makes of every GPU (name, UUID, memory, PCI info), the
+CUDA driver version (NVML asks libcuda: whether that loads it is recorded), an
 event set with every supported event registered for every GPU (the health monitor), one
 second's wait on it, and `nvmlShutdown`. Each step's figure is the process's total then, so
 the differences say what each step added. Then what the health monitor's NVML calls cost
@@ -43,6 +44,12 @@ for h in handles:
     pynvml.nvmlDeviceGetName(h); pynvml.nvmlDeviceGetUUID(h)
     pynvml.nvmlDeviceGetMemoryInfo(h); pynvml.nvmlDeviceGetPciInfo_v3(h)
 steps.append((f"handles and queries of {count} GPUs", rss()))
+def libcuda_mapped():
+    return any("libcuda" in line for line in open("/proc/self/maps"))
+cuda_before = libcuda_mapped()
+pynvml.nvmlSystemGetCudaDriverVersion_v2()
+steps.append(("nvmlSystemGetCudaDriverVersion_v2 (discovery's cudaDriverVersion)", rss()))
+libcuda = {"before": cuda_before, "after": libcuda_mapped()}
 events = pynvml.nvmlEventSetCreate()
 for h in handles:
     try:
@@ -77,7 +84,8 @@ calls = {
 pynvml.nvmlEventSetFree(events)
 pynvml.nvmlShutdown()
 steps.append(("nvmlShutdown", rss()))
-print(json.dumps({"gpus": count, "steps": [{"step": s, **v} for s, v in steps], "calls": calls}))
+print(json.dumps({"gpus": count, "steps": [{"step": s, **v} for s, v in steps], "calls": calls,
+                  "libcuda_mapped_by_the_cuda_version_query": libcuda}))
 """
 
 

@@ -214,6 +214,10 @@ def _nvml_rss(d: Any) -> list[str]:
                                      for k in ("VmRSS", "RssAnon", "RssFile"))))
         before = step
     lines = [f"GPUs: {d['gpus']}.", "", *table(("after", "RSS", "anonymous", "files"), rows)]
+    if "libcuda_mapped_by_the_cuda_version_query" in d:
+        mapped = d["libcuda_mapped_by_the_cuda_version_query"]
+        lines += [f"libcuda mapped before the CUDA version query: {fmt(mapped['before'])}; after: "
+                  f"{fmt(mapped['after'])}.", ""]
     if "calls" in d:
         calls = [(name, fmt(c["n"]), fmt(c["wall_ms_per_call"]), fmt(c["cpu_ms_per_call"]))
                  for name, c in d["calls"].items()]
