@@ -1,15 +1,15 @@
-"""Where a plugin process spends its CPU: py-spy samples and per-thread CPU from /proc.
+"""Where a plugin process spends its CPU: py-spy samples and per-thread CPU time.
 
 For issue 50 ("where Python cannot, show where the time goes, measured"): a window of the
 plugin's life (its Prepare/Unprepare cycles, or idle) is sampled by py-spy (a sampling
 profiler in its own process, here reading the target's memory without stopping it, so the
 target's CPU is not changed by being profiled) and the CPU of each of the target's OS
-threads is read from /proc/<pid>/task before and after. Only samples of the thread holding
+threads is read before and after (benchmarks.cpu_clock). Only samples of the thread holding
 the GIL are kept (`--gil`: a thread waiting in epoll, on a queue or in NVML's event wait
-holds none), so a share is of the plugin's Python CPU, not of the wall clock.
-py-spy sees Python threads only (time in C
-called from Python is counted to the Python frame calling it); gRPC core's own threads
-(named by gRPC, e.g. `grpc_global_tim`) appear in the per-thread table alone.
+holds none), so a share is of the plugin's Python CPU, not of the wall clock. py-spy sees
+Python threads only (time in C called from Python is counted to the Python frame calling
+it); gRPC core's own threads (named by gRPC, e.g. `event_engine`) appear in the per-thread
+table alone.
 
 `summarize` is pure: collapsed stacks (py-spy's `raw` format) in, shares out. This module
 must not decide anything about the plugin; it only measures. Without py-spy (`PY_SPY` or
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import cpu_clock
+
 SAMPLE_RATE_HZ = 997  # not a multiple of the plugin's timers, so periodic work is not aliased
 TOP = 25
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^():]*)(?::\d+)?\)$")
@@ -46,35 +48,27 @@ def py_spy() -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
-def thread_ticks(pid: int) -> dict[int, tuple[str, int]]:
-    """{tid: (its name, utime+stime in clock ticks)} of each live thread of `pid`."""
+def thread_cpu(pid: int) -> dict[int, tuple[str, int]]:
+    """{tid: (its name, CPU time in ns)} of each live thread of `pid` (benchmarks.cpu_clock)."""
     threads: dict[int, tuple[str, int]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
+            ns = cpu_clock.thread_cpu_ns(pid, int(task.name))
         except OSError:  # the thread ended between the listing and the read
             continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        threads[int(task.name)] = (name, int(fields[11]) + int(fields[12]))
+        threads[int(task.name)] = (stat[stat.index("(") + 1 : stat.rindex(")")], ns)
     return threads
-
-
-def _process_ticks(pid: int) -> int:
-    """utime+stime of the whole process (threads that ended included), in clock ticks."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
 
 
 def thread_cpu_ms(
     before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]
 ) -> list[dict[str, Any]]:
-    """Each thread's CPU between two `thread_ticks` readings (threads born in between count
+    """Each thread's CPU between two `thread_cpu` readings (threads born in between count
     from zero), the busiest first."""
-    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
     rows = [
-        (round((ticks - before.get(tid, (name, 0))[1]) * tick_ms, 1), tid, name)
-        for tid, (name, ticks) in after.items()
+        (round((ns - before.get(tid, (name, 0))[1]) / 1e6, 2), tid, name)
+        for tid, (name, ns) in after.items()
     ]
     busiest = sorted(rows, reverse=True)
     return [{"tid": tid, "name": name, "cpu_ms": ms} for ms, tid, name in busiest if ms > 0]
@@ -198,13 +192,13 @@ def profiled(pid: int, name: str, out_dir: Path) -> Iterator[Window]:
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         time.sleep(0.5)  # py-spy attaches (reads the interpreter's layout) before sampling
-    before, process_before, t0 = thread_ticks(pid), _process_ticks(pid), time.perf_counter()
+    before, process_before, t0 = thread_cpu(pid), cpu_clock.process_cpu_ns(pid), time.perf_counter()
     try:
         yield window
     finally:
-        after, window.seconds = thread_ticks(pid), time.perf_counter() - t0
+        after, window.seconds = thread_cpu(pid), time.perf_counter() - t0
         window.threads = thread_cpu_ms(before, after)
-        window.process_cpu_ms = (_process_ticks(pid) - process_before) * 1000 / os.sysconf("SC_CLK_TCK")
+        window.process_cpu_ms = (cpu_clock.process_cpu_ns(pid) - process_before) / 1e6
         if recorder is not None:
             recorder.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
             try:

@@ -63,17 +63,18 @@ which its ConsumableShares gate allows), where ours and the example run 16 simul
 its claims are made once its first start has published its GPUs. `current_to_nvidia` divides
 ours by it as `current_to_baseline` does by the baseline.
 
-CPU: `start_cpu_s` is the plugin's utime+stime from exec to registered; over the `--cycles`
-Prepare/Unprepare cycles the plugin's utime+stime is read from /proc before and after each
-call, and `cpu_ms_per_prepare` / `cpu_ms_per_unprepare` are the sums over the calls of
-each kind divided by their count (the kernel reports in 10 ms ticks: each reading is
-rounded, the sums over 1,000 calls are not biased by it; `cpu_ms_per_cycle`, read once
-around all the cycles, is the check). Work a plugin does in the background after answering
+CPU: `start_cpu_s` is the plugin's CPU time from exec to registered; over the `--cycles`
+Prepare/Unprepare cycles the plugin's CPU time is read before and after each call (the
+kernel's CPU-time clock of the process, to the nanosecond: benchmarks.cpu_clock; results
+before Dec 6 20:20 UTC read utime+stime, in 10 ms ticks, which overstate an idle process's
+timer wakeups), and `cpu_ms_per_prepare` / `cpu_ms_per_unprepare` are the sums over the
+calls of each kind divided by their count (`cpu_ms_per_cycle`, read once around all the
+cycles, is the check). Work a plugin does in the background after answering
 (ours: the claim's status write) is counted to whichever call is in flight then; back to
 back, a claim is unprepared before its status write would start (the writer waits for a
 quiet period after the kubelet's calls, and then has nothing to write), so these cycles
 do not include it. `cpu_ms_per_paced_cycle` does: PACED_CYCLES cycles with PACE_S after
-each call (a pod that lives a second: its status written and released), their utime+stime
+each call (a pod that lives a second: its status written and released), their CPU time
 less what the process spends idle (`idle_cpu_ms_per_second`, read over IDLE_S without a call
 just before) over the same time.
 
@@ -106,6 +107,7 @@ from typing import Any
 import yaml
 
 from benchmarks import (
+    cpu_clock,
     example_driver,
     fresh_control_plane,
     kubelet_client,
@@ -315,9 +317,9 @@ def _ratios(result: dict[str, Any]) -> dict[str, float]:
 
 
 def _cpu_s(pid: int) -> float:
-    """utime + stime of the process (all its threads, those ended included), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of the process (all its threads, those ended included), in seconds, from the
+    kernel's CPU-time clock (benchmarks.cpu_clock: to the nanosecond, not in ticks)."""
+    return cpu_clock.process_cpu_ns(pid) / 1e9
 
 
 def _claims(
@@ -494,12 +496,12 @@ class Block:
     phases: dict[str, list[float]]
     rss_kib_after_warmup: int
     rss_kib_after_cycles: int
-    start_cpu_s: float = 0.0  # utime+stime from exec to registered
-    cycles_cpu_s: float = 0.0  # utime+stime over the cycles
+    start_cpu_s: float = 0.0  # CPU time from exec to registered
+    cycles_cpu_s: float = 0.0  # CPU time over the cycles
     prepare_cpu_s: float = 0.0  # ... over the cycles' Prepares alone (sampled around each call)
     unprepare_cpu_s: float = 0.0
     cycles: int = 0
-    idle_cpu_s: float = 0.0  # utime+stime over IDLE_S without a call
+    idle_cpu_s: float = 0.0  # CPU time over IDLE_S without a call
     paced_cpu_s: float = 0.0  # ... over PACED_CYCLES cycles with PACE_S after each call
     profile: dict[str, Any] | None = None  # with --profile: plugin_profile windows, after the figures
 
