@@ -1,14 +1,12 @@
 """Another process's (or thread's) CPU time, to the nanosecond, from the kernel's CPU-time clocks.
 
-utime+stime in /proc/<pid>/stat are counted in clock ticks (10 ms here): a thread that wakes
-briefly on a timer is charged a whole tick whenever the tick finds it running, so a reading
-of an idle process over seconds is a handful of ticks and says little (an outside run read
-"3 ms/s" of a plugin whose precise figure is a fraction of it). The kernel's CPU-time clock
-of a process (`clock_gettime` with the clock id glibc's `clock_getcpuclockid` makes: the
-pid complemented, shifted by 3, CPUCLOCK_SCHED) sums the scheduler's own runtime of all
-its threads, ended ones included. Python has no `clock_getcpuclockid`, hence the
-arithmetic. Where the clock is refused (another
-user's process without the right to read it), the ticks are read instead.
+utime+stime in /proc/<pid>/stat are counted in clock ticks (10 ms here): a thread that
+wakes briefly on a timer is charged a whole tick whenever the tick finds it running, so a
+reading of an idle process over seconds is a handful of ticks and says little. The kernel's
+CPU-time clock of a process (`clock_gettime` with the clock id glibc's `clock_getcpuclockid`
+makes: the pid complemented, shifted by 3, CPUCLOCK_SCHED; Python has no
+`clock_getcpuclockid`) sums the scheduler's own runtime of all its threads, ended ones
+included. Where the clock is refused (another user's process), the ticks are read instead.
 
 This module only reads; it decides nothing.
 """
