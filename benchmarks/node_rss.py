@@ -14,8 +14,8 @@ stand-in root). The process's VmRSS, RssAnon and RssFile from /proc are read:
 * `peak`: VmHWM at the end.
 Start to registered and the CPU spent to get there are recorded beside them, and the CPU
 the process spends idle (`idle_cpu_ms_per_second`: its CPU time, benchmarks.cpu_clock, over
-IDLE_S after the cycles, no call; on a GPU host the health monitor waits on real NVML events, where benchmarks.prepare
-runs simulated GPUs).
+IDLE_S after the cycles, no call; on a GPU host the health monitor waits on real NVML
+events, where benchmarks.prepare runs simulated GPUs).
 
 `served_rss_kib_by_mapping`: where the served RSS is (benchmarks.plugin_profile.rss_by_mapping).
 With `--profile DIR`, after every figure: a profile (py-spy samples and per-thread CPU) of
