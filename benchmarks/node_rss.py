@@ -36,6 +36,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from benchmarks import fresh_control_plane, plugin_profile, report
 from benchmarks.prepare import (
     NODE,
@@ -47,6 +49,7 @@ from benchmarks.prepare import (
     _run_root,
     start_timed,
 )
+from dra_driver.health import history
 from tests.harness.driver import DriverProcess
 from tests.harness.kubelet import KubeletSide, prepared_cdi_ids
 from tests.harness.objects import create_node, sync_client
@@ -75,6 +78,24 @@ def _host_driver_root(work: Path) -> tuple[str, str]:
 
 
 PROFILE_CYCLES = 500
+
+
+def _health_seen(history_file: Path, log_path: Path, metrics_port: int) -> dict[str, Any]:
+    """What the health monitor saw while the figures were taken: its NVML waits by how they
+    ended (gpu_dra_health_monitor_waits_total: an idle monitor times out once a second), the
+    history file's event count and registrations, and its log lines."""
+    doc = history.read(history_file) or {}
+    lines = [line for line in log_path.read_text(errors="replace").splitlines()
+             if "health" in line or "NVML" in line][-20:]
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as answer:
+        waits = {
+            sample.labels["result"]: sample.value
+            for family in text_string_to_metric_families(answer.read().decode())
+            if family.name == "gpu_dra_health_monitor_waits"
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+    return {"waits": waits, "events_seen": doc.get("eventsSeen"), "monitor": doc.get("monitor"), "log": lines}
 
 
 def run(simulate: str | None, cycles: int, profile_dir: Path | None = None) -> dict[str, Any]:
@@ -112,6 +133,7 @@ def run(simulate: str | None, cycles: int, profile_dir: Path | None = None) -> d
             time.sleep(IDLE_S)
             idle_cpu = _cpu_s(pid) - idle_start
             rss_by_mapping = plugin_profile.rss_by_mapping(pid)
+            health = _health_seen(plugin.data_dir / history.FILE_NAME, plugin.log_path, port)
             profile = {}
             if profile_dir is not None:
                 with plugin_profile.profiled(pid, "node-cycles", profile_dir) as busy:
@@ -134,6 +156,7 @@ def run(simulate: str | None, cycles: int, profile_dir: Path | None = None) -> d
         "served": served,
         "idle_cpu_ms_per_second": round(idle_cpu / IDLE_S * 1000, 2),
         "served_rss_kib_by_mapping": rss_by_mapping,
+        "health_monitor": health,
         **({"profile": profile} if profile else {}),
     }
 

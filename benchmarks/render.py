@@ -190,7 +190,7 @@ def _profile(windows: Any) -> list[str]:
 
 def _node_rss(d: Any) -> list[str]:
     """The figures, where the RSS is, and with --profile where the CPU goes."""
-    flat = {k: v for k, v in d.items() if k not in ("profile", "served_rss_kib_by_mapping")}
+    flat = {k: v for k, v in d.items() if k not in ("profile", "served_rss_kib_by_mapping", "health_monitor")}
     lines = _flat(flat)
     if "served_rss_kib_by_mapping" in d:
         rows = [(str(n), fmt(kib)) for n, kib in d["served_rss_kib_by_mapping"][:12]]

@@ -48,6 +48,7 @@ __all__ = [
     "devices_published",
     "features_off",
     "health_events",
+    "health_monitor_waits",
     "prepared_claims",
     "request_duration",
     "requests_inflight",
@@ -135,6 +136,13 @@ health_events: Final = Counter(
     "gpu_dra_health_events",
     "Device health events seen, by kind (e.g. xid, ecc, unhealthy, recovered).",
     ["kind"],
+    registry=REGISTRY,
+)
+health_monitor_waits: Final = Counter(
+    "gpu_dra_health_monitor_waits",
+    "NVML event waits of the health monitor, by how they ended (timeout|event|ignored|lost|error): "
+    "about one timeout a second on a quiet node; a stalled count is a stuck monitor.",
+    ["result"],
     registry=REGISTRY,
 )
 device_claim_info: Final = Gauge(

@@ -28,6 +28,7 @@ It must NOT classify events or touch Kubernetes: that is `classify`/`keeper`'s w
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -153,6 +154,7 @@ class NvmlHealthMonitor:
         batch_window: float = 0.05,
         max_batch: int = 10_000,
         clock: Callable[[], float] = time.time,
+        count_wait: Callable[[str], None] | None = None,
     ) -> None:
         self._nvml = nvml
         self._gpus = {g.index: g for g in gpus}
@@ -177,6 +179,9 @@ class NvmlHealthMonitor:
         self.alive_at = time.monotonic()
         self.facts = MonitorFacts({}, {}, {})
         self.delivered_events = 0  # NVML events seen (before coalescing), for benchmarks and tests
+        # How each NVML wait ended (timeout, event, ignored, lost, error): an idle node turns
+        # once a second, so anything else says what keeps the thread busy (a metric).
+        self._count_wait = count_wait or (lambda result: None)
 
     # -- start and stop ------------------------------------------------------------------------
 
@@ -289,7 +294,9 @@ class NvmlHealthMonitor:
                 timeout = max(0.0, first_at + self._batch_window - now)
             else:
                 timeout = min(self._wait_ms / 1000, max(0.0, next_probe - now))
-            key = self._wait(int(timeout * 1000))
+            # Rounded up: a wait cut to whole milliseconds ends just before the check is due,
+            # and a remainder below 1 ms rounded down is a wait of 0, again and again until it is.
+            key = self._wait(math.ceil(timeout * 1000))
             if key is not None:
                 if not pending:
                     first_at = time.monotonic()
@@ -314,15 +321,24 @@ class NvmlHealthMonitor:
             data = self._nvml.nvmlEventSetWait_v2(self._event_set, timeout_ms)
         except pynvml.NVMLError as err:
             if err.value == pynvml.NVML_ERROR_TIMEOUT:
+                self._count_wait("timeout")
                 return None
             if err.value in _LOST:
+                self._count_wait("lost")
                 self._say_once("lost", "NVML event wait says a GPU is lost; checking every GPU", log.warning)
                 self._probe_now.set()
                 return None
+            self._count_wait("error")
             self._say_once(f"wait-{err.value}", "NVML event wait failed; retrying", log.warning,
                            error=str(err))
             self._stop.wait(0.5)
             return None
+        key = self._key(data)
+        self._count_wait("ignored" if key is None else "event")
+        return key
+
+    def _key(self, data: Any) -> EventKey | None:
+        """The event's key, or None for one that is not ours or not of a kind asked for."""
         event_type = int(data.eventType)
         handle = handle_key(data.device)
         gpu = self._gpu_of_handle.get(handle, _UNSEEN)

@@ -56,6 +56,7 @@ async def start_node_health(
     nvml: NvmlEventsApi,
     count: Callable[[str, int], None] | None = None,
     probe_interval: float = PROBE_INTERVAL,
+    count_wait: Callable[[str], None] | None = None,
 ) -> NodeHealth:
     """Start the monitor on `nvml`; raises HealthMonitorError when NVML cannot be used."""
     keeper = HealthKeeper(driver, devices, policy, count=count)
@@ -64,7 +65,8 @@ async def start_node_health(
     def deliver(batch: Batch) -> None:
         loop.call_soon_threadsafe(keeper.apply, batch)
 
-    monitor = NvmlHealthMonitor(nvml, gpu_refs(inventory), deliver, probe_interval=probe_interval)
+    monitor = NvmlHealthMonitor(nvml, gpu_refs(inventory), deliver, probe_interval=probe_interval,
+                                count_wait=count_wait)
     keeper.facts = await asyncio.to_thread(monitor.start)
     log.info(
         "health monitor started",

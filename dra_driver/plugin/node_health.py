@@ -42,7 +42,7 @@ async def start_health(
         return None
     try:
         return await start_node_health(inventory, devices, driver, policy, nvml,
-                                       count=_count)
+                                       count=_count, count_wait=_count_wait)
     except HealthMonitorError as e:
         log.error("device health monitor not started; devices report Unknown", error=str(e))
         return None
@@ -50,6 +50,10 @@ async def start_health(
 
 def _count(kind: str, n: int) -> None:
     metrics.health_events.labels(kind=kind).inc(n)
+
+
+def _count_wait(result: str) -> None:
+    metrics.health_monitor_waits.labels(result=result).inc()
 
 
 def health_tasks(

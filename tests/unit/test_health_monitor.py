@@ -5,6 +5,7 @@ at once; what a GPU does not offer is said once; the thread stops cleanly."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import queue
@@ -25,7 +26,7 @@ from dra_driver.health.effects import affected_devices
 from dra_driver.health.events import EventKind, HealthEvent, Probe
 from dra_driver.health.monitor import Batch, NvmlHealthMonitor
 from dra_driver.health.node import gpu_refs, start_node_health
-from tests.harness.objects import wait_for_async, watch_for_async
+from tests.harness.objects import wait_for, wait_for_async, watch_for_async
 
 PROFILE = "hgx-h200"
 
@@ -333,3 +334,42 @@ def test_the_keeper_taints_and_recovers_a_gpu_through_the_control_file(tmp_path:
     assert tainted < 5.0
     assert 0.5 <= recovered < 10.0
     assert counts == {"xid-79": 1}
+
+
+def test_each_wait_is_counted_by_how_it_ended(fake: FakeNvml) -> None:
+    """The gpu_dra_health_monitor_waits counter's source: timeouts while quiet, one count per
+    event taken, ignored for an event of a kind not asked for, lost for a GPU that fell off."""
+    ended: collections.Counter[str] = collections.Counter()
+    collector = Collector()
+    monitor = NvmlHealthMonitor(fake, gpu_refs(discover(PROFILE)), collector, wait_ms=50, probe_interval=30.0,
+                                count_wait=lambda result: ended.update([result]))
+    monitor.start()
+    try:
+        wait_for("a quiet wait to time out", lambda: ended["timeout"] >= 1, detail=lambda: ended)
+        assert fake.events is not None
+        fake.events.inject({"gpu": 3, "xid": 13, "repeat": 5})
+        collector.until("the events", lambda got: sum(e.count for e in events(got)) >= 5)
+        assert ended["event"] == 5
+        fake.events.inject({"gpu": 3, "lost": True})
+        wait_for("the lost GPU's wait", lambda: ended["lost"] >= 1, detail=lambda: ended)
+        assert ended["ignored"] == 0 and ended["error"] == 0
+    finally:
+        monitor.stop()
+
+
+def test_a_quiet_monitor_waits_once_per_check_and_never_spins(fake: FakeNvml) -> None:
+    """The wait before a check is due is rounded up to whole milliseconds: rounded down, the
+    wait ended just before the check and every remainder below 1 ms became a wait of 0, a few
+    hundred turns a second on a quiet node (issue 50's idle CPU)."""
+    ended: collections.Counter[str] = collections.Counter()
+    monitor = NvmlHealthMonitor(fake, gpu_refs(discover(PROFILE)), Collector(), probe_interval=0.1,
+                                count_wait=lambda result: ended.update([result]))
+    monitor.start()
+    try:
+        start = time.monotonic()
+        wait_for("ten checks' waits", lambda: ended["timeout"] >= 10, detail=lambda: ended)
+        elapsed = time.monotonic() - start
+    finally:
+        monitor.stop()
+    # one wait per 0.1 s check, and one more now and then: a spin makes hundreds
+    assert ended["timeout"] <= 2 * elapsed / 0.1 + 5, (ended, elapsed)
