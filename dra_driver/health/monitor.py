@@ -18,7 +18,8 @@ wait is fed by injected events. Rules kept here:
 - every `probe_interval` seconds, and at once after NVML says a GPU is lost, each GPU is
   checked: can NVML still reach it (memory info), and which recovery action does NVML ask
   for (field 230, where offered; a new action once two checks in a row read it). The check
-  never waits behind NVML's event queue, so behind any storm it sees a fatal XID's action;
+  never waits behind NVML's event queue, so behind any storm it sees a fatal XID's action.
+  Checks that find every GPU well are handed over once after any events, not every time;
 - `alive_at` moves on every turn of the loop, so a wedged NVML call shows (the health
   stream then stops vouching for the devices and the kubelet marks them Unknown).
 
@@ -72,6 +73,7 @@ _VALUE_FIELDS: Final = {
     pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: "usVal",
 }
 _LOST: Final = frozenset({pynvml.NVML_ERROR_GPU_IS_LOST})
+_NO_RECOVERY_ACTION: Final = int(getattr(pynvml, "NVML_GPU_RECOVERY_ACTION_NONE", 0))
 _UNSEEN: Final = -1  # a handle not mapped to a GPU (or to None, "not ours") yet
 _NOT_OFFERED: Final = frozenset(
     {
@@ -176,6 +178,7 @@ class NvmlHealthMonitor:
         self._stop = threading.Event()
         self._probe_now = threading.Event()
         self._said: set[str] = set()
+        self._well_delivered = False  # the last checks handed over were all well, no events since
         self.alive_at = time.monotonic()
         self.facts = MonitorFacts({}, {}, {})
         self.delivered_events = 0  # NVML events seen (before coalescing), for benchmarks and tests
@@ -311,7 +314,7 @@ class NvmlHealthMonitor:
                 self._flush(pending, last_at)
                 pending = {}
             if probe_due:
-                self._deliver_safely(self._probe_all())
+                self._deliver_checks(self._probe_all())
                 next_probe = time.monotonic() + self._probe_interval
         if pending:
             self._flush(pending, last_at)
@@ -393,6 +396,19 @@ class NvmlHealthMonitor:
         batch.sort(key=lambda e: -XID_TABLE.get(e.data, UNKNOWN_XID_SEVERITY) if e.kind is EventKind.XID
                    else 0)
         self._deliver_safely(batch)
+        self._well_delivered = False  # the events may have started conditions: the next checks go out
+
+    def _deliver_checks(self, probes: list[Probe]) -> None:
+        """Hand the checks over, unless every GPU answered and NVML asks for no recovery
+        action on any, and the keeper has had that news since the last events: it then changes
+        nothing (a well check only starts a
+        condition's quiet period, which the first one after the events did), and a quiet node
+        spares its event loop a batch every check."""
+        well = all(not p.lost and p.recovery_action in (None, _NO_RECOVERY_ACTION) for p in probes)
+        if well and self._well_delivered:
+            return
+        self._deliver_safely(probes)
+        self._well_delivered = well
 
     def _deliver_safely(self, batch: Batch) -> None:
         try:

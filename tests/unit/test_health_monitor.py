@@ -199,7 +199,10 @@ def test_what_a_gpu_does_not_offer_is_said_once_and_the_rest_is_watched() -> Non
     monitor = NvmlHealthMonitor(fake, gpu_refs(discover("h200-single")), collector, probe_interval=0.2)
     with capture_logs() as logs:
         facts = monitor.start()
-        collector.until("several periodic checks", lambda got: sum(isinstance(i, Probe) for i in got) >= 3)
+        collector.until("the first periodic check", lambda got: any(isinstance(i, Probe) for i in got))
+        # well checks are handed over once; the checks themselves go on
+        wait_for("several periodic checks",
+                 lambda: [n for n, _ in fake.calls].count("nvmlDeviceGetMemoryInfo") >= 3)
         assert fake.events is not None
         fake.events.inject({"gpu": 0, "event": "double-bit-ecc"})  # not registered: never delivered
         fake.events.inject({"gpu": 0, "xid": 48})
@@ -373,3 +376,26 @@ def test_a_quiet_monitor_waits_once_per_check_and_never_spins(fake: FakeNvml) ->
         monitor.stop()
     # one wait per 0.1 s check, and one more now and then: a spin makes hundreds
     assert ended["timeout"] <= 2 * elapsed / 0.1 + 5, (ended, elapsed)
+
+
+def test_well_checks_go_out_once_after_events_and_every_check_that_finds_something(fake: FakeNvml) -> None:
+    """A check that finds every GPU well changes nothing in the keeper once it has had that
+    news since the last events; it is not handed over again. One after events is (it starts
+    a condition's quiet period), and every check that finds a lost GPU is."""
+    collector = Collector()
+    monitor = NvmlHealthMonitor(fake, gpu_refs(discover(PROFILE)), collector, probe_interval=0.05)
+    monitor.start()
+    try:
+        collector.until("the first checks", lambda got: any(isinstance(i, Probe) for i in got))
+        wait_for("more checks", lambda: [n for n, _ in fake.calls].count("nvmlDeviceGetMemoryInfo") >= 40)
+        assert collector.batches.empty(), "well checks went out again with nothing new"
+        assert fake.events is not None
+        fake.events.inject({"gpu": 1, "xid": 13})
+        after = collector.until("the event, then checks", lambda got: any(isinstance(i, Probe) for i in got))
+        assert events(after) and all(not p.lost for p in after if isinstance(p, Probe))
+        fake.events.inject({"gpu": 4, "lost": True})
+        lost = collector.until("two checks of the lost GPU",
+                               lambda got: sum(isinstance(i, Probe) and i.lost for i in got) >= 2)
+        assert {p.gpu for p in lost if isinstance(p, Probe) and p.lost} == {4}
+    finally:
+        monitor.stop()
