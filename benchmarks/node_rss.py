@@ -82,7 +82,7 @@ PROFILE_CYCLES = 500
 
 def _health_seen(history_file: Path, log_path: Path, metrics_port: int) -> dict[str, Any]:
     """What the health monitor saw while the figures were taken: its NVML waits by how they
-    ended (gpu_dra_health_monitor_waits_total: an idle monitor times out once a second), the
+    ended (gpu_dra_health_monitor_waits_total: a quiet monitor times out once per check), the
     history file's event count and registrations, and its log lines."""
     doc = history.read(history_file) or {}
     lines = [line for line in log_path.read_text(errors="replace").splitlines()

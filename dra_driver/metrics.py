@@ -141,7 +141,7 @@ health_events: Final = Counter(
 health_monitor_waits: Final = Counter(
     "gpu_dra_health_monitor_waits",
     "NVML event waits of the health monitor, by how they ended (timeout|event|ignored|lost|error): "
-    "about one timeout a second on a quiet node; a stalled count is a stuck monitor.",
+    "about one timeout per check (every 0.4 s) on a quiet node; a stalled count is a stuck monitor.",
     ["result"],
     registry=REGISTRY,
 )

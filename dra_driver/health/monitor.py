@@ -182,8 +182,8 @@ class NvmlHealthMonitor:
         self.alive_at = time.monotonic()
         self.facts = MonitorFacts({}, {}, {})
         self.delivered_events = 0  # NVML events seen (before coalescing), for benchmarks and tests
-        # How each NVML wait ended (timeout, event, ignored, lost, error): an idle node turns
-        # once a second, so anything else says what keeps the thread busy (a metric).
+        # How each NVML wait ended (timeout, event, ignored, lost, error): a quiet node times
+        # out once per check, so anything more says what keeps the thread busy (a metric).
         self._count_wait = count_wait or (lambda result: None)
 
     # -- start and stop ------------------------------------------------------------------------
@@ -401,9 +401,8 @@ class NvmlHealthMonitor:
     def _deliver_checks(self, probes: list[Probe]) -> None:
         """Hand the checks over, unless every GPU answered and NVML asks for no recovery
         action on any, and the keeper has had that news since the last events: it then changes
-        nothing (a well check only starts a
-        condition's quiet period, which the first one after the events did), and a quiet node
-        spares its event loop a batch every check."""
+        nothing (a well check only starts a condition's quiet period, which the first one after
+        the events did), and a quiet node spares its event loop a batch every check."""
         well = all(not p.lost and p.recovery_action in (None, _NO_RECOVERY_ACTION) for p in probes)
         if well and self._well_delivered:
             return
