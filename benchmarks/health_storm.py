@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import threading
 import time
@@ -46,7 +45,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fresh_control_plane, report
+from benchmarks import cpu_clock, fresh_control_plane, report
 from benchmarks.prepare import GPUS, _driver_root, _percentiles, _profile
 from tests.harness.cluster import ControlPlane, free_port
 from tests.harness.driver import DRIVER, DriverProcess
@@ -80,8 +79,8 @@ def slice_writes(cp: ControlPlane) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """The process's CPU time (benchmarks.cpu_clock: to the nanosecond, not in ticks)."""
+    return cpu_clock.process_cpu_ns(pid) / 1e9
 
 
 def _counts(port: int) -> dict[str, float]:

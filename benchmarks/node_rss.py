@@ -78,6 +78,7 @@ def _host_driver_root(work: Path) -> tuple[str, str]:
 
 
 PROFILE_CYCLES = 500
+LOG_TAIL_BYTES = 1 << 20
 
 
 def _health_seen(history_file: Path, log_path: Path, metrics_port: int) -> dict[str, Any]:
@@ -85,8 +86,10 @@ def _health_seen(history_file: Path, log_path: Path, metrics_port: int) -> dict[
     ended (gpu_dra_health_monitor_waits_total: a quiet monitor times out once per check), the
     history file's event count and registrations, and its log lines."""
     doc = history.read(history_file) or {}
-    lines = [line for line in log_path.read_text(errors="replace").splitlines()
-             if "health" in line or "NVML" in line][-20:]
+    with log_path.open("rb") as log:  # its last MiB: a plugin's log grows with every call
+        log.seek(max(0, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+        tail = log.read().decode(errors="replace")
+    lines = [line for line in tail.splitlines() if "health" in line or "NVML" in line][-20:]
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as answer:
         waits = {
             sample.labels["result"]: sample.value

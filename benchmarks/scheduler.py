@@ -106,7 +106,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import fresh_control_plane, report
+from benchmarks import cpu_clock, fresh_control_plane, report
 from benchmarks.packing import cliques, max_disjoint, raw_links
 from controller.attributes import NVLINK_CLIQUE_SIZE
 from controller.claim_fit import SEARCH_BOUND_GROUP, fit_linked_claim
@@ -482,13 +482,12 @@ def attempts(delta: Samples) -> dict[str, int]:
     return out
 
 
-_CLK_TCK = 100
 _RUNS = itertools.count()
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    """The process's CPU time (benchmarks.cpu_clock: to the nanosecond, not in ticks)."""
+    return cpu_clock.process_cpu_ns(pid) / 1e9
 
 
 def rss_mib(pid: int) -> float:
